@@ -1,0 +1,126 @@
+"""The arithmetic of serving a transformer: bytes and FLOPs from shapes, and the bounds they set.
+
+Owns pure functions (no I/O, no torch) shared by tools/plan.py (capacity by formula) and
+tools/roofline*.py (measured utilization): KV bytes per token, weight bytes, FLOPs of a prefill
+and of a decode step, bytes a decode step reads, the decode ridge batch size, KV capacity, and
+the speculative-decoding expectation. Units: bytes, FLOPs, seconds.
+
+Conventions (why): a multiply-add is 2 FLOPs. Logits are computed for the last position of each
+request only (as vLLM and llama.cpp do), so prefill pays the output projection once. A decode
+step reads every layer matrix and the output projection in full, but only one row of the token
+embedding per request (negligible), unless the embedding is tied to the output projection.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tokios.tools.model_presets import ModelShape
+
+KIB = 2**10
+GIB = 2**30
+
+
+def kv_bytes_per_token(model: ModelShape, kv_bytes_per_element: float, *, tp: int = 1) -> float:
+    """2 (K and V) x layers x KV heads x head dim x bytes. With tensor parallelism wider than
+    the KV heads, each device keeps a copy of a head, so the replica holds `tp` heads."""
+    num_kv_heads = max(model.num_kv_heads, tp)
+    return 2 * model.num_layers * num_kv_heads * model.head_dim * kv_bytes_per_element
+
+
+def weight_bytes(model: ModelShape, weight_bits: float | None) -> float:
+    """All weight bytes. None means 'as in the file' (exact when the model came from a file)."""
+    if weight_bits is None:
+        if model.file_weight_bytes is not None:
+            return float(model.file_weight_bytes)
+        weight_bits = model.file_weight_bits or 16
+    return model.num_params * weight_bits / 8
+
+
+def step_weight_bytes(model: ModelShape, weight_bits: float | None) -> float:
+    """Weight bytes one decode step reads: layer matrices and the output projection."""
+    if weight_bits is None:
+        if model.file_step_weight_bytes is not None:
+            return float(model.file_step_weight_bytes)
+        weight_bits = model.file_weight_bits or 16
+    return model.num_step_params * weight_bits / 8
+
+
+def linear_flops_per_token(model: ModelShape) -> float:
+    """FLOPs of the layer matrices for one token (no attention scores, no output projection)."""
+    return 2 * model.num_layer_linear_params
+
+
+def logits_flops(model: ModelShape) -> float:
+    return 2 * model.hidden_size * model.vocab_size
+
+
+def attention_flops(model: ModelShape, num_queries: int, context_len: float, *, causal: bool) -> float:
+    """QK^T and AV over `context_len` keys for `num_queries` queries, all layers and heads.
+    A causal prefill of n tokens sees n^2/2 (query, key) pairs rather than n^2."""
+    pairs = num_queries * context_len / 2 if causal else num_queries * context_len
+    return 4 * model.num_layers * model.num_heads * model.head_dim * pairs
+
+
+def prefill_flops(model: ModelShape, prompt_len: int) -> float:
+    return (linear_flops_per_token(model) * prompt_len
+            + attention_flops(model, prompt_len, prompt_len, causal=True)
+            + logits_flops(model))
+
+
+def decode_step_flops(model: ModelShape, batch_size: int, context_len: float) -> float:
+    """One decode step: each of `batch_size` requests adds one token after `context_len`."""
+    per_token = (linear_flops_per_token(model) + logits_flops(model)
+                 + attention_flops(model, 1, context_len, causal=False))
+    return batch_size * per_token
+
+
+def decode_step_bytes(step_weights: float, kv_per_token: float, batch_size: int,
+                      context_len: float) -> float:
+    """Bytes one decode step reads: the weights once (shared by the batch) and each request's KV."""
+    return step_weights + batch_size * kv_per_token * context_len
+
+
+def prefill_bytes(step_weights: float, kv_per_token: float, prompt_len: int) -> float:
+    """Bytes a prefill moves at least: the weights once, and the KV it writes."""
+    return step_weights + kv_per_token * prompt_len
+
+
+def decode_step_seconds(flops: float, num_bytes: float, peak_flops: float, bandwidth: float) -> float:
+    """Roofline time of a step: whichever of compute and memory traffic takes longer."""
+    return max(flops / peak_flops, num_bytes / bandwidth)
+
+
+def decode_ridge_batch_size(model: ModelShape, step_weights: float, kv_per_token: float,
+                            context_len: float, peak_flops: float, bandwidth: float) -> float:
+    """Smallest batch at which a decode step's compute time reaches its memory time.
+
+    Solves B * f / P = (W + B * k * C) / BW for B. Each request's KV read grows with the batch
+    as fast as its FLOPs do, so when that read alone outpaces compute the step never turns
+    compute-bound: the answer is then infinity.
+    """
+    flops_per_request = decode_step_flops(model, 1, context_len)
+    kv_bytes_per_request = kv_per_token * context_len
+    margin = flops_per_request / peak_flops - kv_bytes_per_request / bandwidth
+    if margin <= 0:
+        return math.inf
+    return (step_weights / bandwidth) / margin
+
+
+def kv_capacity_tokens(free_bytes: float, kv_per_token: float) -> int:
+    """Tokens of KV cache that fit in `free_bytes` (0 when nothing is free)."""
+    return max(0, int(free_bytes // kv_per_token))
+
+
+def expected_tokens_per_verify(acceptance: float, num_speculative_tokens: int) -> float:
+    """(1 - a^(k+1)) / (1 - a): the accepted draft prefix plus the one token the target adds."""
+    if acceptance >= 1.0:
+        return float(num_speculative_tokens + 1)
+    return (1 - acceptance ** (num_speculative_tokens + 1)) / (1 - acceptance)
+
+
+def speculative_speedup(acceptance: float, num_speculative_tokens: int, draft_cost: float) -> float:
+    """Tokens per verify over the cost of one verify plus k draft steps (each `draft_cost` of a
+    target step)."""
+    return (expected_tokens_per_verify(acceptance, num_speculative_tokens)
+            / (1 + num_speculative_tokens * draft_cost))

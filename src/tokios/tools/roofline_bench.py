@@ -1,0 +1,112 @@
+"""Microbenchmarks for the two roofs: peak memory bandwidth and peak matrix throughput per dtype.
+
+Owns `measure_memory_bandwidth`, `measure_matmul_flops` and `measure_roofs`, used by
+`tokios roofline` (tools/roofline_cli.py) and, through a child process
+(`python -m tokios.tools.roofline_bench --json`), by the `this-machine` hardware preset in
+tools/hardware.py. Runs on CUDA when present, else on the CPU with torch's own thread pool.
+
+Each figure is the best of several repeats: on a shared machine the best run is the one least
+disturbed by neighbours, and a roof is by definition the best the machine can do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+MIB = 2**20
+
+
+def _device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _best_seconds(fn, device: torch.device, num_repeats: int) -> float:
+    fn()  # warm-up: page faults, allocator, kernel selection
+    _sync(device)
+    best = float("inf")
+    for _ in range(num_repeats):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_memory_bandwidth(num_bytes: int = 512 * MIB, num_repeats: int = 5) -> float:
+    """Bytes/s of the faster of a full read (sum) and a copy (read + write) of a buffer far
+    larger than the caches. Decode mostly reads, so the read figure is the relevant roof."""
+    device = _device()
+    num_elements = num_bytes // 4
+    source = torch.ones(num_elements, dtype=torch.float32, device=device)
+    destination = torch.empty_like(source)
+    read_seconds = _best_seconds(lambda: source.sum(), device, num_repeats)
+    copy_seconds = _best_seconds(lambda: destination.copy_(source), device, num_repeats)
+    return max(num_bytes / read_seconds, 2 * num_bytes / copy_seconds)
+
+
+_NAME_TO_TORCH_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def measure_matmul_flops(dtype: str, size: int = 2048, num_repeats: int = 3) -> float:
+    """FLOP/s of a square matmul (2 * size^3 FLOPs) in `dtype`."""
+    device = _device()
+    torch_dtype = _NAME_TO_TORCH_DTYPE[dtype]
+    a = torch.randn(size, size, device=device).to(torch_dtype)
+    b = torch.randn(size, size, device=device).to(torch_dtype)
+    seconds = _best_seconds(lambda: torch.matmul(a, b), device, num_repeats)
+    return 2 * size**3 / seconds
+
+
+def _memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(0).total_memory)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def measure_roofs(*, quick: bool = False) -> dict:
+    """The measurement dict that hardware.spec_from_measurement turns into a HardwareSpec.
+
+    `quick` shrinks the buffers and matrices (for tests); the figures are then lower bounds.
+    """
+    device = _device()
+    dtypes = ["fp32", "bf16"] + (["fp16"] if device.type == "cuda" else [])
+    matmul_size = 512 if quick else (8192 if device.type == "cuda" else 2048)
+    buffer_bytes = 64 * MIB if quick else (2048 * MIB if device.type == "cuda" else 512 * MIB)
+    return {
+        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+        "num_cpus": os.cpu_count(),
+        "num_threads": torch.get_num_threads(),
+        "memory_bytes": _memory_bytes(device),
+        "memory_bandwidth": measure_memory_bandwidth(buffer_bytes),
+        "dtype_to_peak_flops": {dtype: measure_matmul_flops(dtype, matmul_size) for dtype in dtypes},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="measure memory bandwidth and matmul throughput")
+    parser.add_argument("--json", action="store_true", help="print the measurement as JSON")
+    parser.add_argument("--quick", action="store_true", help="small sizes (lower bounds, for tests)")
+    args = parser.parse_args(argv)
+    measurement = measure_roofs(quick=args.quick)
+    if args.json:
+        print(json.dumps(measurement))
+    else:
+        print(f"memory bandwidth {measurement['memory_bandwidth'] / 1e9:.1f} GB/s")
+        for dtype, flops in measurement["dtype_to_peak_flops"].items():
+            print(f"{dtype} matmul {flops / 1e9:.1f} GFLOP/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

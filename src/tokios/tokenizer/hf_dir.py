@@ -1,0 +1,93 @@
+"""Loading a Tokenizer from a Hugging Face model directory.
+
+Owns reading tokenizer.json (the `tokenizers` pipeline), tokenizer_config.json (chat template,
+special tokens, add_bos_token / add_eos_token), chat_template.jinja (newer layout) and
+generation_config.json (extra end-of-generation ids). Called by Tokenizer.from_hf_dir.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import tokenizers
+
+from tokios.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from tokios.tokenizer.tokenizer import Tokenizer
+
+
+def _token_text(value: Any) -> str | None:
+    """tokenizer_config.json writes a special token as "<s>" or as {"content": "<s>", ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _chat_template_from_config(config: dict[str, Any]) -> str | None:
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        # Named templates: [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        named = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    return template if isinstance(template, str) else None
+
+
+def load_hf_dir(tokenizer_class: type[Tokenizer], directory: Path) -> Tokenizer:
+    from tokios.tokenizer.tokenizer import _bos_eos_processor, parse_json_file
+
+    tokenizer_file = directory / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise ModelLoadError(f"no tokenizer.json in {directory}")
+    try:
+        backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+    except Exception as exc:  # tokenizers raises plain Exception on a malformed file
+        raise ModelLoadError(f"cannot load {tokenizer_file}: {exc}") from None
+
+    config_file = directory / "tokenizer_config.json"
+    config = parse_json_file(config_file) if config_file.is_file() else {}
+    chat_template = _chat_template_from_config(config)
+    jinja_file = directory / "chat_template.jinja"
+    if jinja_file.is_file():
+        chat_template = jinja_file.read_text(encoding="utf-8")
+
+    def token_id(name: str) -> int | None:
+        text = _token_text(config.get(name))
+        if text is None:
+            return None
+        found = backend.token_to_id(text)
+        if found is None:
+            raise ModelLoadError(f"{config_file}: {name} {text!r} is not in the vocabulary")
+        return found
+
+    bos_token_id = token_id("bos_token")
+    eos_token_id = token_id("eos_token")
+    if "add_bos_token" in config or "add_eos_token" in config:
+        # The config's flags win over tokenizer.json's post-processor, as in transformers.
+        backend.post_processor = _bos_eos_processor(
+            backend,
+            bos_token_id if config.get("add_bos_token") else None,
+            eos_token_id if config.get("add_eos_token") else None,
+            str(config_file),
+        )
+
+    extra_eos_token_ids: list[int] = []
+    generation_config_file = directory / "generation_config.json"
+    if generation_config_file.is_file():
+        configured = parse_json_file(generation_config_file).get("eos_token_id")
+        if isinstance(configured, int):
+            extra_eos_token_ids.append(configured)
+        elif isinstance(configured, list):
+            extra_eos_token_ids.extend(i for i in configured if isinstance(i, int))
+
+    return tokenizer_class(
+        backend,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        unk_token_id=token_id("unk_token"),
+        pad_token_id=token_id("pad_token"),
+        chat_template=chat_template,
+        extra_eos_token_ids=extra_eos_token_ids,
+        source=str(directory),
+    )

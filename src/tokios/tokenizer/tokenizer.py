@@ -1,0 +1,343 @@
+"""The Tokenizer: text <-> token ids, special tokens and the chat template of one model.
+
+Owns building a Hugging Face `tokenizers` pipeline from GGUF metadata (byte-level BPE, the
+pre-tokenizer llama.cpp would use, control and user-defined tokens, BOS/EOS rules) or from a Hugging
+Face directory, and `load_tokenizer(path)` which picks between them. Talks to gguf_metadata.py
+(reads the file), pretokenizers.py, chat_template.py and byte_level.py. Used by the engine front end,
+the server (chat template, prompt tokens) and the detokenizer / stop matcher.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import operator
+from collections.abc import Iterable, Mapping, Sequence
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+from tokenizers import AddedToken, decoders, models, processors
+
+from tokios.errors import InvalidRequestError, ModelLoadError, UnsupportedError
+from tokios.tokenizer.byte_level import build_token_bytes_table, is_byte_level_spelling, spell_bytes
+from tokios.tokenizer.chat_template import ChatTemplate
+from tokios.tokenizer.gguf_metadata import GGUF_MAGIC, read_gguf_metadata
+from tokios.tokenizer.pretokenizers import build_pre_tokenizer
+
+# llama.cpp token types (tokenizer.ggml.token_type).
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+
+# Tokens that end a turn in the chat formats we know. Like llama.cpp's end-of-generation set, any
+# of these that the vocabulary has as a special token stops generation, not only the file's EOS
+# (SmolLM2's EOS is <|im_end|>, but a base-model habit of writing <|endoftext|> must stop too).
+END_OF_TURN_TOKENS = (
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "<EOT>",
+    "<\uff5cend\u2581of\u2581sentence\uff5c>",
+)
+
+
+class Tokenizer:
+    """One model's tokenizer; immutable after construction and safe to share between threads."""
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        bos_token_id: int | None,
+        eos_token_id: int | None,
+        chat_template: str | None,
+        extra_eos_token_ids: Iterable[int] = (),
+        unk_token_id: int | None = None,
+        pad_token_id: int | None = None,
+        source: str = "",
+    ):
+        self.backend = backend
+        self.source = source
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.chat_template = chat_template
+        self._compiled_chat_template = ChatTemplate(chat_template) if chat_template else None
+        added_tokens = backend.get_added_tokens_decoder()
+        self.all_special_ids: list[int] = sorted(i for i, token in added_tokens.items() if token.special)
+        special_contents = {added_tokens[i].content: i for i in self.all_special_ids}
+        end_of_turn_ids = {special_contents[text] for text in END_OF_TURN_TOKENS if text in special_contents}
+        eos_ids = end_of_turn_ids | set(extra_eos_token_ids)
+        if eos_token_id is not None:
+            eos_ids.add(eos_token_id)
+        self.eos_token_ids: frozenset[int] = frozenset(eos_ids)
+        self._id_to_special_text = {
+            "bos_token": bos_token_id,
+            "eos_token": eos_token_id,
+            "unk_token": unk_token_id,
+            "pad_token": pad_token_id,
+        }
+        self._token_bytes_tables: dict[bool, tuple[bytes, ...] | None] = {}
+
+    # ---- construction ---------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf_metadata(cls, metadata: Mapping[str, Any], *, source: str = "") -> Tokenizer:
+        """Build the tokenizer a GGUF file describes from its metadata (see read_gguf_metadata)."""
+        tokenizer_model = metadata.get("tokenizer.ggml.model")
+        if tokenizer_model is None:
+            raise ModelLoadError(f"GGUF metadata has no tokenizer.ggml.model {_where(source)}")
+        if tokenizer_model != "gpt2":
+            raise UnsupportedError(
+                f"tokenizer model {tokenizer_model!r} is not supported (supported: 'gpt2', byte-level BPE) "
+                f"{_where(source)}"
+            )
+        tokens = _require(metadata, "tokenizer.ggml.tokens", source)
+        merges = _require(metadata, "tokenizer.ggml.merges", source)
+        token_types = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        if len(token_types) != len(tokens):
+            raise ModelLoadError(
+                f"tokenizer.ggml.token_type has {len(token_types)} entries but tokenizer.ggml.tokens has "
+                f"{len(tokens)} {_where(source)}"
+            )
+        pre_tokenizer = build_pre_tokenizer(metadata.get("tokenizer.ggml.pre"))
+        backend = _build_byte_level_bpe(tokens, token_types, merges, source)
+        backend.pre_tokenizer = pre_tokenizer
+        backend.decoder = decoders.ByteLevel()
+
+        def token_id(key: str) -> int | None:
+            value = metadata.get(key)
+            if value is None:
+                return None
+            if not 0 <= int(value) < len(tokens):
+                raise ModelLoadError(f"{key} = {value} is outside the vocabulary [0, {len(tokens)}) {_where(source)}")
+            return int(value)
+
+        bos_token_id = token_id("tokenizer.ggml.bos_token_id")
+        eos_token_id = token_id("tokenizer.ggml.eos_token_id")
+        backend.post_processor = _bos_eos_processor(
+            backend,
+            bos_token_id if metadata.get("tokenizer.ggml.add_bos_token", False) else None,
+            eos_token_id if metadata.get("tokenizer.ggml.add_eos_token", False) else None,
+            source,
+        )
+        return cls(
+            backend,
+            bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id,
+            unk_token_id=token_id("tokenizer.ggml.unknown_token_id"),
+            pad_token_id=token_id("tokenizer.ggml.padding_token_id"),
+            chat_template=metadata.get("tokenizer.chat_template"),
+            source=source,
+        )
+
+    @classmethod
+    def from_gguf_file(cls, path: str | Path) -> Tokenizer:
+        return cls.from_gguf_metadata(read_gguf_metadata(path), source=str(path))
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> Tokenizer:
+        """Load tokenizer.json plus tokenizer_config.json (chat template, special tokens) from a directory."""
+        from tokios.tokenizer.hf_dir import load_hf_dir
+
+        return load_hf_dir(cls, Path(path))
+
+    # ---- text <-> ids ---------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids for `text`; BOS/EOS are added only when the model asks for them."""
+        if not isinstance(text, str):
+            raise InvalidRequestError(f"text to tokenize must be a string, got {type(text).__name__}", param="prompt")
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self.backend.decode(self._checked_ids(ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        """The vocabulary spelling of each id (byte-level pieces look like "Ġworld")."""
+        id_to_token = self.backend.id_to_token
+        return [id_to_token(token_id) for token_id in self._checked_ids(ids)]
+
+    def _checked_ids(self, ids: Sequence[int]) -> list[int]:
+        try:
+            checked = [operator.index(token_id) for token_id in ids]
+        except TypeError:
+            raise InvalidRequestError("token ids must be a list of integers", param="token_ids") from None
+        if checked and (min(checked) < 0 or max(checked) >= self.vocab_size):
+            bad_id = next(i for i in checked if not 0 <= i < self.vocab_size)
+            raise InvalidRequestError(
+                f"token id {bad_id} is outside the vocabulary [0, {self.vocab_size})", param="token_ids"
+            )
+        return checked
+
+    @property
+    def bos_token(self) -> str | None:
+        return None if self.bos_token_id is None else self.backend.id_to_token(self.bos_token_id)
+
+    @property
+    def eos_token(self) -> str | None:
+        return None if self.eos_token_id is None else self.backend.id_to_token(self.eos_token_id)
+
+    @property
+    def is_byte_level(self) -> bool:
+        """True when decoding is "concatenate each token's bytes, then UTF-8" (GPT-2 style)."""
+        return isinstance(self.backend.decoder, decoders.ByteLevel)
+
+    def token_bytes_table(self, skip_special_tokens: bool) -> tuple[bytes, ...] | None:
+        """token id -> the bytes decode() produces for it, or None for a non-byte-level decoder.
+
+        Built once per setting (about 50k entries); the incremental detokenizer indexes it.
+        """
+        if skip_special_tokens not in self._token_bytes_tables:
+            table = None
+            if self.is_byte_level:
+                id_to_token = self.backend.id_to_token
+                skipped_ids = self.all_special_ids if skip_special_tokens else ()
+                table = build_token_bytes_table([id_to_token(i) for i in range(self.vocab_size)], skipped_ids)
+            self._token_bytes_tables[skip_special_tokens] = table
+        return self._token_bytes_tables[skip_special_tokens]
+
+    # ---- chat -----------------------------------------------------------------------------
+
+    def apply_chat_template(
+        self,
+        messages: Any,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> str:
+        """Render a conversation with the model's own template, exactly as transformers does."""
+        if self._compiled_chat_template is None:
+            raise InvalidRequestError(
+                "this model has no chat template; send a plain completion prompt instead", param="messages"
+            )
+        special_tokens = {
+            name: self.backend.id_to_token(token_id)
+            for name, token_id in self._id_to_special_text.items()
+            if token_id is not None
+        }
+        return self._compiled_chat_template.render(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            special_tokens=special_tokens,
+            **kwargs,
+        )
+
+    @cached_property
+    def chat_template_fingerprint(self) -> str:
+        """16 hex chars that change whenever the template or the vocabulary changes.
+
+        Used as the prefix-cache salt, so cached blocks are never shared between tokenizations.
+        """
+        digest = hashlib.sha256()
+        digest.update((self.chat_template or "").encode("utf-8"))
+        digest.update(b"\0")
+        vocab = self.backend.get_vocab(with_added_tokens=True)
+        tokens_by_id = sorted(vocab, key=vocab.__getitem__)
+        digest.update("\n".join(tokens_by_id).encode("utf-8", errors="surrogatepass"))
+        digest.update(f"\0{self.bos_token_id}\0{self.eos_token_id}".encode())
+        return digest.hexdigest()[:16]
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(source={self.source!r}, vocab_size={self.vocab_size})"
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """A .gguf file -> from its metadata; a directory -> Hugging Face tokenizer files."""
+    path = Path(path)
+    if path.is_dir():
+        return Tokenizer.from_hf_dir(path)
+    if not path.exists():
+        raise ModelLoadError(f"model path not found: {path}")
+    if path.suffix.lower() == ".gguf" or _starts_with_gguf_magic(path):
+        return Tokenizer.from_gguf_file(path)
+    raise ModelLoadError(f"expected a .gguf file or a directory with tokenizer.json: {path}")
+
+
+def _starts_with_gguf_magic(path: Path) -> bool:
+    with open(path, "rb") as file:
+        return file.read(4) == GGUF_MAGIC
+
+
+def _where(source: str) -> str:
+    return f"(in {source})" if source else "(in GGUF metadata)"
+
+
+def _require(metadata: Mapping[str, Any], key: str, source: str) -> Any:
+    value = metadata.get(key)
+    if value is None:
+        raise ModelLoadError(f"GGUF metadata has no {key} {_where(source)}")
+    return value
+
+
+def _build_byte_level_bpe(
+    tokens: Sequence[str], token_types: Sequence[int], merges: Sequence[str], source: str
+) -> tokenizers.Tokenizer:
+    vocab: dict[str, int] = {}
+    control_tokens: list[AddedToken] = []
+    user_defined_tokens: list[AddedToken] = []
+    for token_id, (token, token_type) in enumerate(zip(tokens, token_types)):
+        if token_type == TOKEN_TYPE_CONTROL:
+            # Control and user-defined tokens keep their raw text: they are matched whole in the
+            # input (as llama.cpp does), and the byte-level decoder passes such text through.
+            control_tokens.append(AddedToken(token, special=True, normalized=False))
+        elif token_type == TOKEN_TYPE_USER_DEFINED:
+            user_defined_tokens.append(AddedToken(token, special=False, normalized=False))
+        elif not is_byte_level_spelling(token):
+            # A few converters store plain text; BPE needs it in the byte alphabet.
+            token = spell_bytes(token)
+        vocab[token] = token_id
+    merge_pairs = []
+    for merge in merges:
+        pair = merge.split(" ")
+        if len(pair) != 2:
+            raise ModelLoadError(f"malformed entry {merge!r} in tokenizer.ggml.merges {_where(source)}")
+        merge_pairs.append((pair[0], pair[1]))
+    try:
+        backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merge_pairs, fuse_unk=False))
+    except Exception as exc:  # tokenizers raises plain Exception for inconsistent merges
+        raise ModelLoadError(f"cannot build the BPE tokenizer {_where(source)}: {exc}") from None
+    backend.add_special_tokens(control_tokens)
+    backend.add_tokens(user_defined_tokens)
+    return backend
+
+
+def _bos_eos_processor(
+    backend: tokenizers.Tokenizer, bos_token_id: int | None, eos_token_id: int | None, source: str
+) -> processors.PostProcessor | None:
+    """A post-processor adding BOS and/or EOS around each encoded text, or None for neither."""
+    if bos_token_id is None and eos_token_id is None:
+        return None
+    single: list[str] = []
+    special_tokens: list[tuple[str, int]] = []
+    if bos_token_id is not None:
+        bos = backend.id_to_token(bos_token_id)
+        single.append(f"{bos}:0")
+        special_tokens.append((bos, bos_token_id))
+    single.append("$A:0")
+    if eos_token_id is not None:
+        eos = backend.id_to_token(eos_token_id)
+        single.append(f"{eos}:0")
+        if all(token_id != eos_token_id for _, token_id in special_tokens):
+            special_tokens.append((eos, eos_token_id))
+    try:
+        return processors.TemplateProcessing(single=single, special_tokens=special_tokens)
+    except Exception as exc:  # a token text with spaces cannot appear in a template string
+        raise ModelLoadError(f"cannot add BOS/EOS tokens {_where(source)}: {exc}") from None
+
+
+def parse_json_file(path: Path) -> dict[str, Any]:
+    """Read a JSON object file, as ModelLoadError on failure (used by hf_dir.py)."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc}") from None
+    if not isinstance(value, dict):
+        raise ModelLoadError(f"{path} must hold a JSON object")
+    return value

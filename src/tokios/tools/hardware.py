@@ -131,11 +131,13 @@ def save_this_machine(measurement: dict) -> Path:
     return path
 
 
-def measure_this_machine() -> HardwareSpec:
-    """Run the microbenchmarks in a child process (keeps torch out of this one) and cache them."""
+def measure_this_machine(*, quick: bool = False) -> HardwareSpec:
+    """Run the microbenchmarks in a child process (keeps torch out of this one) and cache them.
+    `quick` uses small sizes (lower bounds; for tests)."""
     print("tokios: measuring this machine once (memory bandwidth, matrix throughput); "
           f"cached in {cache_path()}", file=sys.stderr)
-    result = subprocess.run([sys.executable, "-m", "tokios.tools.roofline_bench", "--json"],
+    result = subprocess.run([sys.executable, "-m", "tokios.tools.roofline_bench", "--json",
+                             *(["--quick"] if quick else [])],
                             capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise TokiosError(f"measuring this machine failed: {result.stderr.strip()[-500:]}")

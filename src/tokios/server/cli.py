@@ -1,0 +1,159 @@
+"""`tokios serve`: flags -> EngineConfig + ServerSettings -> uvicorn on a bound socket.
+
+Owns the command line of the server, the listening socket (bound before the model loads, so the
+port is known at once and `/health` answers 503 while loading; `--port 0` picks a free port,
+printed as `tokios serve: listening on http://HOST:PORT`), logging setup, and signal handling:
+the first SIGTERM/SIGINT starts draining (server/app.py ServerState.drain) and the process exits
+when in-flight requests are done or --shutdown-timeout has passed; a second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import socket
+import sys
+
+import uvicorn
+
+from tokios.errors import InvalidRequestError
+
+DEFAULT_MAX_BODY_SIZE = "8MiB"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    net = parser.add_argument_group("network")
+    net.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    net.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default 8000)")
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--model", default=None, help="GGUF file or model directory (default: SmolLM2-135M-Instruct)")
+    engine.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, int8 or int4 (default auto)")
+    engine.add_argument("--kv-cache-memory", default="512MiB", help="memory for the KV cache, e.g. 512MiB, 2GiB")
+    engine.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once (default 64)")
+    engine.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step (default 512)")
+    engine.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    engine.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    engine.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    server = parser.add_argument_group("server")
+    server.add_argument("--served-model-name", action="append", default=None,
+                        help="name(s) clients use in `model` (default: the model's name); repeatable")
+    server.add_argument("--api-key", action="append", default=None,
+                        help="accept this API key (repeatable); without keys the server is open")
+    server.add_argument("--api-key-file", default=None, help="file with one API key a line")
+    server.add_argument("--protect-metrics", action="store_true",
+                        help="require a key for /health, /metrics and /v1/engine/stats too")
+    server.add_argument("--max-body-size", default=DEFAULT_MAX_BODY_SIZE,
+                        help=f"largest request body, e.g. 8MiB (default {DEFAULT_MAX_BODY_SIZE})")
+    server.add_argument("--max-queued-requests", type=int, default=1024,
+                        help="requests that may wait beyond --max-num-seqs; more get 429 (default 1024)")
+    server.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="seconds in-flight requests get to finish after SIGTERM (default 30)")
+    server.add_argument("--log-requests", action=argparse.BooleanOptionalAction, default=True,
+                        help="log one line per finished request to logger tokios.requests (default on)")
+    server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _engine_config(args: argparse.Namespace):
+    from tokios.config import CacheConfig, EngineConfig, LoadConfig, SchedulerConfig, parse_size
+
+    return EngineConfig(
+        load=LoadConfig(model=args.model, dtype=args.dtype),
+        cache=CacheConfig(block_size=args.block_size,
+                          kv_cache_memory_bytes=parse_size(args.kv_cache_memory, field_name="kv_cache_memory"),
+                          enable_prefix_caching=not args.no_prefix_caching),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_model_len=args.max_model_len),
+    )
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise InvalidRequestError(f"port: cannot listen on {host}:{port}: {exc.strerror}", param="port") from exc
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def run(args: argparse.Namespace) -> int:
+    from tokios.config import parse_size
+    from tokios.server.app import create_app
+    from tokios.server.auth import ApiKeyChecker
+    from tokios.server.serving import ServerSettings
+
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.max_queued_requests < 0:
+        raise InvalidRequestError("max_queued_requests must be >= 0", param="max_queued_requests")
+    if args.shutdown_timeout < 0:
+        raise InvalidRequestError("shutdown_timeout must be >= 0", param="shutdown_timeout")
+    engine_config = _engine_config(args)  # validates every engine flag before anything loads
+    settings = ServerSettings(
+        served_model_names=args.served_model_name,
+        max_num_seqs=args.max_num_seqs,
+        max_queued_requests=args.max_queued_requests,
+        max_body_size=parse_size(args.max_body_size, field_name="max_body_size"),
+        shutdown_timeout_s=args.shutdown_timeout,
+        protect_metrics=args.protect_metrics,
+        log_requests=args.log_requests,
+    )
+    api_keys = ApiKeyChecker.from_sources(args.api_key, args.api_key_file)
+
+    def load_engine():
+        from tokios.engine import AsyncEngine
+
+        return AsyncEngine(engine_config)
+
+    app = create_app(settings, engine_loader=load_engine, api_keys=api_keys)
+    state = app.state.tokios
+    sock = _bind(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    display_host = f"[{host}]" if ":" in host else host
+    print(f"tokios serve: listening on http://{display_host}:{port}"
+          f"{' (API key required)' if api_keys.is_enabled else ''}", file=sys.stderr, flush=True)
+
+    config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
+                            timeout_graceful_shutdown=5, timeout_keep_alive=5)
+    server = DrainingServer(config, state)
+    state.on_load_failure = lambda: setattr(server, "should_exit", True)
+    server.run(sockets=[sock])
+    if state.load_error is not None:
+        error = state.load_error
+        print(f"tokios serve: error: {getattr(error, 'message', error)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+class DrainingServer(uvicorn.Server):
+    """A uvicorn.Server whose first exit signal drains instead of closing the listening socket."""
+
+    def __init__(self, config: uvicorn.Config, state) -> None:
+        super().__init__(config)
+        self._state = state
+        self._is_drain_requested = False
+        self._drain_task: asyncio.Task | None = None
+
+    def handle_exit(self, sig, frame) -> None:
+        if self._is_drain_requested or self._state.serving is None:
+            # A second signal, or nothing to drain yet: exit now (uvicorn's own behaviour).
+            super().handle_exit(sig, frame)
+            return
+        # Runs inside the signal handler: only set a flag; on_tick starts the drain in the loop.
+        self._is_drain_requested = True
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._is_drain_requested and self._drain_task is None:
+            self._drain_task = asyncio.create_task(self._drain())
+        return await super().on_tick(counter)
+
+    async def _drain(self) -> None:
+        try:
+            await self._state.drain()
+        finally:
+            self.should_exit = True

@@ -1,0 +1,103 @@
+"""The one place where errors become HTTP answers in OpenAI's shape.
+
+Maps tokios.errors types, pydantic validation errors, malformed bodies, unknown routes and
+anything unexpected to `{"error": {"message", "type", "param", "code"}}` with the right status
+(and `Retry-After` for overload). Used by server/app.py (exception handlers and middleware) and
+by the SSE stream, which sends the same body as an in-stream error event.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse
+
+from tokios.errors import InvalidRequestError, NotFoundError, OverloadedError, TokiosError
+from tokios.server.protocol import ChatCompletionRequest, CompletionRequest
+
+logger = logging.getLogger("tokios.server")
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+}
+
+_PARAM_NAMES = set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields) | {
+    "prompt_logprobs"}
+
+
+class RequestTooLargeError(TokiosError):
+    status = 413
+    error_type = "invalid_request_error"
+
+    def __init__(self, max_body_size: int):
+        super().__init__(f"Request body exceeds the server's limit of {max_body_size} bytes "
+                         "(--max-body-size).", code="request_too_large")
+
+
+def error_body(message: str, error_type: str, param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def validation_error_to_invalid_request(exc: ValidationError) -> InvalidRequestError:
+    """The first pydantic error, named by its dotted location (e.g. `messages.0.role`)."""
+    first = exc.errors(include_url=False)[0]
+    location = ".".join(str(part) for part in first.get("loc", ()) if part is not None)
+    # Union members show up as extra loc parts ("str", "list[int]"); the first part is the field.
+    param = str(first["loc"][0]) if first.get("loc") else None
+    message = first.get("msg", "invalid value")
+    if first.get("type") == "missing":
+        text = f"{param} is required"
+    else:
+        text = f"{location or 'body'}: {message}"
+    return InvalidRequestError(text, param=param)
+
+
+def to_tokios_error(exc: BaseException) -> TokiosError:
+    """Normalizes any exception raised while handling a request to a TokiosError."""
+    if isinstance(exc, TokiosError):
+        return exc
+    if isinstance(exc, ValidationError):
+        return validation_error_to_invalid_request(exc)
+    if isinstance(exc, StarletteHTTPException):
+        error = TokiosError(str(exc.detail))
+        error.status = exc.status_code
+        error.error_type = _TYPE_BY_STATUS.get(exc.status_code, "invalid_request_error")
+        return error
+    if isinstance(exc, ValueError):
+        # SamplingParams raises ValueError naming the field first ("temperature must be ...").
+        message = str(exc)
+        first_word = message.split(" ", 1)[0].strip(":,")
+        return InvalidRequestError(message, param=first_word if first_word in _PARAM_NAMES else None)
+    logger.exception("internal error while handling a request", exc_info=exc)
+    return TokiosError("The server had an internal error while handling the request.")
+
+
+def error_payload(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """(status, body, headers) for any exception."""
+    error = to_tokios_error(exc)
+    headers: dict[str, str] = {}
+    if isinstance(error, OverloadedError):
+        headers["Retry-After"] = str(max(1, math.ceil(error.retry_after_s)))
+    return error.status, error_body(error.message, error.error_type, error.param, error.code), headers
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    status, body, headers = error_payload(exc)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def model_not_found(model: str, served_model_names: list[str]) -> NotFoundError:
+    return NotFoundError(f"The model {model!r} does not exist; this server serves {served_model_names}.",
+                         param="model", code="model_not_found")

@@ -1,0 +1,254 @@
+"""The OpenAI-compatible request bodies and how they become SamplingParams.
+
+Owns the pydantic models of `/v1/chat/completions`, `/v1/completions`, `/tokenize` and
+`/detokenize` (OpenAI field names plus vLLM-style extensions), and `sampling_kwargs`, which turns
+a validated request into the keyword arguments of tokios.sampling_params.SamplingParams. Range
+checks that need the model (logit_bias token ids) take the vocabulary size as an argument; the
+rest of the range checks live in SamplingParams itself. Talks to nothing: server/app.py parses
+bodies with these models and server/responses.py shapes the answers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from tokios.errors import InvalidRequestError
+
+# OpenAI caps top_logprobs at 20 and completions' logprobs at 5; we allow 20 for both (as vLLM).
+MAX_TOP_LOGPROBS = 20
+MAX_N = 16
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+
+
+class _Body(BaseModel):
+    # Unknown fields are ignored, as OpenAI's SDKs send fields a local server may not know.
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class SamplingFields(_Body):
+    """Fields shared by chat and completions; all optional so that defaults stay in one place."""
+
+    model: str | None = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    max_tokens: int | None = Field(default=None, ge=0)
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # Extensions (vLLM names).
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # Passed through untouched to the engine for speculative decoding settings (later work).
+    speculative: Any = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings_not_empty(cls, value: str | list[str] | None) -> list[str] | None:
+        if value is None:
+            return None
+        stop_strings = [value] if isinstance(value, str) else value
+        if any(not text for text in stop_strings):
+            raise ValueError("stop strings must be non-empty")
+        return stop_strings
+
+    @property
+    def include_usage_in_stream(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The message's text; only text parts are supported."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        texts: list[str] = []
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise InvalidRequestError(
+                    f"messages: content parts of type {part.type!r} are not supported; only 'text' is",
+                    param="messages")
+            texts.append(part.text)
+        return "\n".join(texts)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    add_generation_prompt: bool = True
+    # Accepted so that clients sending the defaults work; anything else is refused by check_supported.
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        if self.tools:
+            raise InvalidRequestError("tools: tool calling is not supported by this server", param="tools")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise InvalidRequestError("tool_choice: tool calling is not supported by this server",
+                                      param="tool_choice")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise InvalidRequestError("response_format: only {'type': 'text'} is supported",
+                                      param="response_format")
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
+
+    def messages_as_dicts(self) -> list[dict[str, str]]:
+        return [{"role": message.role, "content": message.text()} for message in self.messages]
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        # max_completion_tokens is OpenAI's newer name; it wins when both are given.
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+PromptInput = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: PromptInput
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_supported(self) -> None:
+        if self.suffix:
+            raise InvalidRequestError("suffix is not supported by this server", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequestError("best_of must be absent or equal to n", param="best_of")
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidRequestError("max_tokens must be >= 1 unless echo is true", param="max_tokens")
+        if self.stream and self.echo and self.logprobs is not None:
+            # Prompt logprobs arrive only at the end; non-streaming is the way lm-eval asks.
+            raise InvalidRequestError("echo with logprobs is supported without stream only", param="echo")
+
+    def prompts(self) -> list[str | list[int]]:
+        """Normalizes the four accepted shapes to a list of texts or token id lists."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
+        if all(isinstance(item, int) for item in prompt):
+            return [list(prompt)]  # type: ignore[arg-type]
+        items: list[str | list[int]] = list(prompt)  # type: ignore[arg-type]
+        if any(isinstance(item, list) and not item for item in items):
+            raise InvalidRequestError("prompt token lists must not be empty", param="prompt")
+        return items
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    def check_supported(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidRequestError("exactly one of prompt and messages must be given", param="prompt")
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
+def parse_logit_bias(logit_bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+    """OpenAI sends token ids as JSON object keys (strings); the engine wants ints."""
+    if not logit_bias:
+        return None
+    token_id_to_bias: dict[int, float] = {}
+    low, high = LOGIT_BIAS_RANGE
+    for key, bias in logit_bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+        if not 0 <= token_id < vocab_size:
+            raise InvalidRequestError(
+                f"logit_bias token id {token_id} is out of range 0..{vocab_size - 1}", param="logit_bias")
+        if not low <= bias <= high:
+            raise InvalidRequestError(
+                f"logit_bias values must be in {low:g}..{high:g}, got {bias} for token {token_id}",
+                param="logit_bias")
+        token_id_to_bias[token_id] = float(bias)
+    return token_id_to_bias
+
+
+def sampling_kwargs(request: ChatCompletionRequest | CompletionRequest, *, max_tokens: int,
+                    vocab_size: int) -> dict[str, Any]:
+    """Keyword arguments for SamplingParams; unset OpenAI fields stay at SamplingParams' defaults.
+
+    `max_tokens` is resolved by the caller (it depends on the prompt length when absent).
+    """
+    kwargs: dict[str, Any] = {
+        "n": request.n,
+        "max_tokens": max_tokens,
+        "ignore_eos": request.ignore_eos,
+        "skip_special_tokens": request.skip_special_tokens,
+        "include_stop_str_in_output": request.include_stop_str_in_output,
+    }
+    optional = {
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "top_k": request.top_k,
+        "min_p": request.min_p,
+        "seed": request.seed,
+        "stop": request.stop,
+        "stop_token_ids": request.stop_token_ids,
+        "frequency_penalty": request.frequency_penalty,
+        "presence_penalty": request.presence_penalty,
+        "repetition_penalty": request.repetition_penalty,
+        "min_tokens": request.min_tokens,
+        "logprobs": request.num_logprobs,
+        "logit_bias": parse_logit_bias(request.logit_bias, vocab_size),
+        "speculative": request.speculative,
+    }
+    kwargs.update({name: value for name, value in optional.items() if value is not None})
+    if isinstance(request, CompletionRequest) and request.echo and request.logprobs is not None:
+        kwargs["prompt_logprobs"] = request.logprobs
+    return kwargs

@@ -1,0 +1,350 @@
+"""The OpenAI endpoints' logic: prompt -> token ids -> SamplingParams -> engine -> response.
+
+Owns what happens between a validated request body (server/protocol.py) and the answer: the
+chat template and tokenization (via engine.tokenizer), the context-length check with OpenAI's
+message, admission (server/admission.py), running the engine streams (server/streams.py) with
+disconnect watching, and shaping the result (server/responses.py) as JSON or as an SSE stream
+whose error after the first byte is an error event followed by `[DONE]`. server/app.py routes
+HTTP requests here.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from tokios.errors import ContextLengthExceededError, InvalidRequestError
+from tokios.outputs import Logprob, RequestOutput
+from tokios.server import responses
+from tokios.server.admission import Admission
+from tokios.server.errors import error_payload, model_not_found
+from tokios.server.metrics import ServerMetrics
+from tokios.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                    TokenizeRequest, sampling_kwargs)
+from tokios.server.streams import EngineStream, Job, run_watching_disconnect
+
+
+@dataclass
+class ServerSettings:
+    served_model_names: list[str] | None = None
+    max_num_seqs: int = 64
+    max_queued_requests: int = 1024
+    max_body_size: int = 8 * 1024**2
+    shutdown_timeout_s: float = 30.0
+    protect_metrics: bool = False
+    log_requests: bool = True
+    retry_after_s: float = 1.0
+
+
+def make_sampling_params(kwargs: dict[str, Any]):
+    from tokios.sampling_params import SamplingParams
+
+    try:
+        return SamplingParams(**kwargs)
+    except InvalidRequestError:
+        raise
+    except (ValueError, TypeError) as exc:
+        message = str(exc)
+        first_word = message.split(" ", 1)[0].strip(":,")
+        raise InvalidRequestError(message, param=first_word if first_word in kwargs else None) from exc
+
+
+class SSEResponse(StreamingResponse):
+    """An SSE stream that always closes its job (aborting engine work), even if never iterated."""
+
+    def __init__(self, content: AsyncIterator[str], job: Job):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._job = job
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            await self._job.close()
+
+
+class Serving:
+    def __init__(self, engine: Any, settings: ServerSettings, metrics: ServerMetrics, admission: Admission):
+        self.engine = engine
+        self.settings = settings
+        self.metrics = metrics
+        self.admission = admission
+        self.tokenizer = engine.tokenizer
+        self.vocab_size = engine.model_config.vocab_size
+        self.max_model_len = engine.max_model_len
+        self.served_model_names = settings.served_model_names or [engine.model_name]
+        self.created = int(time.time())
+
+    # ---- shared steps -------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> str:
+        if model is not None and model not in self.served_model_names:
+            raise model_not_found(model, self.served_model_names)
+        return model or self.served_model_names[0]
+
+    def decode_token(self, token_id: int, logprob: Logprob | None = None) -> str:
+        if logprob is not None and logprob.decoded_token is not None:
+            return logprob.decoded_token
+        return self.tokenizer.decode([token_id])
+
+    def resolve_max_tokens(self, num_prompt_tokens: int, requested: int | None, prompt_param: str) -> int:
+        """OpenAI's context-length check; an absent max_tokens means 'up to the context limit'."""
+        limit = self.max_model_len
+        num_completion_tokens = requested if requested is not None else max(0, limit - num_prompt_tokens)
+        if num_prompt_tokens >= limit or num_prompt_tokens + num_completion_tokens > limit:
+            where = "messages" if prompt_param == "messages" else "prompt"
+            raise ContextLengthExceededError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt_tokens + num_completion_tokens} tokens ({num_prompt_tokens} in the {where}, "
+                f"{num_completion_tokens} for the completion). Please reduce the length of the {where} "
+                f"or completion.", param=prompt_param)
+        return num_completion_tokens
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        for token_id in token_ids:
+            if not 0 <= token_id < self.vocab_size:
+                raise InvalidRequestError(
+                    f"{param}: token id {token_id} is out of range 0..{self.vocab_size - 1}", param=param)
+
+    def new_job(self, response_id: str, prompt_ids_list: list[list[int]], sampling_params: Any,
+                params_summary: dict[str, Any]) -> Job:
+        ticket = self.admission.admit()
+        streams = [EngineStream(self, f"{response_id}-{index}", prompt_ids, sampling_params, params_summary)
+                   for index, prompt_ids in enumerate(prompt_ids_list)]
+        return Job(ticket, streams)
+
+    async def start_stream(self, http_request: Request, job: Job) -> list[RequestOutput | None]:
+        try:
+            return await run_watching_disconnect(http_request, job.first_outputs())
+        except BaseException:
+            await job.close()
+            raise
+
+    async def finish(self, http_request: Request, job: Job) -> list[RequestOutput | None]:
+        try:
+            return await run_watching_disconnect(http_request, job.final_outputs())
+        finally:
+            await job.close()
+
+    # ---- chat ---------------------------------------------------------------------------
+
+    async def chat(self, http_request: Request, body: ChatCompletionRequest) -> Response:
+        model = self.check_model(body.model)
+        body.check_supported()
+        prompt_text = self.tokenizer.apply_chat_template(
+            body.messages_as_dicts(), add_generation_prompt=body.add_generation_prompt)
+        prompt_ids = self.tokenizer.encode(prompt_text, add_special_tokens=False)
+        max_tokens = self.resolve_max_tokens(len(prompt_ids), body.requested_max_tokens, "messages")
+        kwargs = sampling_kwargs(body, max_tokens=max_tokens, vocab_size=self.vocab_size)
+        sampling_params = make_sampling_params(kwargs)
+        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        job = self.new_job(response_id, [prompt_ids], sampling_params, kwargs)
+        created = int(time.time())
+        if body.stream:
+            first_outputs = await self.start_stream(http_request, job)
+            events = self._chat_events(body, job, first_outputs[0], response_id, created, model)
+            return SSEResponse(events, job)
+        output = (await self.finish(http_request, job))[0]
+        stream = job.streams[0]
+        choices = []
+        for choice in output.outputs:
+            logprobs = None
+            if body.logprobs:
+                logprobs = responses.chat_logprobs(choice.token_ids, stream.logprobs_of(choice) or [],
+                                                   body.top_logprobs or 0, self.decode_token)
+            choices.append(responses.chat_choice(choice.index, choice.text, choice.finish_reason, logprobs))
+        num_completion_tokens = sum(len(choice.token_ids) for choice in output.outputs)
+        return JSONResponse(responses.chat_completion(response_id, created, model, choices, len(prompt_ids),
+                                                      num_completion_tokens))
+
+    async def _chat_events(self, body: ChatCompletionRequest, job: Job, first_output: RequestOutput | None,
+                           response_id: str, created: int, model: str) -> AsyncIterator[str]:
+        include_usage = body.include_usage_in_stream
+
+        def chunk(choices: list[dict[str, Any]]) -> str:
+            return responses.sse_event(responses.chat_chunk(response_id, created, model, choices,
+                                                            include_usage=include_usage))
+
+        def output_chunk(output: RequestOutput) -> str | None:
+            choices = []
+            for choice in output.outputs:
+                if not (choice.text_delta or choice.finish_reason or choice.logprobs_delta):
+                    continue
+                logprobs = None
+                if body.logprobs and choice.logprobs_delta:
+                    logprobs = responses.chat_logprobs(choice.token_ids_delta, choice.logprobs_delta,
+                                                       body.top_logprobs or 0, self.decode_token)
+                delta = {"content": choice.text_delta} if choice.text_delta else {}
+                choices.append(responses.chat_chunk_choice(choice.index, delta, choice.finish_reason, logprobs))
+            return chunk(choices) if choices else None
+
+        try:
+            yield chunk([responses.chat_chunk_choice(index, {"role": "assistant", "content": ""}, None)
+                         for index in range(body.n)])
+            if first_output is not None and (event := output_chunk(first_output)):
+                yield event
+            async for _, output in job.rest():
+                if event := output_chunk(output):
+                    yield event
+            if include_usage:
+                last_output = job.streams[0].last_output
+                num_completion_tokens = sum(len(choice.token_ids) for choice in last_output.outputs)
+                yield responses.sse_event(responses.usage_chunk(
+                    response_id, created, model, "chat.completion.chunk", len(job.streams[0].prompt_ids),
+                    num_completion_tokens))
+        except Exception as exc:
+            yield responses.sse_event(error_payload(exc)[1])
+        yield responses.SSE_DONE
+
+    # ---- completions --------------------------------------------------------------------
+
+    def _completion_prompts(self, body: CompletionRequest) -> tuple[list[str], list[list[int]]]:
+        prompt_texts: list[str] = []
+        prompt_ids_list: list[list[int]] = []
+        for prompt in body.prompts():
+            if isinstance(prompt, str):
+                prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+                prompt_text = prompt
+            else:
+                self.check_token_ids(prompt, "prompt")
+                prompt_ids = list(prompt)
+                prompt_text = self.tokenizer.decode(prompt_ids)
+            if not prompt_ids:
+                raise InvalidRequestError("prompt must not be empty", param="prompt")
+            prompt_texts.append(prompt_text)
+            prompt_ids_list.append(prompt_ids)
+        return prompt_texts, prompt_ids_list
+
+    async def completions(self, http_request: Request, body: CompletionRequest) -> Response:
+        model = self.check_model(body.model)
+        body.check_supported()
+        prompt_texts, prompt_ids_list = self._completion_prompts(body)
+        max_tokens = min(self.resolve_max_tokens(len(ids), body.requested_max_tokens, "prompt")
+                         for ids in prompt_ids_list)
+        # echo with max_tokens 0 (prompt scoring only) still runs one engine step to get prompt
+        # logprobs; the generated token is dropped. For 0 or 1 tokens EOS must not end the request
+        # early, so that exactly one token follows the prompt (lm-evaluation-harness slices [ctx:-1]).
+        is_prompt_only = body.echo and max_tokens == 0
+        kwargs = sampling_kwargs(body, max_tokens=max(1, max_tokens), vocab_size=self.vocab_size)
+        if body.echo and max_tokens <= 1:
+            kwargs["ignore_eos"] = True
+        sampling_params = make_sampling_params(kwargs)
+        response_id = f"cmpl-{uuid.uuid4().hex}"
+        job = self.new_job(response_id, prompt_ids_list, sampling_params, kwargs)
+        created = int(time.time())
+        if body.stream:
+            first_outputs = await self.start_stream(http_request, job)
+            events = self._completion_events(body, job, first_outputs, prompt_texts, response_id, created, model)
+            return SSEResponse(events, job)
+        outputs = await self.finish(http_request, job)
+        choices = []
+        num_completion_tokens = 0
+        for prompt_index, (stream, output) in enumerate(zip(job.streams, outputs)):
+            for choice in output.outputs:
+                completion_ids = [] if is_prompt_only else choice.token_ids
+                completion_text = "" if is_prompt_only else choice.text
+                num_completion_tokens += len(completion_ids)
+                text = prompt_texts[prompt_index] + completion_text if body.echo else completion_text
+                logprobs = None
+                if body.logprobs is not None:
+                    logprobs = self._completion_logprobs(body, stream, output, completion_ids, choice,
+                                                         prompt_texts[prompt_index])
+                finish_reason = "length" if is_prompt_only else choice.finish_reason
+                choices.append(responses.completion_choice(prompt_index * body.n + choice.index, text,
+                                                           finish_reason, logprobs))
+        num_prompt_tokens = sum(len(ids) for ids in prompt_ids_list)
+        return JSONResponse(responses.text_completion(response_id, created, model, choices, num_prompt_tokens,
+                                                      num_completion_tokens))
+
+    def _completion_logprobs(self, body: CompletionRequest, stream: EngineStream, output: RequestOutput,
+                             completion_ids: list[int], choice, prompt_text: str) -> dict[str, Any]:
+        prompt_part = None
+        if body.echo:
+            if output.prompt_logprobs is None:
+                raise InvalidRequestError("echo with logprobs needs prompt logprobs, which the engine did "
+                                          "not return", param="echo")
+            prompt_part = responses.completion_logprobs(stream.prompt_ids, output.prompt_logprobs,
+                                                        self.decode_token)
+        generated_logprobs = stream.logprobs_of(choice) or []
+        offset = len(prompt_text) if body.echo else 0
+        generated_part = responses.completion_logprobs(completion_ids, generated_logprobs[:len(completion_ids)],
+                                                       self.decode_token, initial_text_offset=offset)
+        return responses.merge_completion_logprobs(prompt_part, generated_part)
+
+    async def _completion_events(self, body: CompletionRequest, job: Job,
+                                 first_outputs: list[RequestOutput | None], prompt_texts: list[str],
+                                 response_id: str, created: int, model: str) -> AsyncIterator[str]:
+        is_echo_pending = {index: body.echo for index in range(len(job.streams) * body.n)}
+        text_offsets = {index: len(prompt_texts[index // body.n]) if body.echo else 0
+                        for index in is_echo_pending}
+
+        def output_chunk(prompt_index: int, output: RequestOutput) -> str | None:
+            choices = []
+            for choice in output.outputs:
+                index = prompt_index * body.n + choice.index
+                text = choice.text_delta
+                if is_echo_pending[index]:
+                    text = prompt_texts[prompt_index] + text
+                    is_echo_pending[index] = False
+                if not (text or choice.finish_reason or choice.logprobs_delta):
+                    continue
+                logprobs = None
+                if body.logprobs is not None and choice.logprobs_delta:
+                    logprobs = responses.completion_logprobs(
+                        choice.token_ids_delta, choice.logprobs_delta, self.decode_token,
+                        initial_text_offset=text_offsets[index])
+                    text_offsets[index] += sum(len(token) for token in logprobs["tokens"])
+                choices.append(responses.completion_choice(index, text, choice.finish_reason, logprobs))
+            if not choices:
+                return None
+            return responses.sse_event(responses.text_completion(response_id, created, model, choices, None, None))
+
+        try:
+            for prompt_index, output in enumerate(first_outputs):
+                if output is not None and (event := output_chunk(prompt_index, output)):
+                    yield event
+            async for prompt_index, output in job.rest():
+                if event := output_chunk(prompt_index, output):
+                    yield event
+            if body.include_usage_in_stream:
+                num_prompt_tokens = sum(len(stream.prompt_ids) for stream in job.streams)
+                num_completion_tokens = sum(len(choice.token_ids) for stream in job.streams
+                                            for choice in stream.last_output.outputs)
+                yield responses.sse_event(responses.usage_chunk(
+                    response_id, created, model, "text_completion", num_prompt_tokens, num_completion_tokens))
+        except Exception as exc:
+            yield responses.sse_event(error_payload(exc)[1])
+        yield responses.SSE_DONE
+
+    # ---- utilities ----------------------------------------------------------------------
+
+    def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        self.check_model(body.model)
+        body.check_supported()
+        if body.messages is not None:
+            text = self.tokenizer.apply_chat_template(
+                [{"role": message.role, "content": message.text()} for message in body.messages],
+                add_generation_prompt=body.add_generation_prompt)
+            token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        else:
+            token_ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"tokens": token_ids, "count": len(token_ids), "max_model_len": self.max_model_len}
+
+    def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+        self.check_model(body.model)
+        self.check_token_ids(body.tokens, "tokens")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
+
+    def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": self.created, "owned_by": "tokios",
+             "max_model_len": self.max_model_len} for name in self.served_model_names]}

@@ -1,0 +1,147 @@
+"""Batched sampling operations on logits, one function per step of the chain.
+
+Each function works on a [num_rows, vocab] float32 tensor with per-row parameters given as
+[num_rows] tensors, so requests with different settings share one kernel launch per step.
+Functions return a new tensor unless their name ends in an underscore (in place). Device-agnostic:
+everything stays on the logits' device. Used by tokios.sampler.sampler (and, for the draw, by the
+speculative rejection sampler); knows nothing about requests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+NEG_INF = float("-inf")
+# On CPU a full sort of a 49k vocab costs tens of ms per row batch while topk(64) costs ~1 ms,
+# and top-p nuclei of real LM distributions are usually small: start from this many candidates
+# and widen only when some row's nucleus is not inside them.
+CPU_INITIAL_NUM_TOP_P_CANDIDATES = 64
+TOP_P_CANDIDATE_GROWTH = 8
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen_mask: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+    """HF/vLLM repetition penalty: for tokens seen in prompt or output, divide positive logits and
+    multiply negative ones by the penalty. seen_mask: [rows, vocab] bool; penalty: [rows]."""
+    penalty = penalty.unsqueeze(1)
+    penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen_mask, penalized, logits)
+
+
+def apply_frequency_presence_penalties(
+    logits: torch.Tensor, output_token_counts: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor
+) -> torch.Tensor:
+    """OpenAI penalties over generated tokens: logit -= frequency * count + presence * (count > 0).
+    output_token_counts: [rows, vocab] int; frequency, presence: [rows]."""
+    counts = output_token_counts.to(logits.dtype)
+    return logits - frequency.unsqueeze(1) * counts - presence.unsqueeze(1) * (counts > 0).to(logits.dtype)
+
+
+def suppress_tokens_(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Make logits[rows[i], token_ids[i]] = -inf (min_tokens holding back EOS / stop tokens)."""
+    logits.index_put_((rows, token_ids), torch.tensor(NEG_INF, dtype=logits.dtype, device=logits.device))
+    return logits
+
+
+def add_logit_bias_(
+    logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor, values: torch.Tensor
+) -> torch.Tensor:
+    """logits[rows[i], token_ids[i]] += values[i]; pairs are unique (one dict per request)."""
+    logits.index_put_((rows, token_ids), values, accumulate=True)
+    return logits
+
+
+def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """Divide each row by its temperature ([rows], all > 0; greedy rows carry 1.0)."""
+    return logits / temperature.unsqueeze(1)
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """Keep each row's top_k largest logits (ties with the k-th are kept too); top_k [rows] long,
+    rows without top-k hold vocab_size. Costs one topk(max_top_k), not a full sort."""
+    vocab_size = logits.shape[-1]
+    max_top_k = min(max_top_k, vocab_size)
+    top_values = logits.topk(max_top_k, dim=-1).values  # [rows, max_top_k], descending
+    kth_index = (top_k.clamp(max=max_top_k) - 1).unsqueeze(1)
+    threshold = top_values.gather(1, kth_index)
+    # A row whose k exceeds the candidates (k disabled) keeps everything.
+    threshold = threshold.masked_fill((top_k > max_top_k).unsqueeze(1), NEG_INF)
+    return logits.masked_fill(logits < threshold, NEG_INF)
+
+
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor, initial_num_candidates: int | None = None) -> torch.Tensor:
+    """Nucleus: keep the smallest set of most likely tokens whose probability sums to >= top_p
+    (a token is kept when the mass of the tokens ranked above it is < top_p). top_p: [rows] in
+    (0, 1]; rows holding 1.0 keep everything. Ties with the last kept logit are kept too.
+
+    `initial_num_candidates` < vocab searches the top candidates first and widens when a row's
+    nucleus reaches past them (a host sync per widening: use it on CPU only). None = full width.
+    """
+    vocab_size = logits.shape[-1]
+    log_normalizer = logits.logsumexp(dim=-1, keepdim=True)  # [rows, 1]
+    num_candidates = vocab_size if initial_num_candidates is None else min(initial_num_candidates, vocab_size)
+    is_disabled = top_p >= 1.0
+    while True:
+        candidate_logits = logits.topk(num_candidates, dim=-1).values  # [rows, candidates], descending
+        candidate_probs = (candidate_logits - log_normalizer).exp()
+        mass_before = candidate_probs.cumsum(dim=-1) - candidate_probs
+        keep = mass_before < top_p.unsqueeze(1)
+        if num_candidates == vocab_size:
+            break
+        # Resolved: the cut falls inside the candidates, or nothing beyond them has mass.
+        is_resolved = ~keep[:, -1] | is_disabled | (candidate_logits[:, -1] == NEG_INF)
+        if bool(is_resolved.all()):
+            break
+        num_candidates = min(vocab_size, num_candidates * TOP_P_CANDIDATE_GROWTH)
+    num_kept = keep.sum(dim=-1, keepdim=True).clamp(min=1)  # keep is a prefix: mass_before grows
+    threshold = candidate_logits.gather(1, num_kept - 1)
+    threshold = threshold.masked_fill(is_disabled.unsqueeze(1), NEG_INF)
+    return logits.masked_fill(logits < threshold, NEG_INF)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Keep tokens with prob >= min_p * (max prob). In logit space: logit >= max_logit + log(min_p),
+    so no softmax is needed; min_p [rows], 0 keeps everything (log 0 = -inf)."""
+    threshold = logits.amax(dim=-1, keepdim=True) + min_p.log().unsqueeze(1)
+    return logits.masked_fill(logits < threshold, NEG_INF)
+
+
+def draw_uniforms(
+    generators: list[torch.Generator | None],
+    device: torch.device,
+    shared_generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """One U[0, 1) float64 per row: rows with a generator draw from it (so a seeded request's
+    stream does not depend on its neighbours), the others from one shared draw."""
+    uniforms = torch.rand(len(generators), dtype=torch.float64, device=device, generator=shared_generator)
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            uniforms[row : row + 1].uniform_(generator=generator)
+    return uniforms
+
+
+def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Exact inverse-CDF draw: the first token whose cumulative probability exceeds u * total.
+
+    probs: [rows, vocab] (need not sum to 1); uniforms: [rows] in [0, 1). Returns [rows] long.
+    Why not the exponential race (argmax probs / Exp(1)): it needs vocab random numbers per row,
+    and on CPU generating them costs 15x a softmax; this needs one. The CDF is accumulated in
+    float64 so tokens with tiny probability keep their exact share, and a zero-probability token
+    can never be chosen (its CDF equals its predecessor's, never strictly above the target).
+    """
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # [rows, vocab]
+    total = cdf[:, -1:]
+    # u * total can round up to total when u is within an ulp of 1; keep the target below it.
+    target = torch.minimum(uniforms.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)
+
+
+def gather_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For rows of log-probabilities [rows, vocab] and chosen token_ids [rows], return
+    (chosen logprob [rows], chosen rank [rows] long, 1 = most likely, top ids [rows, num_top],
+    top logprobs [rows, num_top]). Shared by sampled-token and prompt logprobs."""
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # [rows, 1]
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)
+    return chosen.squeeze(1), ranks, top_ids, top_logprobs

@@ -1,0 +1,142 @@
+"""The sampler: one next token per row of logits, for a batch of requests with different settings.
+
+Order of operations (also in docs/sampling.md), each batched over rows:
+
+1. penalties: repetition (tokens seen in prompt + output; divide positive / multiply negative
+   logits, as HF and vLLM), then frequency and presence (subtract freq * count + presence *
+   (count > 0) over output tokens, as OpenAI);
+2. min_tokens: EOS and stop token ids get -inf while the output is shorter than min_tokens;
+3. logit_bias added;
+4. temperature (greedy rows, temperature < 1e-5 or top_k == 1, take the argmax here instead);
+5. truncation: top-k, then top-p on the top-k distribution, then min-p;
+6. the draw: exact inverse-CDF sampling with one uniform per row; seeded rows draw their uniform
+   from their own torch.Generator, so a seed gives the same tokens whatever else is in the batch.
+
+Logprobs are reported from the raw distribution (log_softmax of the unprocessed logits), as the
+OpenAI API does. The fast path: a batch that is all greedy and edits no logits is a plain argmax.
+
+Talks to: SamplingMetadata (built by the runner each step), ops.py (the maths). The speculative
+rejection sampler reuses `compute_processed_probs` (steps 1-5) and `ops.sample_from_probs`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokios.sampler import ops
+from tokios.sampler.metadata import SamplingMetadata
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [num_requests] long
+    sampled_logprobs: torch.Tensor  # [num_requests] float32, under the raw distribution
+    # Only when some row asked for logprobs; K = the largest `logprobs` in the batch (rows that
+    # asked for fewer slice their prefix). Ranks: 1 = the most likely token.
+    top_logprob_ids: torch.Tensor | None = None  # [num_requests, K] long
+    top_logprobs: torch.Tensor | None = None  # [num_requests, K] float32
+    sampled_token_ranks: torch.Tensor | None = None  # [num_requests] long
+
+
+def apply_logit_edits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Steps 1-3 (penalties, min_tokens suppression, bias). Returns `logits` itself when the batch
+    edits nothing, otherwise a new tensor: the raw logits stay intact for logprobs."""
+    if not metadata.edits_logits:
+        return logits
+    edited = logits
+    if metadata.prompt_token_mask is not None:
+        seen_mask = metadata.prompt_token_mask | (metadata.output_token_counts > 0)
+        edited = ops.apply_repetition_penalty(edited, seen_mask, metadata.repetition_penalty)
+    if metadata.has_penalties:
+        edited = ops.apply_frequency_presence_penalties(
+            edited, metadata.output_token_counts, metadata.frequency_penalty, metadata.presence_penalty
+        )
+    if edited is logits:
+        edited = logits.clone()
+    if metadata.suppressed_rows is not None:
+        ops.suppress_tokens_(edited, metadata.suppressed_rows, metadata.suppressed_token_ids)
+    if metadata.bias_rows is not None:
+        ops.add_logit_bias_(edited, metadata.bias_rows, metadata.bias_token_ids, metadata.bias_values)
+    return edited
+
+
+def apply_temperature_and_truncation(edited_logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Steps 4-5 on the output of apply_logit_edits; meaningful for the random rows only."""
+    logits = ops.apply_temperature(edited_logits, metadata.temperature)
+    if metadata.top_k is not None:
+        logits = ops.apply_top_k(logits, metadata.top_k, metadata.max_top_k)
+    if metadata.top_p is not None:
+        # Narrow-first search only where a host sync is free; on accelerators one full sort.
+        initial = ops.CPU_INITIAL_NUM_TOP_P_CANDIDATES if logits.device.type == "cpu" else None
+        logits = ops.apply_top_p(logits, metadata.top_p, initial)
+    if metadata.min_p is not None:
+        logits = ops.apply_min_p(logits, metadata.min_p)
+    return logits
+
+
+def compute_processed_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """The distribution each row's token is drawn from (steps 1-5): [rows, vocab] float32.
+    Greedy rows get a one-hot at their argmax, so rejection sampling treats them exactly."""
+    edited = apply_logit_edits(logits.float(), metadata)
+    if metadata.all_greedy:
+        return _one_hot_argmax(edited)
+    probs = apply_temperature_and_truncation(edited, metadata).softmax(dim=-1)
+    if metadata.is_greedy_row is not None:
+        probs = torch.where(metadata.is_greedy_row.unsqueeze(1), _one_hot_argmax(edited), probs)
+    return probs
+
+
+def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
+    one_hot = torch.zeros_like(logits)
+    return one_hot.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+
+
+class Sampler:
+    """Callable: `sampler(logits [num_requests, vocab], metadata) -> SamplerOutput`.
+
+    `shared_generator` drives the rows without a seed (None: torch's default generator); it must be
+    on the logits' device.
+    """
+
+    def __init__(self, shared_generator: torch.Generator | None = None):
+        self.shared_generator = shared_generator
+
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape != (metadata.num_requests, metadata.vocab_size):
+            raise ValueError(
+                f"logits must be [{metadata.num_requests}, {metadata.vocab_size}], got {tuple(logits.shape)}"
+            )
+        raw_logits = logits.float()
+        if metadata.is_plain_greedy:
+            sampled_token_ids = raw_logits.argmax(dim=-1)
+        else:
+            sampled_token_ids = self._sample(raw_logits, metadata)
+        return self._with_logprobs(raw_logits, sampled_token_ids, metadata)
+
+    def _sample(self, raw_logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        edited = apply_logit_edits(raw_logits, metadata)
+        if metadata.all_greedy:
+            return edited.argmax(dim=-1)
+        probs = apply_temperature_and_truncation(edited, metadata).softmax(dim=-1)
+        uniforms = ops.draw_uniforms(metadata.generators, raw_logits.device, self.shared_generator)
+        sampled_token_ids = ops.sample_from_probs(probs, uniforms)
+        if metadata.is_greedy_row is not None:
+            sampled_token_ids = torch.where(metadata.is_greedy_row, edited.argmax(dim=-1), sampled_token_ids)
+        return sampled_token_ids
+
+    @staticmethod
+    def _with_logprobs(
+        raw_logits: torch.Tensor, sampled_token_ids: torch.Tensor, metadata: SamplingMetadata
+    ) -> SamplerOutput:
+        if metadata.max_num_logprobs is None:
+            # Only the sampled token's logprob: one gather and one logsumexp, no [rows, vocab] temp.
+            sampled_logits = raw_logits.gather(1, sampled_token_ids.unsqueeze(1)).squeeze(1)
+            sampled_logprobs = sampled_logits - raw_logits.logsumexp(dim=-1)
+            return SamplerOutput(sampled_token_ids, sampled_logprobs)
+        raw_logprobs = raw_logits.log_softmax(dim=-1)
+        sampled_logprobs, ranks, top_ids, top_logprobs = ops.gather_logprobs(
+            raw_logprobs, sampled_token_ids, metadata.max_num_logprobs
+        )
+        return SamplerOutput(sampled_token_ids, sampled_logprobs, top_ids, top_logprobs, ranks)

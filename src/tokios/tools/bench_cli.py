@@ -1,0 +1,38 @@
+"""`tokios bench offline|serve|compare|prefix`: wires the benchmark sub-commands to their modules.
+
+Each module exposes `add_arguments(parser)` and `run(args) -> int`, like the top-level commands.
+The modules keep torch, transformers and llama_cpp imports inside functions, so building this
+parser stays cheap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+# name -> (module, one-line help)
+BENCH_COMMANDS: dict[str, tuple[str, str]] = {
+    "offline": ("tokios.tools.bench_offline",
+                "single-stream decode/prefill and 64-prompt throughput: tokios vs llama.cpp and transformers"),
+    "prefix": ("tokios.tools.bench_prefix", "TTFT with a warm vs a cold prefix cache (shared 1,000-token system prompt)"),
+    "serve": ("tokios.tools.bench_serve", "streaming load generator against any OpenAI-compatible URL"),
+    "compare": ("tokios.tools.bench_compare", "start tokios serve and llama-server, run the same load on both"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    subparsers = parser.add_subparsers(dest="bench_command", metavar="BENCH")
+    for name, (module_name, help_text) in BENCH_COMMANDS.items():
+        sub = subparsers.add_parser(name, help=help_text, description=help_text)
+        module = importlib.import_module(module_name)
+        module.add_arguments(sub)
+        sub.set_defaults(_bench_run=module.run)
+    parser.set_defaults(_bench_parser=parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    bench_run = getattr(args, "_bench_run", None)
+    if bench_run is None:
+        args._bench_parser.print_help()
+        return 2
+    return int(bench_run(args) or 0)

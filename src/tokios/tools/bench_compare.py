@@ -1,0 +1,149 @@
+"""`tokios bench compare`: the same streaming load against `tokios serve` and `llama-server`.
+
+Starts each server in turn on a free loopback port with the same GGUF, the same number of slots
+(llama-server --parallel; tokios --max-num-seqs) and the same context per slot, runs the
+bench_serve sweep against it, reads its peak resident memory, and tears it down before the next
+one starts, so the two never share the CPU. Prints both full tables and a ratio table; --json,
+--plot-dir and --write-docs as for the other bench commands. The llama-server binary comes from
+peers.find_llama_server (given, cached, on PATH, or built once from the llama-cpp-python sdist).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+from tokios.errors import InvalidRequestError
+from tokios.tools import bench_report
+from tokios.tools.bench_offline import NOISE_NOTE, machine_line
+from tokios.tools.bench_report import fmt, fmt_ratio, markdown_table
+from tokios.tools.bench_serve import add_load_arguments, build_requests, load_from_args, resolve_concurrencies, run_sweep
+from tokios.tools.bench_stats import ServeSummary, ratio
+
+SECTION = "Serving"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="GGUF file (default: the default model)")
+    parser.add_argument("--llama-server", default=None, metavar="PATH",
+                        help="llama-server binary (default: cached build, PATH, or build it once)")
+    parser.add_argument("--parallel", type=int, default=None,
+                        help="slots on both servers (default: the largest concurrency)")
+    parser.add_argument("--ctx-per-slot", type=int, default=2048, help="context tokens per slot on both servers")
+    parser.add_argument("--threads", type=int, default=2, help="llama-server threads")
+    parser.add_argument("--dtype", default="auto", help="tokios serve --dtype")
+    parser.add_argument("--tokios-args", default="", help="extra arguments for tokios serve (one string)")
+    parser.add_argument("--llama-server-args", default="", help="extra arguments for llama-server (one string)")
+    parser.add_argument("--servers", default="tokios,llama.cpp", help="which of tokios,llama.cpp to run")
+    parser.add_argument("--startup-timeout", type=float, default=300.0)
+    parser.add_argument("--write-docs", nargs="?", const="docs/benchmarks.md", default=None, metavar="PATH")
+    add_load_arguments(parser)
+
+
+def tokios_command(args: argparse.Namespace, model_path: str, port: int, num_slots: int) -> list[str]:
+    kv_cache_bytes = num_slots * args.ctx_per_slot * kv_bytes_per_token(model_path, bytes_per_element=4)
+    return [sys.executable, "-m", "tokios.cli", "serve", "--model", model_path, "--host", "127.0.0.1",
+            "--port", str(port), "--dtype", args.dtype, "--max-num-seqs", str(num_slots),
+            "--max-model-len", str(args.ctx_per_slot), "--kv-cache-memory", str(kv_cache_bytes),
+            *shlex.split(args.tokios_args)]
+
+
+def llama_server_command(args: argparse.Namespace, binary: str, model_path: str, port: int,
+                         num_slots: int) -> list[str]:
+    # -c is the whole context, split evenly over the slots; --no-kv-unified keeps it per slot.
+    return [binary, "-m", model_path, "--host", "127.0.0.1", "--port", str(port), "--parallel", str(num_slots),
+            "-t", str(args.threads), "-tb", str(args.threads), "-c", str(num_slots * args.ctx_per_slot),
+            "--no-webui", *shlex.split(args.llama_server_args)]
+
+
+def kv_bytes_per_token(model_path: str, *, bytes_per_element: int) -> int:
+    """2 x layers x kv_heads x head_dim x bytes, from the GGUF metadata (sizes tokios' KV cache)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(model_path)
+    arch = _field(reader, "general.architecture")
+    num_layers = int(_field(reader, f"{arch}.block_count"))
+    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
+    num_kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv") or num_heads)
+    head_dim = int(_field(reader, f"{arch}.attention.key_length")
+                   or int(_field(reader, f"{arch}.embedding_length")) // num_heads)
+    return 2 * num_layers * num_kv_heads * head_dim * bytes_per_element
+
+
+def _field(reader, key: str):
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+def ratio_table(tokios: list[ServeSummary], llama: list[ServeSummary]) -> str:
+    rows = []
+    for ours, theirs in zip(tokios, llama):
+        rows.append([
+            ours.label,
+            f"{fmt(ours.output_throughput)} / {fmt(theirs.output_throughput)}",
+            fmt_ratio(ratio(ours.output_throughput, theirs.output_throughput)),
+            f"{fmt(ours.ttft.median_ms)} / {fmt(theirs.ttft.median_ms)}",
+            f"{fmt(ours.tpot.median_ms)} / {fmt(theirs.tpot.median_ms)}",
+            f"{fmt(ours.tpot.p95_ms)} / {fmt(theirs.tpot.p95_ms)}",
+            fmt_ratio(ratio(ours.tpot.p95_ms, theirs.tpot.p95_ms)),
+            f"{ours.num_failed} / {theirs.num_failed}",
+        ])
+    return markdown_table(["load", "output tok/s tokios / llama.cpp", "throughput ratio",
+                           "TTFT p50 ms", "TPOT p50 ms", "TPOT p95 ms", "TPOT p95 ratio", "failed"], rows)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tokios.tools.peers import ServerProcess, find_llama_server, free_port, load_prompt_codec, resolve_model_path
+
+    servers = [s.strip() for s in args.servers.split(",") if s.strip()]
+    if not servers or any(s not in ("tokios", "llama.cpp") for s in servers):
+        raise InvalidRequestError(f"servers must be a subset of tokios,llama.cpp, got {args.servers!r}",
+                                  param="servers")
+    concurrencies = resolve_concurrencies(args.concurrency, args.request_rate)
+    num_slots = args.parallel or max(c or args.num_prompts for c in concurrencies)
+    model_path = resolve_model_path(args.model)
+    requests = build_requests(load_from_args(args, "http://127.0.0.1", None), load_prompt_codec(model_path))
+    binary = find_llama_server(args.llama_server) if "llama.cpp" in servers else None
+
+    name_to_summaries: dict[str, list[ServeSummary]] = {}
+    name_to_peak_rss: dict[str, int] = {}
+    for name in servers:
+        port = free_port()
+        command = (tokios_command(args, model_path, port, num_slots) if name == "tokios"
+                   else llama_server_command(args, binary, model_path, port, num_slots))
+        print(f"starting {name}: {' '.join(command)}", file=sys.stderr)
+        with ServerProcess(name, command, port).start(timeout_s=args.startup_timeout) as server:
+            load = load_from_args(args, server.base_url, None)
+            name_to_summaries[name] = run_sweep(load, requests, concurrencies=concurrencies,
+                                                request_rate=args.request_rate, num_warmups=args.num_warmups,
+                                                show_progress=args.show_progress, label_prefix="")
+            name_to_peak_rss[name] = server.peak_rss_bytes()
+
+    parts = []
+    for name, summaries in name_to_summaries.items():
+        parts.append(bench_report.serve_table(summaries, title=f"{name} (peak RSS "
+                                              f"{name_to_peak_rss[name] / 2**20:.0f} MiB)"))
+    if len(name_to_summaries) == 2:
+        parts.append("**tokios / llama.cpp**\n\n" + ratio_table(name_to_summaries["tokios"],
+                                                              name_to_summaries["llama.cpp"]))
+    text = "\n\n".join(parts)
+    print(text)
+    if args.json_path:
+        bench_report.write_json(args.json_path, {
+            "command": bench_report.command_line(), "machine": machine_line(), "num_slots": num_slots,
+            "peak_rss_bytes": name_to_peak_rss,
+            "servers": {n: [s.to_dict() for s in ss] for n, ss in name_to_summaries.items()}})
+    if args.plot_dir:
+        for path in bench_report.plot_serve(name_to_summaries, args.plot_dir):
+            print(f"wrote {path}", file=sys.stderr)
+    if args.write_docs:
+        body = (f"Command: `{bench_report.command_line()}`\n\nMeasured {machine_line()}. {NOISE_NOTE}\n\n"
+                f"Both servers serve the same GGUF with {num_slots} slots of {args.ctx_per_slot} tokens "
+                f"(llama-server `--parallel {num_slots} -t {args.threads}`), one after the other, never at the "
+                f"same time. Load: {args.num_prompts} streamed {args.endpoint} requests per level, "
+                f"prompts {args.input_len} tokens, outputs {args.output_len} tokens (EOS ignored), "
+                f"temperature 0. TTFT/TPOT as `vllm bench serve` defines them.\n\n{text}")
+        bench_report.update_docs_section(args.write_docs, SECTION, body)
+        print(f"updated {args.write_docs}", file=sys.stderr)
+    return 0 if all(s.num_failed == 0 for ss in name_to_summaries.values() for s in ss) else 1

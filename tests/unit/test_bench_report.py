@@ -8,6 +8,7 @@ from tokios.tools.bench_report import command_line, serve_table, update_docs_sec
 from tokios.tools.bench_stats import RepeatedFigure, RequestRecord, summarize_serve
 from tokios.tools.peers import default_model_path
 
+
 def test_update_docs_section_replaces_only_its_own_section(tmp_path):
     path = tmp_path / "benchmarks.md"
     update_docs_section(str(path), "Serving", "first version")
@@ -24,11 +25,13 @@ def test_update_docs_section_replaces_only_its_own_section(tmp_path):
         "## Prefix caching")
     assert text.count("## Serving") == 1 and text.startswith("# Benchmarks\n")
 
+
 def test_update_docs_section_does_not_match_a_longer_heading(tmp_path):
     path = tmp_path / "b.md"
     path.write_text("# Benchmarks\n\n## Serving at scale\n\nkeep\n")
     update_docs_section(str(path), "Serving", "ours")
     assert "## Serving at scale\n\nkeep\n" in path.read_text() and "## Serving\n\nours\n" in path.read_text()
+
 
 def test_serve_table_lists_every_vllm_metric_and_errors():
     ok = RequestRecord(0.0, 1.0, is_success=True, chunk_times=[0.1, 0.5, 1.0], num_prompt_tokens=4,
@@ -41,6 +44,7 @@ def test_serve_table_lists_every_vllm_metric_and_errors():
     assert "| completed / failed | 1 / 1 | 1 / 1 |" in text
     assert "| TTFT p50 (ms) | 100.0 | 100.0 |" in text
     assert "- c=1: HTTP 503: busy" in text
+
 
 def test_offline_tables_put_ratios_against_llama_cpp():
     def fig(v):
@@ -60,6 +64,7 @@ def test_offline_tables_put_ratios_against_llama_cpp():
     with pytest.raises(InvalidRequestError, match="systems"):
         bench_offline.parse_systems("tokios,vllm")
 
+
 def test_prefix_table_shows_ratio_and_hits():
     results = {"tokios": {"cold_ttft_ms": RepeatedFigure.of([500.0]), "warm_ttft_ms": RepeatedFigure.of([50.0]),
                           "warm_hit_tokens": [992, 992]},
@@ -68,6 +73,7 @@ def test_prefix_table_shows_ratio_and_hits():
     text = bench_prefix.table(results)
     assert "| tokios | 500.0 [500.0, 500.0] | 50.0 [50.0, 50.0] | 10.00x | 992..992 |" in text
     assert "| - | - |" in text  # a zero warm TTFT gives no ratio rather than a division error
+
 
 def test_compare_commands_give_both_servers_the_same_slots_and_context():
     class Args:
@@ -82,6 +88,7 @@ def test_compare_commands_give_both_servers_the_same_slots_and_context():
     assert tokios[tokios.index("--kv-cache-memory") + 1] == str(4 * 1024 * 2 * 30 * 3 * 64 * 4)
     assert llama[llama.index("--parallel") + 1] == "4" and llama[llama.index("-c") + 1] == "4096"
     assert llama[-1] == "--mlock" and llama[llama.index("-t") + 1] == "2"
+
 
 def test_command_line_quotes_arguments():
     assert command_line(["bench", "serve", "--input-len", "a b"]) == "tokios bench serve --input-len 'a b'"

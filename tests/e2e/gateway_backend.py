@@ -110,9 +110,10 @@ def create_app(model_name: str, token_delay_s: float) -> FastAPI:
             return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
         async def stream() -> AsyncIterator[str]:
+            # Nothing, not even the role chunk, before the first token (as after a real prefill).
+            await asyncio.sleep(first_delay_s)
             if kind != "text_completion":
                 yield event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
-            await asyncio.sleep(first_delay_s)
             for token in tokens:
                 await asyncio.sleep(token_delay_s)
                 yield event([choice(token, None, True)])

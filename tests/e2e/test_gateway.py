@@ -1,0 +1,429 @@
+"""End-to-end tests of the gateway and connector: real processes on loopback only.
+
+Every process (backend, gateway, connectors) is a real `tokios ...` or uvicorn subprocess on
+127.0.0.1; the backend is the deterministic stand-in of tests/e2e/gateway_backend.py (so the text
+of every answer is known in advance and aborted requests are counted), chosen by one fixture,
+`backend_command`. Every wait is bounded; every process started is stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gateway_backend import expected_tokens  # noqa: E402
+
+from tokios.gateway.keys import KIND_CLIENT, KIND_CONNECTOR, KeyStore  # noqa: E402
+
+MODEL = "stand-in"
+TOKIOS = [sys.executable, "-m", "tokios.cli"]
+STARTUP_TIMEOUT_S = 60.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Process:
+    """A subprocess with its output in a log file; `stop` is idempotent and always reaps it."""
+
+    def __init__(self, name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None):
+        self.name = name
+        self.log_path = log_dir / f"{name}-{time.monotonic_ns()}.log"
+        self._log = open(self.log_path, "wb")
+        self.popen = subprocess.Popen(
+            argv, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def signal(self, number: int) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(number)
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(10)
+        self._log.close()
+
+
+def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.1):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except (httpx.HTTPError, OSError):
+            pass
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+class Cluster:
+    """Starts processes for one test module and stops every one of them at the end."""
+
+    def __init__(self, log_dir: Path, backend_command):
+        self.log_dir = log_dir
+        self.backend_command = backend_command
+        self.processes: list[Process] = []
+        self.db_path = log_dir / "gateway.db"
+        self.store = KeyStore(self.db_path)
+        self.client_key = self.store.create(KIND_CLIENT, "tests")[1]
+        self.connector_token = self.store.create(KIND_CONNECTOR, "tests")[1]
+
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Process:
+        process = Process(name, argv, self.log_dir, env)
+        self.processes.append(process)
+        return process
+
+    def backend(self, token_delay_ms: float = 5.0) -> str:
+        port = free_port()
+        process = self.start("backend", self.backend_command(port, token_delay_ms))
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: process.popen.poll() is None and httpx.get(url + "/health").status_code == 200,
+                   STARTUP_TIMEOUT_S, f"backend on {url}\n{process.log()}")
+        return url
+
+    def gateway(self, port: int | None = None, *extra: str) -> tuple[Process, str]:
+        port = port or free_port()
+        process = self.start(
+            "gateway",
+            [*TOKIOS, "gateway", "--port", str(port), "--db", str(self.db_path), "--log-level", "warning", *extra],
+        )
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: process.popen.poll() is None and httpx.get(url + "/health").status_code == 200,
+                   STARTUP_TIMEOUT_S, f"gateway on {url}\n{process.log()}")
+        return process, url
+
+    def connector(self, gateway_url: str, backend_url: str, backend_id: str, token: str | None = None,
+                  *extra: str) -> Process:
+        return self.start(
+            f"connector-{backend_id}",
+            [*TOKIOS, "connect", gateway_url, "--backend-url", backend_url, "--backend-id", backend_id,
+             "--max-backoff-s", "2", "--log-level", "info", *extra],
+            env={"TOKIOS_CONNECTOR_TOKEN": token or self.connector_token},
+        )
+
+    def backend_ids(self, gateway_url: str) -> list[str]:
+        response = httpx.get(gateway_url + "/status", headers={"Authorization": f"Bearer {self.client_key}"})
+        return sorted(b["backend_id"] for b in response.json()["backends"])
+
+    def wait_registered(self, gateway_url: str, backend_ids: list[str], timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        wait_until(lambda: set(backend_ids) <= set(self.backend_ids(gateway_url)), timeout_s,
+                   f"backends {backend_ids} on {gateway_url}")
+
+    def stop_all(self) -> None:
+        for process in reversed(self.processes):
+            process.stop()
+        self.store.close()
+
+
+@pytest.fixture(scope="module")
+def backend_command():
+    """argv that starts an OpenAI-compatible backend on a port: the deterministic stand-in."""
+    script = str(Path(__file__).parent / "gateway_backend.py")
+
+    def command(port: int, token_delay_ms: float) -> list[str]:
+        return [sys.executable, script, "--port", str(port), "--model-name", MODEL,
+                "--token-delay-ms", str(token_delay_ms)]
+
+    return command
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, backend_command):
+    cluster = Cluster(tmp_path_factory.mktemp("gateway"), backend_command)
+    yield cluster
+    cluster.stop_all()
+
+
+@pytest.fixture(scope="module")
+def stack(cluster):
+    """One backend, one gateway, one connector: the shared happy path."""
+    backend_url = cluster.backend(token_delay_ms=5)
+    _, gateway_url = cluster.gateway()
+    cluster.connector(gateway_url, backend_url, "home-1")
+    cluster.wait_registered(gateway_url, ["home-1"])
+    return {"backend_url": backend_url, "gateway_url": gateway_url}
+
+
+def openai_client(base_url: str, api_key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url + "/v1", api_key=api_key, max_retries=0, timeout=60.0)
+
+
+def sse_events(response: httpx.Response) -> list[dict | str]:
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
+    return events
+
+
+# ---- through the gateway, same as direct ---------------------------------------------------
+
+
+def test_chat_and_completions_through_gateway_equal_direct(cluster, stack):
+    direct = openai_client(stack["backend_url"], "unused")
+    gateway = openai_client(stack["gateway_url"], cluster.client_key)
+    messages = [{"role": "user", "content": "Tell me about lighthouses."}]
+
+    chats = [c.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+             for c in (direct, gateway)]
+    assert chats[0].model_dump() == chats[1].model_dump()
+    assert chats[1].choices[0].message.content == "".join(expected_tokens(messages[0]["content"], 12))
+
+    texts = [c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=9, temperature=0)
+             for c in (direct, gateway)]
+    assert texts[0].model_dump() == texts[1].model_dump()
+
+    for create, kwargs in (
+        (lambda c: c.chat.completions.create, {"messages": messages}),
+        (lambda c: c.completions.create, {"prompt": "Once upon a time"}),
+    ):
+        streams = [
+            [chunk.model_dump() for chunk in create(c)(model=MODEL, max_tokens=20, temperature=0, stream=True, **kwargs)]
+            for c in (direct, gateway)
+        ]
+        assert streams[0] == streams[1] and len(streams[1]) >= 21
+
+    models = gateway.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+# ---- auth, scope, limits -------------------------------------------------------------------
+
+
+def test_keys_cli_creates_lists_and_revokes(cluster, stack):
+    def keys(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*TOKIOS, "keys", "--db", str(cluster.db_path), *argv],
+                              capture_output=True, text=True, timeout=60)
+
+    created = keys("create", "--name", "cli-made", "--models", MODEL, "--json")
+    assert created.returncode == 0, created.stderr
+    made = json.loads(created.stdout)
+    secret = made["secret"]
+    gateway = openai_client(stack["gateway_url"], secret)
+    assert gateway.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].text
+    listing = keys("list")
+    assert made["key_id"] in listing.stdout and secret not in listing.stdout
+    assert keys("revoke", made["key_id"]).returncode == 0
+    with pytest.raises(openai.AuthenticationError):
+        gateway.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    assert keys("revoke", made["key_id"]).returncode == 1
+
+
+def test_missing_wrong_and_out_of_scope_keys_are_refused(cluster, stack):
+    url = stack["gateway_url"] + "/v1/chat/completions"
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    no_key = httpx.post(url, json=body)
+    assert no_key.status_code == 401 and no_key.json()["error"]["code"] == "invalid_api_key"
+    wrong = httpx.post(url, json=body, headers={"Authorization": f"Bearer {cluster.client_key}x"})
+    assert wrong.status_code == 401
+    as_connector = httpx.post(url, json=body, headers={"Authorization": f"Bearer {cluster.connector_token}"})
+    assert as_connector.status_code == 401
+    scoped = cluster.store.create(KIND_CLIENT, "scoped", models=["another-model"])[1]
+    out_of_scope = httpx.post(url, json=body, headers={"Authorization": f"Bearer {scoped}"})
+    assert out_of_scope.status_code == 403 and out_of_scope.json()["error"]["param"] == "model"
+    assert httpx.get(stack["gateway_url"] + "/v1/models", headers={"Authorization": f"Bearer {scoped}"}).json()["data"] == []
+
+
+def test_connector_with_bad_token_is_refused(cluster, stack):
+    revoked_record, revoked = cluster.store.create(KIND_CONNECTOR, "revoked")
+    cluster.store.revoke(revoked_record.key_id)
+    for token in ("tc-000000000000.not-a-token", revoked, cluster.client_key):
+        process = cluster.connector(stack["gateway_url"], stack["backend_url"], "intruder", token)
+        assert process.popen.wait(STARTUP_TIMEOUT_S) == 1
+        assert "refused the connector token" in process.log()
+        assert token not in process.log()
+    assert "intruder" not in cluster.backend_ids(stack["gateway_url"])
+
+
+def test_rate_limit_answers_429_with_retry_after(cluster, stack):
+    rpm = 3
+    key = cluster.store.create(KIND_CLIENT, "limited", max_requests_per_minute=rpm)[1]
+    headers = {"Authorization": f"Bearer {key}"}
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+    statuses = [httpx.post(stack["gateway_url"] + "/v1/completions", json=body, headers=headers) for _ in range(rpm + 1)]
+    assert [r.status_code for r in statuses] == [200] * rpm + [429]
+    assert 1 <= int(statuses[-1].headers["retry-after"]) <= 60
+    assert statuses[-1].json()["error"]["type"] == "rate_limit_error"
+
+
+def test_no_backend_is_503_and_large_body_is_413(cluster, stack):
+    headers = {"Authorization": f"Bearer {cluster.client_key}"}
+    missing = httpx.post(stack["gateway_url"] + "/v1/completions", json={"model": "nobody-serves-this", "prompt": "x"},
+                         headers=headers)
+    assert missing.status_code == 503 and int(missing.headers["retry-after"]) >= 1
+    huge = httpx.post(stack["gateway_url"] + "/v1/completions", headers=headers,
+                      json={"model": MODEL, "prompt": "x" * (2 * 1024 * 1024)})
+    assert huge.status_code == 413 and "error" in huge.json()
+    not_json = httpx.post(stack["gateway_url"] + "/v1/completions", headers=headers, content=b"[1, 2")
+    assert not_json.status_code == 400
+
+
+# ---- cancellation and load -----------------------------------------------------------------
+
+
+def test_client_disconnect_aborts_the_backend_request(cluster, stack):
+    stats_url = stack["backend_url"] + "/stats"
+    aborted_before = httpx.get(stats_url).json()["num_aborted"]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "long"}], "max_tokens": 5000, "stream": True}
+    with httpx.stream("POST", stack["gateway_url"] + "/v1/chat/completions", json=body, timeout=30,
+                      headers={"Authorization": f"Bearer {cluster.client_key}"}) as response:
+        lines = response.iter_lines()
+        num_data_lines = 0
+        for line in lines:
+            num_data_lines += line.startswith("data: ")
+            if num_data_lines == 5:
+                break
+    # 5,000 tokens at 5 ms would take 25 s; an abort shows up long before.
+    wait_until(lambda: httpx.get(stats_url).json()["num_aborted"] > aborted_before, 15, "the backend to abort")
+    assert httpx.get(stats_url).json()["num_in_flight"] == 0
+
+
+def test_64_concurrent_streams_through_one_connector(cluster, stack):
+    client = openai_client(stack["gateway_url"], cluster.client_key)
+
+    def one_stream(index: int) -> tuple[str, str]:
+        prompt = f"stream number {index}"
+        pieces = [
+            chunk.choices[0].delta.content or ""
+            for chunk in client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=24, stream=True
+            )
+            if chunk.choices
+        ]
+        return "".join(pieces), "".join(expected_tokens(prompt, 24))
+
+    with ThreadPoolExecutor(max_workers=64) as pool:
+        results = list(pool.map(one_stream, range(64)))
+    assert len(results) == 64
+    assert all(text == expected for text, expected in results)
+    metrics = httpx.get(stack["gateway_url"] + "/metrics").text
+    assert 'tokios_gateway_requests_total{backend="home-1",status="200"}' in metrics
+    assert "tokios_gateway_connected_backends 1.0" in metrics
+    assert "tokios_gateway_in_flight_requests 0.0" in metrics
+
+
+# ---- faults --------------------------------------------------------------------------------
+
+
+def _backend_with_request_in_flight(backend_urls: list[str]) -> str:
+    def find():
+        busy = [url for url in backend_urls if httpx.get(url + "/stats").json()["num_in_flight"] > 0]
+        return busy[0] if busy else None
+
+    return wait_until(find, 20, "a backend with the request in flight", 0.05)
+
+
+def test_connector_killed_before_first_byte_fails_over(cluster):
+    backend_urls = [cluster.backend(token_delay_ms=5), cluster.backend(token_delay_ms=5)]
+    _, gateway_url = cluster.gateway()
+    connectors = {url: cluster.connector(gateway_url, url, f"node-{i}") for i, url in enumerate(backend_urls)}
+    cluster.wait_registered(gateway_url, ["node-0", "node-1"])
+    client = openai_client(gateway_url, cluster.client_key)
+    prompt = "fail over before the first byte"
+    result: dict = {}
+
+    def call() -> None:
+        chunks = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=8, stream=True,
+            extra_body={"x_first_token_delay_ms": 4000},
+        )
+        result["text"] = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    first_choice = _backend_with_request_in_flight(backend_urls)
+    connectors[first_choice].popen.kill()
+    caller.join(60)
+    assert not caller.is_alive()
+    assert result["text"] == "".join(expected_tokens(prompt, 8))
+    other = next(url for url in backend_urls if url != first_choice)
+    assert httpx.get(other + "/stats").json()["num_completed"] >= 1
+
+
+def test_connector_killed_mid_stream_ends_with_error_event_and_done(cluster):
+    backend_url = cluster.backend(token_delay_ms=20)
+    _, gateway_url = cluster.gateway()
+    connector = cluster.connector(gateway_url, backend_url, "doomed")
+    cluster.wait_registered(gateway_url, ["doomed"])
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "mid"}], "max_tokens": 3000, "stream": True}
+    events: list = []
+    started = None
+    with httpx.stream("POST", gateway_url + "/v1/chat/completions", json=body, timeout=40,
+                      headers={"Authorization": f"Bearer {cluster.client_key}"}) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
+            if len(events) == 5:
+                connector.popen.kill()
+                started = time.monotonic()
+    assert time.monotonic() - started < 30
+    assert events[-1] == "[DONE]"
+    assert events[-2]["error"]["code"] == "backend_disconnected"
+    texts = [e["choices"][0]["delta"].get("content", "") for e in events[:-2]]
+    assert "".join(texts) == "".join(expected_tokens("mid", 3000)[: len(texts) - 1])  # a prefix, nothing spliced
+
+
+def test_gateway_restart_connectors_reregister(cluster):
+    backend_url = cluster.backend(token_delay_ms=5)
+    gateway, gateway_url = cluster.gateway()
+    port = int(gateway_url.rsplit(":", 1)[1])
+    cluster.connector(gateway_url, backend_url, "survivor")
+    cluster.wait_registered(gateway_url, ["survivor"])
+    gateway.signal(signal.SIGTERM)
+    gateway.popen.wait(30)
+    _, gateway_url = cluster.gateway(port)
+    cluster.wait_registered(gateway_url, ["survivor"], timeout_s=10)
+    client = openai_client(gateway_url, cluster.client_key)
+    assert client.completions.create(model=MODEL, prompt="back", max_tokens=3).choices[0].text == "".join(
+        expected_tokens("back", 3)
+    )
+
+
+def test_sigterm_drains_connector_and_in_flight_stream_finishes(cluster):
+    backend_url = cluster.backend(token_delay_ms=20)
+    _, gateway_url = cluster.gateway()
+    connector = cluster.connector(gateway_url, backend_url, "leaving")
+    cluster.wait_registered(gateway_url, ["leaving"])
+    headers = {"Authorization": f"Bearer {cluster.client_key}"}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "drain"}], "max_tokens": 100, "stream": True}
+    with httpx.stream("POST", gateway_url + "/v1/chat/completions", json=body, timeout=40, headers=headers) as response:
+        events = []
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                events.append(line)
+                if len(events) == 3:
+                    connector.signal(signal.SIGTERM)
+                    # Drained: no new work goes to it while its stream finishes.
+                    wait_until(lambda: httpx.post(gateway_url + "/v1/completions", headers=headers,
+                                                  json={"model": MODEL, "prompt": "x"}).status_code == 503,
+                               10, "the drained backend to stop taking work")
+    assert events[-1] == "data: [DONE]"
+    texts = [json.loads(e[6:])["choices"][0]["delta"].get("content", "") for e in events[:-2]]
+    assert "".join(texts) == "".join(expected_tokens("drain", 100))
+    assert connector.popen.wait(30) == 0

@@ -133,7 +133,7 @@ def save_this_machine(measurement: dict) -> Path:
 
 def measure_this_machine(*, quick: bool = False) -> HardwareSpec:
     """Run the microbenchmarks in a child process (keeps torch out of this one) and cache them.
-    `quick` uses small sizes (lower bounds; for tests)."""
+    `quick` uses small sizes (rough figures; for tests)."""
     print("tokios: measuring this machine once (memory bandwidth, matrix throughput); "
           f"cached in {cache_path()}", file=sys.stderr)
     result = subprocess.run([sys.executable, "-m", "tokios.tools.roofline_bench", "--json",

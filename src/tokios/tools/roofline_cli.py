@@ -1,0 +1,125 @@
+"""`tokios roofline`: measure the machine's roofs, then the engine's prefill and decode against them.
+
+Owns the command line and the report. The roofs come from tools/roofline_bench.py (and refresh
+the `this-machine` cache of tools/hardware.py), the engine points from tools/roofline_measure.py,
+the classification from tools/roofline.py and the PNG from tools/roofline_chart.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from tokios.errors import InvalidRequestError, TokiosError
+from tokios.tools.roofline import Roofs, RooflinePoint, verdict
+
+ENGINE_DTYPE_TO_COMPUTE_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a comma-separated list of integers >= 1")
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: bundled SmolLM2)")
+    parser.add_argument("--dtype", default="bfloat16",
+                        help="engine dtype: float32, bfloat16, int8... (default bfloat16)")
+    parser.add_argument("--compute-dtype", default=None, choices=["fp32", "bf16", "fp16"],
+                        help="which matmul roof the engine's steps are held to (default: from --dtype)")
+    parser.add_argument("--batch-sizes", type=_int_list, default=[1, 2, 4, 8, 16],
+                        help="decode batch sizes (default 1,2,4,8,16)")
+    parser.add_argument("--prompt-lens", type=_int_list, default=[64, 256, 1024],
+                        help="prefill prompt lengths (default 64,256,1024)")
+    parser.add_argument("--decode-prompt-len", type=int, default=32,
+                        help="prompt length of the decode requests (default 32)")
+    parser.add_argument("--decode-steps", type=_int_list, default=[4, 20],
+                        help="the two output lengths whose difference times decode (default 4,20)")
+    parser.add_argument("--repeats", type=int, default=2, help="runs per point; the best counts")
+    parser.add_argument("--chart", default="roofline.png", help="PNG path (default roofline.png)")
+    parser.add_argument("--skip-engine", action="store_true", help="measure the roofs only")
+    parser.add_argument("--quick", action="store_true",
+                        help="small microbenchmarks (lower bounds; not cached for tokios plan)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
+def run(args: argparse.Namespace) -> int:
+    from tokios.tools import hardware, roofline_bench
+
+    if len(args.decode_steps) != 2:
+        raise InvalidRequestError("decode_steps: give exactly two output lengths, e.g. 4,20",
+                                  param="decode_steps")
+    measurement = roofline_bench.measure_roofs(quick=args.quick)
+    if not args.quick:
+        hardware.save_this_machine(measurement)
+    bandwidth = measurement["memory_bandwidth"]
+    roofs_list = [Roofs(bandwidth, flops, dtype)
+                  for dtype, flops in measurement["dtype_to_peak_flops"].items()]
+    compute_dtype = args.compute_dtype or ENGINE_DTYPE_TO_COMPUTE_DTYPE.get(args.dtype, "bf16")
+    roofs = next((r for r in roofs_list if r.dtype == compute_dtype), roofs_list[0])
+
+    points: list[RooflinePoint] = []
+    if not args.skip_engine:
+        points = _measure_engine(args)
+    chart_path = None
+    if points or args.chart:
+        from tokios.tools.roofline_chart import draw_roofline_chart
+
+        chart_path = draw_roofline_chart(roofs_list, points, args.chart,
+                                         title=f"Roofline: {measurement['device']}, engine {args.dtype}")
+    if args.json:
+        print(json.dumps({"measurement": measurement, "roof_dtype": roofs.dtype,
+                          "points": [p.summary(roofs) for p in points],
+                          "chart": str(chart_path) if chart_path else None}, indent=2))
+    else:
+        print(render_report(measurement, roofs, points, chart_path))
+    return 0
+
+
+def _measure_engine(args: argparse.Namespace) -> list[RooflinePoint]:
+    from tokios.tools.roofline_measure import measure_decode_utilization, measure_prefill_utilization
+
+    try:
+        from tokios.engine import LLM
+    except ImportError as exc:
+        raise TokiosError(f"the engine is not available ({exc}); run with --skip-engine") from exc
+    max_batch = max(args.batch_sizes)
+    longest = max(max(args.prompt_lens), args.decode_prompt_len + max(args.decode_steps))
+    print(f"loading the engine ({args.dtype})...", file=sys.stderr)
+    engine = LLM(model=args.model, dtype=args.dtype, max_num_seqs=max(max_batch, 1),
+                 max_num_batched_tokens=max(longest, max_batch))
+    print("measuring prefill...", file=sys.stderr)
+    points = measure_prefill_utilization(engine, args.prompt_lens, num_repeats=args.repeats)
+    print("measuring decode...", file=sys.stderr)
+    points += measure_decode_utilization(engine, args.batch_sizes, prompt_len=args.decode_prompt_len,
+                                         num_steps=tuple(args.decode_steps), num_repeats=args.repeats)
+    return points
+
+
+def render_report(measurement: dict, roofs: Roofs, points: list[RooflinePoint], chart_path) -> str:
+    lines = [f"device: {measurement['device']}, {measurement.get('num_threads')} threads",
+             f"peak memory bandwidth: {measurement['memory_bandwidth'] / 1e9:,.1f} GB/s"]
+    for dtype, flops in measurement["dtype_to_peak_flops"].items():
+        ridge = flops / measurement["memory_bandwidth"]
+        lines.append(f"peak {dtype} matmul: {flops / 1e9:,.1f} GFLOP/s (ridge at {ridge:,.1f} FLOPs/byte)")
+    if points:
+        lines += ["", f"engine points, held to the {roofs.dtype} roof:",
+                  f"{'point':<26}{'FLOP/byte':>10}{'GFLOP/s':>10}{'GB/s':>8}{'%FLOP':>7}{'%BW':>6}"
+                  f"{'tok/s':>9}  regime"]
+        for point in points:
+            s = point.summary(roofs)
+            lines.append(f"{point.label:<26}{s['arithmetic_intensity']:>10.2f}"
+                         f"{s['achieved_flops'] / 1e9:>10.1f}{s['achieved_bandwidth'] / 1e9:>8.2f}"
+                         f"{s['percent_of_peak_flops']:>6.0f}%{s['percent_of_peak_bandwidth']:>5.0f}%"
+                         f"{s['tokens_per_s']:>9.1f}  {s['regime']}")
+        lines.append("")
+        lines += [verdict(point, roofs) for point in points]
+    if chart_path:
+        lines += ["", f"chart: {chart_path}"]
+    return "\n".join(lines)

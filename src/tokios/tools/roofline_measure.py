@@ -1,0 +1,167 @@
+"""Measured prefill and decode steps of a live engine, as roofline points.
+
+Owns `measure_prefill_utilization(engine, prompt_lens)` and
+`measure_decode_utilization(engine, batch_sizes)`, which drive the offline engine
+(`tokios.engine.LLM`: `generate(prompts, sampling_params)`, `model_config`, `weight_bytes()`,
+`kv_bytes_per_token()`) and return tools/roofline.RooflinePoint values: FLOPs and bytes from
+the model's shapes (tools/plan_math.py), seconds from the wall clock. tools/roofline_cli.py
+prints them against the roofs; `point.summary(roofs)` gives the utilization from Python.
+
+How a step is isolated (why): a prefill is a request with max_tokens=1 (one forward pass over
+the prompt, then one sampled token). A decode step is the difference of two runs of the same
+batch shape with different max_tokens and ignore_eos, divided by the difference in steps, so
+that prefill, scheduling and warm-up cancel out. Every run uses fresh random prompts: reusing a
+prompt would hit the prefix cache and make the second run's prefill free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from typing import Any, Callable, Sequence
+
+from tokios.errors import InvalidRequestError, TokiosError
+from tokios.tools import plan_math
+from tokios.tools.model_presets import ModelShape
+from tokios.tools.roofline import RooflinePoint
+
+_DTYPE_TO_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
+                   "int8": 1, "fp8": 1}
+_FIRST_ORDINARY_TOKEN_ID = 256  # below this, vocabularies keep their special tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineFootprint:
+    """What one step of this engine reads: its shapes and the bytes of weights and KV."""
+
+    model: ModelShape
+    step_weight_bytes: float
+    kv_bytes_per_token: float
+
+
+def engine_footprint(engine: Any) -> EngineFootprint:
+    config = engine.model_config
+    model = ModelShape(
+        name=str(getattr(config, "name", "engine model")),
+        num_layers=config.num_layers, hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size, num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, vocab_size=config.vocab_size,
+        max_context_len=int(getattr(config, "max_context_len", 0) or getattr(config, "max_model_len", 0)
+                            or 1 << 30),
+        # Unknown tying counts the embedding as read: an upper bound on bytes, never an excuse.
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", True)),
+    )
+    if hasattr(engine, "weight_bytes"):
+        total = float(engine.weight_bytes())
+        untied_embedding = 0.0 if model.tie_word_embeddings else \
+            total * model.num_embedding_params / model.num_params
+        step_weights = total - untied_embedding
+    else:
+        step_weights = model.num_step_params * _engine_dtype_bytes(engine, config)
+    if hasattr(engine, "kv_bytes_per_token"):
+        kv_per_token = float(engine.kv_bytes_per_token())
+    else:
+        kv_per_token = plan_math.kv_bytes_per_token(model, _engine_dtype_bytes(engine, config))
+    return EngineFootprint(model, step_weights, kv_per_token)
+
+
+def _engine_dtype_bytes(engine: Any, config: Any) -> int:
+    dtype = str(getattr(engine, "dtype", None) or getattr(config, "dtype", "")).removeprefix("torch.")
+    if dtype not in _DTYPE_TO_BYTES:
+        raise TokiosError(f"roofline: the engine exposes neither weight_bytes() nor a known dtype "
+                          f"(got {dtype!r}); cannot size the bytes a step reads")
+    return _DTYPE_TO_BYTES[dtype]
+
+
+class _PromptMaker:
+    """Fresh random token-id prompts, so no run ever hits the prefix cache of an earlier one."""
+
+    def __init__(self, vocab_size: int, seed: int):
+        self.low = _FIRST_ORDINARY_TOKEN_ID if vocab_size > 2 * _FIRST_ORDINARY_TOKEN_ID else 0
+        self.high = vocab_size - 1
+        self.rng = random.Random(seed)
+
+    def make(self, num_prompts: int, prompt_len: int) -> list[list[int]]:
+        return [[self.rng.randint(self.low, self.high) for _ in range(prompt_len)]
+                for _ in range(num_prompts)]
+
+
+Clock = Callable[[], float]
+
+
+def _timed_generate(engine: Any, prompts: list[list[int]], max_tokens: int, clock: Clock) -> float:
+    from tokios.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    start = clock()
+    outputs = engine.generate(prompts, params)
+    seconds = clock() - start
+    for output in outputs:
+        produced = len(output.outputs[0].token_ids)
+        if produced != max_tokens:
+            raise TokiosError(f"roofline: a request produced {produced} tokens instead of "
+                              f"{max_tokens} (ignore_eos=True); the step count would be wrong")
+    return seconds
+
+
+def _check_sizes(field: str, values: Sequence[int]) -> None:
+    if not values or any(not isinstance(v, int) or v < 1 for v in values):
+        raise InvalidRequestError(f"{field}: {list(values)!r} must be a non-empty list of integers "
+                                  ">= 1", param=field)
+
+
+def measure_prefill_utilization(engine: Any, prompt_lens: Sequence[int], *, num_repeats: int = 2,
+                                seed: int = 0, clock: Clock = time.perf_counter) -> list[RooflinePoint]:
+    """One point per prompt length: the best of `num_repeats` single-request prefills."""
+    _check_sizes("prompt_lens", prompt_lens)
+    footprint = engine_footprint(engine)
+    prompts = _PromptMaker(footprint.model.vocab_size, seed)
+    _timed_generate(engine, prompts.make(1, min(prompt_lens)), 1, clock)  # warm-up
+    points = []
+    for prompt_len in prompt_lens:
+        seconds = min(_timed_generate(engine, prompts.make(1, prompt_len), 1, clock)
+                      for _ in range(num_repeats))
+        points.append(RooflinePoint(
+            phase="prefill", batch_size=1, num_tokens=prompt_len, context_len=prompt_len,
+            flops=plan_math.prefill_flops(footprint.model, prompt_len),
+            bytes_moved=plan_math.prefill_bytes(footprint.step_weight_bytes,
+                                                footprint.kv_bytes_per_token, prompt_len),
+            seconds=seconds))
+    return points
+
+
+def measure_decode_utilization(engine: Any, batch_sizes: Sequence[int], *, prompt_len: int = 32,
+                               num_steps: tuple[int, int] = (4, 20), num_repeats: int = 2,
+                               seed: int = 1, clock: Clock = time.perf_counter) -> list[RooflinePoint]:
+    """One point per batch size: the time of one decode step of `batch_size` requests, from
+    the difference between runs of `num_steps[0]` and `num_steps[1]` output tokens."""
+    _check_sizes("batch_sizes", batch_sizes)
+    short_steps, long_steps = num_steps
+    if not 1 <= short_steps < long_steps:
+        raise InvalidRequestError(f"num_steps: {num_steps!r} must be (short, long) with "
+                                  "1 <= short < long", param="num_steps")
+    footprint = engine_footprint(engine)
+    prompts = _PromptMaker(footprint.model.vocab_size, seed)
+    _timed_generate(engine, prompts.make(min(batch_sizes), prompt_len), short_steps, clock)  # warm-up
+    # The differenced steps see contexts from prompt_len + short_steps to prompt_len + long_steps.
+    context_len = prompt_len + (short_steps + long_steps) / 2
+    points = []
+    for batch_size in batch_sizes:
+        short_s = min(_timed_generate(engine, prompts.make(batch_size, prompt_len), short_steps, clock)
+                      for _ in range(num_repeats))
+        long_s = min(_timed_generate(engine, prompts.make(batch_size, prompt_len), long_steps, clock)
+                     for _ in range(num_repeats))
+        step_seconds = (long_s - short_s) / (long_steps - short_steps)
+        if step_seconds <= 0:
+            raise TokiosError(f"roofline: decode at batch {batch_size} timed {long_s:.3f} s for "
+                              f"{long_steps} steps but {short_s:.3f} s for {short_steps}; the "
+                              "machine is too noisy, raise num_repeats or the step counts")
+        points.append(RooflinePoint(
+            phase="decode", batch_size=batch_size, num_tokens=batch_size, context_len=context_len,
+            flops=plan_math.decode_step_flops(footprint.model, batch_size, context_len),
+            bytes_moved=plan_math.decode_step_bytes(footprint.step_weight_bytes,
+                                                    footprint.kv_bytes_per_token, batch_size,
+                                                    context_len),
+            seconds=step_seconds))
+    return points

@@ -1,0 +1,126 @@
+"""measure_prefill/decode_utilization against a stand-in engine with a known cost model.
+
+The stand-in has the offline engine's surface (generate, model_config, weight_bytes,
+kv_bytes_per_token) and advances a fake clock by a cost model, so the recovered step times are
+checked exactly, with no wall-clock timing in the test.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from tokios.errors import InvalidRequestError, TokiosError
+from tokios.outputs import CompletionOutput, RequestOutput
+from tokios.tools import plan_math
+from tokios.tools.roofline_measure import (engine_footprint, measure_decode_utilization,
+                                           measure_prefill_utilization)
+
+CONFIG = types.SimpleNamespace(num_layers=30, hidden_size=576, intermediate_size=1536, num_heads=9,
+                               num_kv_heads=3, head_dim=64, vocab_size=49152)
+OVERHEAD_S = 0.3  # per generate call: scheduling, Python
+PREFILL_S_PER_TOKEN = 0.002
+STEP_BASE_S, STEP_S_PER_REQUEST = 0.010, 0.001
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class StandInEngine:
+    def __init__(self, clock: FakeClock, *, tokens_short_by: int = 0, has_byte_helpers: bool = True):
+        self.model_config = CONFIG
+        self.clock = clock
+        self.tokens_short_by = tokens_short_by
+        self.seen_prompts: list[tuple[int, ...]] = []
+        self.dtype = "bfloat16"
+        if has_byte_helpers:
+            self.weight_bytes = lambda: 96_576_768
+            self.kv_bytes_per_token = lambda: 23_040
+
+    def generate(self, prompts, sampling_params):
+        assert sampling_params.ignore_eos and sampling_params.temperature == 0
+        max_tokens = sampling_params.max_tokens
+        self.seen_prompts += [tuple(p) for p in prompts]
+        self.clock.now += (OVERHEAD_S + PREFILL_S_PER_TOKEN * sum(len(p) for p in prompts)
+                           + (max_tokens - 1) * (STEP_BASE_S + STEP_S_PER_REQUEST * len(prompts)))
+        produced = max_tokens - self.tokens_short_by
+        return [RequestOutput(str(i), None, list(p), [CompletionOutput(0, token_ids=[7] * produced)],
+                              finished=True) for i, p in enumerate(prompts)]
+
+
+def test_decode_step_time_is_recovered_by_differencing():
+    clock = FakeClock()
+    engine = StandInEngine(clock)
+    points = measure_decode_utilization(engine, [1, 4, 8], prompt_len=16, num_steps=(4, 20), clock=clock)
+    footprint = engine_footprint(engine)
+    for point, batch_size in zip(points, [1, 4, 8]):
+        assert point.phase == "decode" and point.batch_size == batch_size
+        assert point.seconds == pytest.approx(STEP_BASE_S + STEP_S_PER_REQUEST * batch_size)
+        assert point.context_len == 16 + 12
+        assert point.flops == plan_math.decode_step_flops(footprint.model, batch_size, 28)
+        assert point.bytes_moved == 96_576_768 + batch_size * 23_040 * 28
+        assert point.tokens_per_s == pytest.approx(batch_size / point.seconds)
+
+
+def test_prefill_time_includes_the_single_forward_pass():
+    clock = FakeClock()
+    engine = StandInEngine(clock)
+    points = measure_prefill_utilization(engine, [64, 512], clock=clock)
+    assert [p.num_tokens for p in points] == [64, 512]
+    assert points[1].seconds == pytest.approx(OVERHEAD_S + PREFILL_S_PER_TOKEN * 512)
+    assert points[1].flops == plan_math.prefill_flops(engine_footprint(engine).model, 512)
+
+
+def test_no_prompt_is_ever_repeated_so_the_prefix_cache_cannot_help():
+    clock = FakeClock()
+    engine = StandInEngine(clock)
+    measure_decode_utilization(engine, [2, 4], prompt_len=8, clock=clock)
+    measure_prefill_utilization(engine, [8, 8], clock=clock)
+    assert len(set(engine.seen_prompts)) == len(engine.seen_prompts)
+    assert all(min(p) >= 256 for p in engine.seen_prompts)  # no special tokens
+
+
+def test_a_request_that_stops_early_is_an_error():
+    clock = FakeClock()
+    with pytest.raises(TokiosError, match="produced"):
+        measure_decode_utilization(StandInEngine(clock, tokens_short_by=1), [1], clock=clock)
+
+
+def test_noise_that_makes_the_difference_negative_is_an_error():
+    class NoisyClock(FakeClock):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def __call__(self) -> float:
+            self.calls += 1
+            # Short runs (before the long ones) get 10 s of extra stall each.
+            return self.now + (10.0 * self.calls if self.calls <= 6 else 60.0)
+
+    clock = NoisyClock()
+    with pytest.raises(TokiosError, match="noisy"):
+        measure_decode_utilization(StandInEngine(clock), [1], clock=clock)
+
+
+def test_footprint_falls_back_to_the_engine_dtype():
+    engine = StandInEngine(FakeClock(), has_byte_helpers=False)
+    footprint = engine_footprint(engine)
+    assert footprint.kv_bytes_per_token == 2 * 30 * 3 * 64 * 2
+    assert footprint.step_weight_bytes == footprint.model.num_step_params * 2
+
+
+@pytest.mark.parametrize("call", [
+    lambda e, c: measure_decode_utilization(e, [], clock=c),
+    lambda e, c: measure_decode_utilization(e, [1], num_steps=(5, 5), clock=c),
+    lambda e, c: measure_prefill_utilization(e, [0], clock=c),
+])
+def test_bad_sizes_name_the_field(call):
+    clock = FakeClock()
+    with pytest.raises(InvalidRequestError):
+        call(StandInEngine(clock), clock)

@@ -11,8 +11,8 @@ Two strategies, picked once at construction (never per token):
   invalid bytes the way a one-shot lossy decode does. O(1) work per token.
 - Anything else (SentencePiece-style byte fallback <0xNN>, "▁" space markers, Strip decoders):
   vLLM-style windowed decode. Only the tokens since the last emitted boundary (plus one
-  boundary window) are decoded, and text that ends in U+FFFD is held until it settles, so the
-  work per token is bounded by the window, not the sequence length.
+  boundary window) are decoded, so the work per token is bounded by the window, not the
+  sequence length; trailing <0xNN> tokens that form an unfinished character are held back.
 """
 
 from __future__ import annotations
@@ -22,11 +22,8 @@ from collections.abc import Sequence
 
 from tokios.tokenizer.tokenizer import Tokenizer
 
-REPLACEMENT_CHAR = "\ufffd"
-
-# A UTF-8 character spans at most 4 byte-fallback tokens; text still ending in U+FFFD after this
-# many held tokens is genuinely invalid and is released rather than held forever.
-MAX_HELD_TOKENS = 6
+# A UTF-8 character spans at most 4 bytes, so at most 3 trailing byte tokens can be unfinished.
+MAX_INCOMPLETE_BYTES = 3
 
 
 class _ByteLevelStream:
@@ -50,8 +47,9 @@ class _WindowedStream:
         self._backend = tokenizer.backend
         self._skip_special_tokens = skip_special_tokens
         self._num_tokens = tokenizer.vocab_size
-        # ids[:read_offset] are emitted; ids[prefix_offset:read_offset] is the boundary window
-        # re-decoded for context (leading-space stripping and byte merging look one window back).
+        self._byte_token_to_byte = tokenizer.byte_fallback_token_to_byte
+        # ids[:read_offset] are emitted; ids[prefix_offset:read_offset] is the boundary window,
+        # re-decoded for context (a decoder strips the first leading space of what it decodes).
         self._ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
@@ -59,32 +57,39 @@ class _WindowedStream:
     def _decode(self, ids: list[int]) -> str:
         return self._backend.decode(ids, skip_special_tokens=self._skip_special_tokens)
 
-    def _new_text(self) -> tuple[str, str]:
-        window = self._ids[self._prefix_offset :]
-        prefix_text = self._decode(window[: self._read_offset - self._prefix_offset])
-        return prefix_text, self._decode(window)
+    def _num_unfinished_tokens(self) -> int:
+        """How many trailing byte-fallback tokens form a UTF-8 character that is not complete yet."""
+        tail = bytearray()
+        for token_id in reversed(self._ids[-MAX_INCOMPLETE_BYTES:]):
+            byte = self._byte_token_to_byte.get(token_id)
+            if byte is None:
+                break
+            tail.insert(0, byte)
+        if not tail:
+            return 0
+        # With final=False the UTF-8 codec leaves exactly an unfinished (but so far valid) tail unconsumed.
+        _, num_consumed = codecs.utf_8_decode(bytes(tail), "replace", False)
+        return len(tail) - num_consumed
+
+    def _emit_until(self, end: int) -> str:
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        text = self._decode(self._ids[self._prefix_offset : end])
+        if len(text) <= len(prefix_text):
+            # Nothing visible yet (e.g. a skipped special token): keep the window, so the next
+            # token is still decoded after real text and keeps its leading space.
+            return ""
+        # Drop what is settled; the tokens just emitted become the next boundary window.
+        del self._ids[: self._read_offset]
+        self._read_offset, self._prefix_offset = end - self._read_offset, 0
+        return text[len(prefix_text) :]
 
     def add_tokens(self, token_ids: Sequence[int]) -> str:
         self._ids.extend(i for i in token_ids if 0 <= i < self._num_tokens)
-        prefix_text, new_text = self._new_text()
-        num_held_tokens = len(self._ids) - self._read_offset
-        if len(new_text) <= len(prefix_text):
-            return ""
-        if new_text.endswith(REPLACEMENT_CHAR) and num_held_tokens < MAX_HELD_TOKENS:
-            return ""
-        delta = new_text[len(prefix_text) :]
-        # Keep only the new boundary window, so memory and work stay bounded per request.
-        del self._ids[: self._read_offset]
-        self._prefix_offset = 0
-        self._read_offset = len(self._ids)
-        return delta
+        end = len(self._ids) - self._num_unfinished_tokens()
+        return self._emit_until(end) if end > self._read_offset else ""
 
     def flush(self) -> str:
-        prefix_text, new_text = self._new_text()
-        del self._ids[: self._read_offset]
-        self._prefix_offset = 0
-        self._read_offset = len(self._ids)
-        return new_text[len(prefix_text) :]
+        return self._emit_until(len(self._ids))
 
 
 class IncrementalDetokenizer:

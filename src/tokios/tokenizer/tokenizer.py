@@ -202,6 +202,15 @@ class Tokenizer:
             self._token_bytes_tables[skip_special_tokens] = table
         return self._token_bytes_tables[skip_special_tokens]
 
+    @cached_property
+    def byte_fallback_token_to_byte(self) -> dict[int, int]:
+        """token id -> byte for SentencePiece byte-fallback tokens spelled "<0xNN>" (empty if none)."""
+        return {
+            token_id: int(token[3:5], 16)
+            for token, token_id in self.backend.get_vocab(with_added_tokens=False).items()
+            if len(token) == 6 and token.startswith("<0x") and token.endswith(">") and _is_hex(token[3:5])
+        }
+
     # ---- chat -----------------------------------------------------------------------------
 
     def apply_chat_template(
@@ -263,6 +272,10 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 def _starts_with_gguf_magic(path: Path) -> bool:
     with open(path, "rb") as file:
         return file.read(4) == GGUF_MAGIC
+
+
+def _is_hex(text: str) -> bool:
+    return all(char in "0123456789abcdefABCDEF" for char in text)
 
 
 def _where(source: str) -> str:

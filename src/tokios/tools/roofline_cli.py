@@ -29,8 +29,8 @@ def _int_list(text: str) -> list[int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: bundled SmolLM2)")
-    parser.add_argument("--dtype", default="bfloat16",
-                        help="engine dtype: float32, bfloat16, int8... (default bfloat16)")
+    parser.add_argument("--dtype", default="auto",
+                        help="engine dtype: auto, float32, bfloat16, int8, int4 (default auto)")
     parser.add_argument("--compute-dtype", default=None, choices=["fp32", "bf16", "fp16"],
                         help="which matmul roof the engine's steps are held to (default: from --dtype)")
     parser.add_argument("--batch-sizes", type=_int_list, default=[1, 2, 4, 8, 16],
@@ -61,20 +61,21 @@ def run(args: argparse.Namespace) -> int:
     bandwidth = measurement["memory_bandwidth"]
     roofs_list = [Roofs(bandwidth, flops, dtype)
                   for dtype, flops in measurement["dtype_to_peak_flops"].items()]
-    compute_dtype = args.compute_dtype or ENGINE_DTYPE_TO_COMPUTE_DTYPE.get(args.dtype, "bf16")
-    roofs = next((r for r in roofs_list if r.dtype == compute_dtype), roofs_list[0])
-
     points: list[RooflinePoint] = []
+    engine_dtype = args.dtype
     if not args.skip_engine:
-        points = _measure_engine(args)
+        engine_dtype, points = _measure_engine(args)
+    # Quantized weights are expanded to a 16-bit type for the matrix products unless told otherwise.
+    compute_dtype = args.compute_dtype or ENGINE_DTYPE_TO_COMPUTE_DTYPE.get(engine_dtype, "bf16")
+    roofs = next((r for r in roofs_list if r.dtype == compute_dtype), roofs_list[0])
     chart_path = None
     if points or args.chart:
         from tokios.tools.roofline_chart import draw_roofline_chart
 
         chart_path = draw_roofline_chart(roofs_list, points, args.chart,
-                                         title=f"Roofline: {measurement['device']}, engine {args.dtype}")
+                                         title=f"Roofline: {measurement['device']}, engine {engine_dtype}")
     if args.json:
-        print(json.dumps({"measurement": measurement, "roof_dtype": roofs.dtype,
+        print(json.dumps({"measurement": measurement, "engine_dtype": engine_dtype, "roof_dtype": roofs.dtype,
                           "points": [p.summary(roofs) for p in points],
                           "chart": str(chart_path) if chart_path else None}, indent=2))
     else:
@@ -82,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _measure_engine(args: argparse.Namespace) -> list[RooflinePoint]:
+def _measure_engine(args: argparse.Namespace) -> tuple[str, list[RooflinePoint]]:
+    """(the engine's resolved dtype, its prefill and decode points)."""
     from tokios.tools.roofline_measure import measure_decode_utilization, measure_prefill_utilization
 
     try:
@@ -99,7 +101,8 @@ def _measure_engine(args: argparse.Namespace) -> list[RooflinePoint]:
     print("measuring decode...", file=sys.stderr)
     points += measure_decode_utilization(engine, args.batch_sizes, prompt_len=args.decode_prompt_len,
                                          num_steps=tuple(args.decode_steps), num_repeats=args.repeats)
-    return points
+    resolved = getattr(engine, "dtype", None) or getattr(getattr(engine, "load_config", None), "dtype", None)
+    return str(resolved or args.dtype).removeprefix("torch."), points
 
 
 def render_report(measurement: dict, roofs: Roofs, points: list[RooflinePoint], chart_path) -> str:

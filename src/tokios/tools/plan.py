@@ -285,16 +285,16 @@ def suggest(inputs: PlanInputs, plan: Plan) -> list[Suggestion]:
     if plan.max_context_len >= 1:
         suggestions.append(Suggestion("shorter context", f"at most {plan.max_context_len:,} tokens "
                                       f"per user for {users:,} users", False))
-    for kv_dtype in ("fp8",):
-        if KV_DTYPE_TO_BYTES[kv_dtype] < KV_DTYPE_TO_BYTES[inputs.kv_dtype]:
-            candidate = replan(kv_dtype=kv_dtype)
-            suggestions.append(Suggestion(f"KV cache in {kv_dtype} ({candidate.kv_bytes_per_token / 1024:,.0f} "
-                                          "KiB per token)", outcome(candidate), candidate.fits))
+    if KV_DTYPE_TO_BYTES["fp8"] < KV_DTYPE_TO_BYTES[inputs.kv_dtype]:
+        candidate = replan(kv_dtype="fp8")
+        kib = candidate.kv_bytes_per_token / 1024
+        suggestions.append(Suggestion(f"KV cache in fp8 ({kib:,.0f} KiB per token)",
+                                      outcome(candidate), candidate.fits))
     if inputs.model.num_kv_heads > 8:
-        gqa_model = dataclasses.replace(inputs.model, num_kv_heads=8)
-        candidate = replan(model=gqa_model)
-        suggestions.append(Suggestion(f"a GQA model with 8 KV heads ({candidate.kv_bytes_per_token / 1024:,.0f} "
-                                      "KiB per token)", outcome(candidate), candidate.fits))
+        candidate = replan(model=dataclasses.replace(inputs.model, num_kv_heads=8))
+        kib = candidate.kv_bytes_per_token / 1024
+        suggestions.append(Suggestion(f"a GQA model with 8 KV heads ({kib:,.0f} KiB per token)",
+                                      outcome(candidate), candidate.fits))
     current_bits = plan.weight_bits
     for bits, label in ((8.0, "8-bit"), (4.5, "4-bit (Q4_K / int4 with scales)")):
         if bits < current_bits - 0.5:

@@ -147,7 +147,8 @@ def render_table(inputs: PlanInputs, plan: Plan) -> str:
         ("prefill", f"{plan.prompt_len:,} tokens, {plan.prefill_flops / 1e12:,.2f} TFLOP -> TTFT >= "
                     f"{format_seconds(plan.ttft_floor_s)}"),
         ("compute-bound at", f"{_ridge_text(plan.ridge_batch_size_short_context)} (short context); "
-                             f"at {plan.decode_context_len:,.0f} tokens: {_ridge_text(plan.ridge_batch_size)}"),
+                             f"at {plan.decode_context_len:,.0f} tokens: "
+                             f"{_ridge_text(plan.ridge_batch_size)}"),
         (f"at {inputs.concurrency:,} users", f"TPOT >= {format_seconds(plan.concurrency_tpot_s)}, "
                                              f"<= {plan.concurrency_tokens_per_s:,.1f} output tok/s total, "
                                              f"{plan.concurrency_regime}"),

@@ -112,3 +112,36 @@ def test_unexpected_errors_are_500_without_internals():
     status, body, _ = error_payload(RuntimeError("secret path /home/x"))
     assert status == 500
     assert "secret" not in body["error"]["message"]
+
+
+def test_an_error_after_the_stream_started_is_an_error_event_then_done():
+    from tokios.server.serving import guarded_sse
+
+    async def events():
+        yield responses.sse_event({"n": 1})
+        raise InvalidRequestError("the engine refused this request mid-stream", param="stop")
+
+    async def collect():
+        return [frame async for frame in guarded_sse(events())]
+
+    import asyncio
+    frames = parse_sse("".join(asyncio.run(collect())))
+    assert frames[0] == {"n": 1}
+    assert frames[1] == {"error": {"message": "the engine refused this request mid-stream",
+                                   "type": "invalid_request_error", "param": "stop", "code": None}}
+    assert frames[2] == "[DONE]" and len(frames) == 3
+
+
+def test_a_clean_stream_ends_with_exactly_one_done():
+    from tokios.server.serving import guarded_sse
+
+    async def events():
+        for index in range(3):
+            yield responses.sse_event({"n": index})
+
+    async def collect():
+        return [frame async for frame in guarded_sse(events())]
+
+    import asyncio
+    frames = parse_sse("".join(asyncio.run(collect())))
+    assert frames == [{"n": 0}, {"n": 1}, {"n": 2}, "[DONE]"]

@@ -62,6 +62,19 @@ def make_sampling_params(kwargs: dict[str, Any]):
         raise InvalidRequestError(message, param=first_word if first_word in kwargs else None) from exc
 
 
+async def guarded_sse(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """SSE frames of `events`, then `data: [DONE]`; an error once the stream has started (headers
+    are gone, so no status can tell it) becomes an error event in OpenAI's shape before [DONE]."""
+    try:
+        async for event in events:
+            yield event
+    except Exception as exc:
+        yield responses.sse_event(error_payload(exc)[1])
+    finally:
+        await events.aclose()
+    yield responses.SSE_DONE
+
+
 class SSEResponse(StreamingResponse):
     """An SSE stream that always closes its job (aborting engine work), even if never iterated."""
 
@@ -158,7 +171,7 @@ class Serving:
         if body.stream:
             first_outputs = await self.start_stream(http_request, job)
             events = self._chat_events(body, job, first_outputs[0], response_id, created, model)
-            return SSEResponse(events, job)
+            return SSEResponse(guarded_sse(events), job)
         output = (await self.finish(http_request, job))[0]
         stream = job.streams[0]
         choices = []
@@ -193,23 +206,19 @@ class Serving:
                 choices.append(responses.chat_chunk_choice(choice.index, delta, choice.finish_reason, logprobs))
             return chunk(choices) if choices else None
 
-        try:
-            yield chunk([responses.chat_chunk_choice(index, {"role": "assistant", "content": ""}, None)
-                         for index in range(body.n)])
-            if first_output is not None and (event := output_chunk(first_output)):
+        yield chunk([responses.chat_chunk_choice(index, {"role": "assistant", "content": ""}, None)
+                     for index in range(body.n)])
+        if first_output is not None and (event := output_chunk(first_output)):
+            yield event
+        async for _, output in job.rest():
+            if event := output_chunk(output):
                 yield event
-            async for _, output in job.rest():
-                if event := output_chunk(output):
-                    yield event
-            if include_usage:
-                last_output = job.streams[0].last_output
-                num_completion_tokens = sum(len(choice.token_ids) for choice in last_output.outputs)
-                yield responses.sse_event(responses.usage_chunk(
-                    response_id, created, model, "chat.completion.chunk", len(job.streams[0].prompt_ids),
-                    num_completion_tokens))
-        except Exception as exc:
-            yield responses.sse_event(error_payload(exc)[1])
-        yield responses.SSE_DONE
+        if include_usage:
+            last_output = job.streams[0].last_output
+            num_completion_tokens = sum(len(choice.token_ids) for choice in last_output.outputs)
+            yield responses.sse_event(responses.usage_chunk(
+                response_id, created, model, "chat.completion.chunk", len(job.streams[0].prompt_ids),
+                num_completion_tokens))
 
     # ---- completions --------------------------------------------------------------------
 
@@ -250,7 +259,7 @@ class Serving:
         if body.stream:
             first_outputs = await self.start_stream(http_request, job)
             events = self._completion_events(body, job, first_outputs, prompt_texts, response_id, created, model)
-            return SSEResponse(events, job)
+            return SSEResponse(guarded_sse(events), job)
         outputs = await self.finish(http_request, job)
         choices = []
         num_completion_tokens = 0
@@ -314,22 +323,18 @@ class Serving:
                 return None
             return responses.sse_event(responses.text_completion(response_id, created, model, choices, None, None))
 
-        try:
-            for prompt_index, output in enumerate(first_outputs):
-                if output is not None and (event := output_chunk(prompt_index, output)):
-                    yield event
-            async for prompt_index, output in job.rest():
-                if event := output_chunk(prompt_index, output):
-                    yield event
-            if body.include_usage_in_stream:
-                num_prompt_tokens = sum(len(stream.prompt_ids) for stream in job.streams)
-                num_completion_tokens = sum(len(choice.token_ids) for stream in job.streams
-                                            for choice in stream.last_output.outputs)
-                yield responses.sse_event(responses.usage_chunk(
-                    response_id, created, model, "text_completion", num_prompt_tokens, num_completion_tokens))
-        except Exception as exc:
-            yield responses.sse_event(error_payload(exc)[1])
-        yield responses.SSE_DONE
+        for prompt_index, output in enumerate(first_outputs):
+            if output is not None and (event := output_chunk(prompt_index, output)):
+                yield event
+        async for prompt_index, output in job.rest():
+            if event := output_chunk(prompt_index, output):
+                yield event
+        if body.include_usage_in_stream:
+            num_prompt_tokens = sum(len(stream.prompt_ids) for stream in job.streams)
+            num_completion_tokens = sum(len(choice.token_ids) for stream in job.streams
+                                        for choice in stream.last_output.outputs)
+            yield responses.sse_event(responses.usage_chunk(
+                response_id, created, model, "text_completion", num_prompt_tokens, num_completion_tokens))
 
     # ---- utilities ----------------------------------------------------------------------
 

@@ -27,17 +27,18 @@ def draw_roofline_chart(roofs_list: Sequence[Roofs], points: Sequence[RooflinePo
     high = max(intensities) * 4
     x = np.logspace(np.log10(low), np.log10(high), 256)
     figure, axes = plt.subplots(figsize=(8, 5.5), dpi=120)
-    for roofs in roofs_list:
+    roof_colors = ("tab:blue", "tab:green", "tab:cyan", "tab:olive")
+    for roofs, color in zip(roofs_list, roof_colors * len(roofs_list)):
         axes.plot(x, np.minimum(roofs.peak_flops, x * roofs.memory_bandwidth) / 1e9,
                   label=f"{roofs.dtype} roof: {roofs.peak_flops / 1e9:,.0f} GFLOP/s, "
-                        f"{roofs.memory_bandwidth / 1e9:,.1f} GB/s")
+                        f"{roofs.memory_bandwidth / 1e9:,.1f} GB/s", color=color)
         axes.axvline(roofs.ridge_intensity, linestyle=":", linewidth=0.8, color="grey")
-    for phase, marker in (("prefill", "s"), ("decode", "o")):
+    for phase, marker, color in (("prefill", "s", "tab:red"), ("decode", "o", "tab:purple")):
         chosen = [p for p in points if p.phase == phase]
         if not chosen:
             continue
         axes.scatter([p.arithmetic_intensity for p in chosen], [p.achieved_flops / 1e9 for p in chosen],
-                     marker=marker, zorder=3, label=f"{phase} (measured)")
+                     marker=marker, color=color, zorder=3, label=f"{phase} (measured)")
         for point in chosen:
             tag = f"b{point.batch_size}" if phase == "decode" else f"p{point.num_tokens}"
             axes.annotate(tag, (point.arithmetic_intensity, point.achieved_flops / 1e9),

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -427,3 +429,27 @@ def test_sigterm_drains_connector_and_in_flight_stream_finishes(cluster):
     texts = [json.loads(e[6:])["choices"][0]["delta"].get("content", "") for e in events[:-2]]
     assert "".join(texts) == "".join(expected_tokens("drain", 100))
     assert connector.popen.wait(30) == 0
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+def test_tls_gateway_serves_https_and_wss(cluster, stack, tmp_path):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True, timeout=60,
+    )
+    trust = ssl.create_default_context(cafile=str(cert))
+    port = free_port()
+    process = cluster.start("gateway-tls", [*TOKIOS, "gateway", "--port", str(port), "--db", str(cluster.db_path),
+                                            "--ssl-certfile", str(cert), "--ssl-keyfile", str(key), "--log-level", "warning"])
+    url = f"https://127.0.0.1:{port}"
+    wait_until(lambda: process.popen.poll() is None and httpx.get(url + "/health", verify=trust).status_code == 200,
+               STARTUP_TIMEOUT_S, f"TLS gateway\n{process.log()}")
+    cluster.connector(url, stack["backend_url"], "tls-home", None, "--ca-file", str(cert))
+    wait_until(lambda: "tls-home" in [b["backend_id"] for b in httpx.get(
+        url + "/status", verify=trust, headers={"Authorization": f"Bearer {cluster.client_key}"}).json()["backends"]],
+        STARTUP_TIMEOUT_S, "connector over wss")
+    answer = httpx.post(url + "/v1/completions", verify=trust, headers={"Authorization": f"Bearer {cluster.client_key}"},
+                        json={"model": MODEL, "prompt": "secure", "max_tokens": 3})
+    assert answer.json()["choices"][0]["text"] == "".join(expected_tokens("secure", 3))

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import random
 import socket
+import ssl
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +66,7 @@ class ConnectorConfig:
     max_backoff_s: float = 8.0
     drain_grace_s: float = 30.0
     backend_timeout_s: float = 600.0
+    ca_file: str | None = None  # trust this CA for a wss:// gateway (e.g. a self-signed certificate)
     extra_headers: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -160,6 +162,11 @@ class Connector:
             num_failures += 1
             await asyncio.sleep(backoff_delay_s(num_failures, self.config.min_backoff_s, self.config.max_backoff_s, self._rng))
 
+    def _tls_options(self) -> dict[str, Any]:
+        if self.config.ca_file and gateway_connect_url(self.config.gateway_url).startswith("wss://"):
+            return {"ssl": ssl.create_default_context(cafile=self.config.ca_file)}
+        return {}
+
     async def _serve_one_connection(self) -> None:
         async with websockets.connect(
             gateway_connect_url(self.config.gateway_url),
@@ -169,6 +176,7 @@ class Connector:
             max_size=protocol.MAX_MESSAGE_BYTES,
             proxy=None,
             open_timeout=10.0,
+            **self._tls_options(),
         ) as websocket:
             await websocket.send(
                 protocol.encode_json(

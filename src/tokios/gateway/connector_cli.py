@@ -22,6 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend-api-key", default=None, help="key of the local server (default $TOKIOS_BACKEND_API_KEY)")
     parser.add_argument("--backend-id", default="", help="stable id of this backend (default <hostname>-<port>)")
     parser.add_argument("--models", default="", help="comma-separated models served (default: ask /v1/models)")
+    parser.add_argument("--ca-file", default=None, help="CA certificate to trust for a wss:// gateway")
     parser.add_argument("--heartbeat-s", type=float, default=10.0)
     parser.add_argument("--dead-after-s", type=float, default=25.0)
     parser.add_argument("--max-backoff-s", type=float, default=8.0)
@@ -41,6 +42,7 @@ def config_from_args(args: argparse.Namespace) -> ConnectorConfig:
         dead_after_s=args.dead_after_s,
         max_backoff_s=args.max_backoff_s,
         drain_grace_s=args.drain_grace_s,
+        ca_file=args.ca_file,
     )
 
 

@@ -43,6 +43,13 @@ class LinkStream:
         """RESPONSE_HEAD, BODY, END or ERROR (ERROR also when the connection was lost)."""
         return await self._events.get()
 
+    def next_event_nowait(self) -> Frame | None:
+        """The next event if one has already arrived, else None."""
+        try:
+            return self._events.get_nowait()
+        except asyncio.QueueEmpty:
+            return None
+
     def cancel(self) -> None:
         """Tell the connector to abort this request. Synchronous: safe in `finally` of a cancelled task."""
         self.link.cancel(self)

@@ -265,3 +265,29 @@ def test_hf_dir_without_tokenizer_json_is_a_load_error(tmp_path):
 def test_load_tokenizer_missing_path(tmp_path):
     with pytest.raises(ModelLoadError, match="not found"):
         load_tokenizer(tmp_path / "absent.gguf")
+
+
+def test_template_extra_variables_including_documents(metadata):
+    template = "{{ documents | length }} {{ enable_thinking }} {{ messages | length }}"
+    tokenizer = Tokenizer.from_gguf_metadata({**metadata, "tokenizer.chat_template": template})
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "x"}], documents=[{"title": "t", "text": "d"}], enable_thinking=False
+    )
+    assert rendered == "1 False 1"
+
+
+def test_plain_text_vocabulary_entries_are_respelled_in_the_byte_alphabet(metadata):
+    # Some converters store "Ġthe" as " the"; both spellings must tokenize the same.
+    tokens = list(metadata["tokenizer.ggml.tokens"])
+    the_id = tokens.index("Ġthe")
+    tokens[the_id] = " the"
+    respelled = Tokenizer.from_gguf_metadata({**metadata, "tokenizer.ggml.tokens": tokens})
+    assert respelled.encode("in the end") == Tokenizer.from_gguf_metadata(metadata).encode("in the end")
+    assert the_id in respelled.encode("in the end")
+
+
+def test_malformed_merge_is_a_load_error_naming_it(metadata):
+    merges = list(metadata["tokenizer.ggml.merges"])
+    merges[10] = "abc"
+    with pytest.raises(ModelLoadError, match="'abc'"):
+        Tokenizer.from_gguf_metadata({**metadata, "tokenizer.ggml.merges": merges})

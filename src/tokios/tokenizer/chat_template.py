@@ -169,15 +169,18 @@ class ChatTemplate:
         **kwargs: Any,
     ) -> str:
         validated = validate_messages(messages)
-        context = {**special_tokens, **_plain(kwargs)}
+        # Caller kwargs may set extra variables (documents, enable_thinking, ...) but never the
+        # conversation itself.
+        variables = {
+            "documents": None,
+            **special_tokens,
+            **_plain(kwargs),
+            "messages": validated,
+            "tools": _plain(tools),
+            "add_generation_prompt": add_generation_prompt,
+        }
         try:
-            return self._template.render(
-                messages=validated,
-                tools=_plain(tools),
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                **context,
-            )
+            return self._template.render(**variables)
         except jinja2.exceptions.TemplateError as exc:
             # raise_exception() in a template is how templates reject a conversation shape.
             raise InvalidRequestError(f"chat template rejected the messages: {exc}", param="messages") from None

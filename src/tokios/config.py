@@ -1,0 +1,111 @@
+"""Engine configuration: one EngineConfig made of small frozen sub-configs.
+
+Every sub-config validates itself in __post_init__ and raises InvalidRequestError naming the
+field, so a bad command-line flag or LLM(...) argument fails before anything is loaded.
+ModelConfig is not user-set: the loaders derive it from the model file.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokios.errors import InvalidRequestError
+
+SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "int8", "int4")
+# What "auto" resolves to on each device; chosen by measurement (docs/benchmarks.md).
+AUTO_DTYPE_BY_DEVICE = {"cpu": "int8", "cuda": "bfloat16"}
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
+               "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
+
+
+def parse_size(text: str | int, *, field_name: str = "size") -> int:
+    """'2GiB' -> 2147483648. Plain integers are bytes."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if not match or unit not in _SIZE_UNITS:
+        raise InvalidRequestError(
+            f"{field_name} must be a size like 512MiB or 2GiB, got {text!r}", param=field_name)
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def _require(condition: bool, field_name: str, message: str) -> None:
+    if not condition:
+        raise InvalidRequestError(f"{field_name} {message}", param=field_name)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shapes and constants of a decoder-only transformer, read from the model file."""
+
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_model_len: int
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = True
+    attention_bias: bool = False
+    name: str = ""
+
+    def kv_bytes_per_token(self, bytes_per_element: int) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    model: str | None = None  # None: the default model
+    dtype: str = "auto"
+    device: str = "auto"
+    num_threads: int | None = None  # None: physical cores
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in SUPPORTED_DTYPES, "dtype", f"must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        _require(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device",
+                 f"must be auto, cpu or cuda[:N], got {self.device!r}")
+        _require(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory_bytes: int = 512 * 1024**2
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size",
+                 f"must be a power of two from 1 to 128, got {self.block_size}")
+        _require(self.kv_cache_memory_bytes >= 1024**2, "kv_cache_memory",
+                 f"must be at least 1MiB, got {self.kv_cache_memory_bytes} bytes")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # None: the model's own context length
+
+    def __post_init__(self) -> None:
+        _require(1 <= self.max_num_seqs <= 4096, "max_num_seqs", f"must be in 1..4096, got {self.max_num_seqs}")
+        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
+                 f"must be >= 1, got {self.max_num_batched_tokens}")
+        _require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
+                 f"must be >= 2, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    load: LoadConfig = field(default_factory=LoadConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    seed: int = 0

@@ -1,0 +1,172 @@
+"""AsyncEngine: the engine core stepped by a background thread, with one async stream per request.
+
+The step loop runs in its own thread (the model's matrix products release the GIL, so the
+server's event loop stays responsive). Other threads never touch the core: generate() and
+abort() post commands to a queue that the loop drains before each step, and the loop hands
+RequestOutputs back to each request's asyncio.Queue with call_soon_threadsafe. A consumer that
+stops iterating (client gone, task cancelled) aborts its request, which frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from typing import AsyncIterator
+
+from tokios.config import EngineConfig
+from tokios.engine.core import EngineCore, EngineStats
+from tokios.engine.output_processor import OutputProcessor, sequence_ids
+from tokios.errors import InvalidRequestError, TokiosError
+from tokios.outputs import RequestOutput
+from tokios.sampling_params import SamplingParams
+
+logger = logging.getLogger("tokios.engine")
+
+
+class EngineDeadError(TokiosError):
+    status = 500
+    error_type = "engine_error"
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.core = EngineCore(config)
+        self.tokenizer = self.core.tokenizer
+        self.model_config = self.core.model_config
+        self.max_model_len = self.core.max_model_len
+        self.model_name = self.model_config.name or "tokios"
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._ids = itertools.count()
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="tokios-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10)
+            self._thread = None
+
+    # ---- requests -------------------------------------------------------------------------------
+    async def generate(self, prompt: str | None, sampling_params: SamplingParams, request_id: str | None = None,
+                       prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
+        self.start()
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise InvalidRequestError("give a prompt or prompt_token_ids", param="prompt")
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        requests = self.core.make_requests(request_id, list(prompt_token_ids), sampling_params)
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        self._commands.put(("add", request_id, prompt, list(prompt_token_ids), sampling_params, requests))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Thread-safe and idempotent."""
+        self._commands.put(("abort", request_id))
+        self._wake.set()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._streams)
+
+    def stats(self) -> EngineStats:
+        return self.core.stats()
+
+    def check_invariants(self) -> None:
+        self.core.check_invariants()
+
+    # ---- the step loop (engine thread) ------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopping:
+            self._wake.clear()
+            self._drain_commands()
+            if not self.core.has_unfinished:
+                self._wake.wait(timeout=1.0)
+                continue
+            try:
+                engine_outputs = self.core.step()
+                outputs, stopped = self.output_processor.process(engine_outputs)
+                self.core.abort(stopped)
+            except Exception as exc:  # a bug or device failure: fail every stream, keep serving
+                logger.exception("engine step failed; aborting all running requests")
+                self._fail_all(EngineDeadError(f"engine step failed: {type(exc).__name__}: {exc}"))
+                continue
+            for output in outputs:
+                self._deliver(output)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                _, request_id, prompt, token_ids, params, requests = command
+                if request_id not in self._streams:
+                    continue  # the consumer left before its request reached the engine
+                self.output_processor.add_request(request_id, prompt, token_ids, params,
+                                                  arrival_time=requests[0].arrival_time)
+                self.core.add_requests(requests)
+            else:
+                self._abort_now(command[1])
+
+    def _abort_now(self, request_id: str) -> None:
+        state = self.output_processor.requests.get(request_id)
+        if state is None:
+            return
+        self.core.abort(sequence_ids(request_id, state.params.n))
+        output = self.output_processor.abort_outputs(request_id)
+        if output is not None:
+            self._deliver(output)
+
+    def _fail_all(self, error: Exception) -> None:
+        for request_id in list(self.output_processor.requests):
+            state = self.output_processor.requests[request_id]
+            self.core.abort(sequence_ids(request_id, state.params.n))
+            self.output_processor.remove_request(request_id)
+            self._deliver_error(request_id, error)
+
+    def _deliver(self, output: RequestOutput) -> None:
+        entry = self._streams.get(output.request_id)
+        if entry is not None:
+            loop, stream = entry
+            loop.call_soon_threadsafe(stream.put_nowait, output)
+
+    def _deliver_error(self, request_id: str, error: Exception) -> None:
+        entry = self._streams.get(request_id)
+        if entry is not None:
+            loop, stream = entry
+            loop.call_soon_threadsafe(stream.put_nowait, error)

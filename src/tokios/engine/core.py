@@ -1,0 +1,202 @@
+"""EngineCore: model + KV cache + scheduler + runner, stepped by LLM or AsyncEngine.
+
+Works on token ids only. add_requests() validates a request against the context and the KV
+cache before it is queued (so an impossible request fails at once and never deadlocks the
+queue); step() schedules, runs the model once, folds the sampled tokens back and reports
+EngineOutputs. Not thread-safe: one thread steps it (AsyncEngine funnels other threads'
+commands into its step loop).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from tokios.config import AUTO_DTYPE_BY_DEVICE, EngineConfig
+from tokios.engine.output_processor import EngineOutput, sequence_ids
+from tokios.errors import ContextLengthExceededError, InvalidRequestError
+from tokios.kv_cache.manager import KVCacheManager
+from tokios.model.llama import ACTIVATION_DTYPE
+from tokios.model.loader import load_model
+from tokios.model_files import default_model_path
+from tokios.request import Request, RequestStatus
+from tokios.runner.model_runner import ModelRunner
+from tokios.sampling_params import SamplingParams
+from tokios.scheduler.scheduler import Scheduler
+from tokios.tokenizer import Tokenizer
+
+logger = logging.getLogger("tokios.engine")
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_blocks_total: int
+    num_blocks_used: int
+    num_blocks_free: int
+    num_blocks_cached: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def physical_core_count() -> int:
+    try:
+        logical = len(os.sched_getaffinity(0))
+    except AttributeError:
+        logical = os.cpu_count() or 1
+    try:
+        with open("/sys/devices/system/cpu/cpu0/topology/thread_siblings_list") as handle:
+            siblings = handle.read().strip()
+        threads_per_core = len(siblings.replace("-", ",").split(",")) if siblings else 1
+    except OSError:
+        threads_per_core = 1
+    return max(1, logical // max(1, threads_per_core))
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = resolve_device(config.load.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.load.num_threads or physical_core_count())
+        self.weight_format = config.load.dtype
+        if self.weight_format == "auto":
+            self.weight_format = AUTO_DTYPE_BY_DEVICE[self.device.type]
+        path = str(config.load.model or default_model_path())
+        loaded = load_model(path, self.weight_format, self.device)
+        self.model_path = path
+        self.model = loaded.model
+        self.model_config = loaded.config
+        self.load_seconds = loaded.load_seconds
+        if isinstance(loaded.tokenizer_source, dict):
+            self.tokenizer = Tokenizer.from_gguf_metadata(loaded.tokenizer_source, source=path)
+        else:
+            self.tokenizer = Tokenizer.from_hf_dir(loaded.tokenizer_source)
+        self.max_model_len = min(config.scheduler.max_model_len or self.model_config.max_model_len,
+                                 self.model_config.max_model_len)
+
+        kv_dtype = ACTIVATION_DTYPE[self.weight_format]
+        block_size = config.cache.block_size
+        element_size = torch.tensor([], dtype=kv_dtype).element_size()
+        self.kv_bytes_per_token = self.model_config.kv_bytes_per_token(element_size)
+        num_blocks = config.cache.kv_cache_memory_bytes // (self.kv_bytes_per_token * block_size)
+        if num_blocks < 1:
+            raise InvalidRequestError(
+                f"kv_cache_memory {config.cache.kv_cache_memory_bytes} bytes holds no block of {block_size} tokens "
+                f"({self.kv_bytes_per_token * block_size} bytes)", param="kv_cache_memory")
+        logger.info("KV cache: %d bytes per token, %d blocks of %d tokens, capacity %d tokens",
+                    self.kv_bytes_per_token, num_blocks, block_size, num_blocks * block_size)
+        self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
+                                 cache_salt=f"{path}|{self.weight_format}|{self.tokenizer.chat_template_fingerprint}")
+        self.scheduler = Scheduler(self.kv, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
+                                   self.max_model_len)
+        self.runner = ModelRunner(self.model, self.model_config, num_blocks, block_size, self.device, kv_dtype,
+                                  seed=config.seed)
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+    # ---- requests ------------------------------------------------------------------------------
+    def make_requests(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[Request]:
+        """Validate and build the n sequences of one request (no engine state is touched)."""
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty; give at least one token", param="prompt")
+        vocab_size = self.model_config.vocab_size
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})", param="prompt")
+        params.validate_for_vocab(vocab_size)
+        num_prompt = len(prompt_token_ids)
+        limit = self.max_model_len
+        if params.max_tokens is None:
+            max_tokens = limit - num_prompt
+        else:
+            max_tokens = params.max_tokens
+        if num_prompt + max_tokens > limit or max_tokens < 1:
+            raise ContextLengthExceededError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} for the completion). "
+                "Please reduce the length of the prompt or the completion.")
+        if not self.kv.can_fit(num_prompt + max_tokens):
+            capacity = self.kv.pool.num_blocks * self.kv.block_size
+            raise ContextLengthExceededError(
+                f"The KV cache holds {capacity} tokens in all; this request needs up to "
+                f"{num_prompt + max_tokens} ({num_prompt} in the prompt, {max_tokens} for the completion). "
+                "Please reduce the length of the prompt or the completion.")
+        eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
+        requests = []
+        for index, sequence_id in enumerate(sequence_ids(request_id, params.n)):
+            child_params = params.for_child(index) if params.n > 1 else params
+            requests.append(Request(sequence_id, prompt_token_ids, child_params, max_tokens, eos_token_ids,
+                                    sample_index=index, parent=requests[0] if index else None))
+        return requests
+
+    def add_requests(self, requests: list[Request]) -> None:
+        for request in requests:
+            if request.request_id in self.scheduler.requests:
+                raise InvalidRequestError(f"request id {request.request_id!r} is already running", param="request_id")
+        for request in requests:
+            self.scheduler.add_request(request)
+        self.num_prompt_tokens += requests[0].num_prompt_tokens if requests else 0
+
+    def abort(self, sequence_ids_to_abort: list[str]) -> list[str]:
+        aborted = []
+        for sequence_id in sequence_ids_to_abort:
+            if self.scheduler.finish(sequence_id, RequestStatus.FINISHED_ABORTED) is not None:
+                aborted.append(sequence_id)
+        return aborted
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---- one step ------------------------------------------------------------------------------
+    def step(self) -> list[EngineOutput]:
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.runner.execute(scheduler_output)
+        finished = self.scheduler.update(scheduler_output, runner_output.sampled_token_ids)
+        finish_by_id = {f.request.request_id: f for f in finished}
+        outputs = []
+        for scheduled in scheduler_output.scheduled:
+            request = scheduled.request
+            request_id = request.request_id
+            new_token_ids = runner_output.sampled_token_ids.get(request_id, [])
+            prompt_logprobs = runner_output.prompt_logprobs.get(request_id)
+            done = finish_by_id.get(request_id)
+            self.num_generation_tokens += len(new_token_ids)
+            if not new_token_ids and not prompt_logprobs and done is None:
+                continue
+            outputs.append(EngineOutput(
+                sequence_id=request_id, new_token_ids=new_token_ids,
+                new_logprobs=runner_output.logprobs.get(request_id),
+                new_prompt_logprobs=prompt_logprobs,
+                finish_reason=done.status.value if done else None,
+                stop_reason=request.stop_reason if done else None,
+                num_cached_tokens=request.num_cached_tokens, num_preemptions=request.num_preemptions))
+        return outputs
+
+    def stats(self) -> EngineStats:
+        pool = self.kv.pool
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_blocks_total=pool.num_blocks, num_blocks_used=pool.num_used_blocks,
+            num_blocks_free=pool.num_free_blocks, num_blocks_cached=pool.num_cached_blocks,
+            kv_cache_usage=pool.num_used_blocks / pool.num_blocks,
+            prefix_cache_queries=self.kv.prefix_cache_queries, prefix_cache_hits=self.kv.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_prompt_tokens=self.num_prompt_tokens, num_generation_tokens=self.num_generation_tokens)
+
+    def check_invariants(self) -> None:
+        self.scheduler.check_invariants()

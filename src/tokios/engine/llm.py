@@ -1,0 +1,95 @@
+"""LLM: offline, synchronous generation over the engine core (vLLM-shaped API).
+
+    llm = LLM()                       # the default model
+    outputs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
+    outputs[0].outputs[0].text
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Sequence
+
+from tokios.config import CacheConfig, EngineConfig, LoadConfig, SchedulerConfig, parse_size
+from tokios.engine.core import EngineCore, EngineStats
+from tokios.engine.output_processor import OutputProcessor
+from tokios.errors import InvalidRequestError
+from tokios.outputs import RequestOutput
+from tokios.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "auto",
+                 kv_cache_memory: str | int = "512MiB", block_size: int = 16, enable_prefix_caching: bool = True,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_model_len: int | None = None,
+                 num_threads: int | None = None, seed: int = 0):
+        self.engine_config = EngineConfig(
+            load=LoadConfig(model=model, dtype=dtype, device=device, num_threads=num_threads),
+            cache=CacheConfig(block_size=block_size,
+                              kv_cache_memory_bytes=parse_size(kv_cache_memory, field_name="kv_cache_memory"),
+                              enable_prefix_caching=enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                      max_model_len=max_model_len),
+            seed=seed)
+        self.core = EngineCore(self.engine_config)
+        self.tokenizer = self.core.tokenizer
+        self.model_config = self.core.model_config
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run every prompt to completion, batched by the scheduler; outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
+                       else [sampling_params] * len(prompts))
+        if len(params_list) != len(prompts):
+            raise InvalidRequestError(f"got {len(prompts)} prompts but {len(params_list)} sampling params",
+                                      param="sampling_params")
+        request_ids = []
+        for prompt, params in zip(prompts, params_list):
+            request_ids.append(self._add(prompt, params))
+        finished: dict[str, RequestOutput] = {}
+        while self.core.has_unfinished:
+            outputs, stopped = self.output_processor.process(self.core.step())
+            self.core.abort(stopped)
+            for output in outputs:
+                if output.finished:
+                    finished[output.request_id] = output
+        return [finished[request_id] for request_id in request_ids]
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
+                   for c in conversations]
+        token_ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        return self.generate(token_ids, sampling_params)
+
+    def _add(self, prompt: Prompt, params: SamplingParams) -> str:
+        request_id = str(next(self._ids))
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, token_ids = None, list(prompt)
+        requests = self.core.make_requests(request_id, token_ids, params)
+        self.output_processor.add_request(request_id, text, token_ids, params)
+        self.core.add_requests(requests)
+        return request_id
+
+    def stats(self) -> EngineStats:
+        return self.core.stats()
+
+    def check_invariants(self) -> None:
+        self.core.check_invariants()
+
+    def weight_bytes(self) -> int:
+        return self.core.model.weight_bytes()
+
+    def kv_bytes_per_token(self) -> int:
+        return self.core.kv_bytes_per_token

@@ -1,0 +1,78 @@
+"""Attention over the paged KV cache, and the metadata that drives it.
+
+The KV cache of one layer is a pair of tensors [num_slots, num_kv_heads, head_dim], where
+slot = block_id * block_size + offset. The runner (the only layer that builds tensors) fills
+AttentionMetadata once per step; every layer reuses it. Nothing here imports the runner.
+
+Batch layout, fixed by the runner: the requests with one query token (decodes) come first, as
+rows [0, num_decode_tokens); requests with several query tokens (prefill chunks, speculative
+verification) follow, one span each. Only this module looks at query lengths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class MultiTokenSpan:
+    """One request with query_len > 1: rows [query_start, query_start + query_len) of the batch."""
+
+    query_start: int
+    query_len: int
+    context_len: int  # tokens in the cache after this step's writes (cached prefix + this chunk)
+    slot_indices: torch.Tensor  # [context_len] long: cache slot of every context position
+    # [query_len, context_len] bool (True = may attend), None when the span starts at position 0
+    # and is plainly causal.
+    attn_mask: torch.Tensor | None
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] long: cache slot written by each new token
+    num_decode_tokens: int
+    # [num_decode_tokens, max_context_len] long: cache slot of every context position of each
+    # decode request, padded with slot 0 (masked out by decode_mask).
+    decode_slot_indices: torch.Tensor | None = None
+    decode_mask: torch.Tensor | None = None  # [num_decode_tokens, 1, 1, max_context_len] bool
+    spans: list[MultiTokenSpan] = field(default_factory=list)
+
+
+def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    # key/value: [num_tokens, num_kv_heads, head_dim]
+    key_cache.index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+    value_cache.index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    """query [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim].
+
+    The new tokens' K/V must already be written (write_kv), so every request attends to its
+    cached prefix and to itself through the same gather.
+    """
+    output = torch.empty_like(query)
+    num_decode = metadata.num_decode_tokens
+    if num_decode:
+        # Decode: gather only each request's own slots (not a whole padded cache copy per
+        # request), then one batched SDPA over [num_decode, heads, 1, max_context_len].
+        keys = key_cache[metadata.decode_slot_indices].transpose(1, 2)  # [D, kv_heads, L, head_dim]
+        values = value_cache[metadata.decode_slot_indices].transpose(1, 2)
+        decode_query = query[:num_decode].unsqueeze(2).to(keys.dtype)  # [D, heads, 1, head_dim]
+        attended = F.scaled_dot_product_attention(decode_query, keys, values, attn_mask=metadata.decode_mask,
+                                                  scale=scale, enable_gqa=True)
+        output[:num_decode] = attended.squeeze(2).to(output.dtype)
+    for span in metadata.spans:
+        rows = slice(span.query_start, span.query_start + span.query_len)
+        keys = key_cache[span.slot_indices].transpose(0, 1)  # [kv_heads, context_len, head_dim]
+        values = value_cache[span.slot_indices].transpose(0, 1)
+        span_query = query[rows].transpose(0, 1).to(keys.dtype)  # [heads, query_len, head_dim]
+        attended = F.scaled_dot_product_attention(span_query, keys, values, attn_mask=span.attn_mask,
+                                                  is_causal=span.attn_mask is None, scale=scale,
+                                                  enable_gqa=True)
+        output[rows] = attended.transpose(0, 1).to(output.dtype)
+    return output

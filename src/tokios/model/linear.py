@@ -1,0 +1,44 @@
+"""Linear layers in the weight formats `--dtype` offers.
+
+A model file describes the maths with `make_linear(weight, bias, weight_format)`; the format
+decides how the weight is held and multiplied. Dense float32/bfloat16 use PyTorch's matmul
+(oneDNN/MKL on CPU, cuBLAS on GPU); quantized formats live in model/kernels/.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tokios.errors import InvalidRequestError
+
+
+class DenseLinear:
+    """y = x W^T + b with W held in `dtype` (float32 or bfloat16)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+        self.weight = weight.to(dtype).contiguous()  # [out_features, in_features]
+        self.bias = None if bias is None else bias.to(dtype)
+        self.out_features, self.in_features = self.weight.shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
+
+    def num_bytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, weight_format: str, device: torch.device):
+    """weight: [out_features, in_features] float32 on the CPU."""
+    weight = weight.to(device)
+    bias = None if bias is None else bias.to(device)
+    if weight_format == "float32":
+        return DenseLinear(weight, bias, torch.float32)
+    if weight_format == "bfloat16":
+        return DenseLinear(weight, bias, torch.bfloat16)
+    if weight_format in ("int8", "int4"):
+        from tokios.model.kernels import make_quantized_linear
+
+        return make_quantized_linear(weight, bias, weight_format)
+    raise InvalidRequestError(f"dtype must be one of float32, bfloat16, int8, int4, got {weight_format!r}",
+                              param="dtype")

@@ -1,0 +1,201 @@
+"""Model loading: a GGUF file or a Hugging Face directory -> ModelConfig + model + tokenizer source.
+
+Both paths produce weights in Hugging Face names and layout, so one model file per
+architecture serves both. The architecture registry maps the file's architecture name to that
+model class; anything else is an UnsupportedError naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tokios.config import ModelConfig
+from tokios.errors import ModelLoadError, UnsupportedError
+from tokios.model.gguf_file import GGUFFile
+from tokios.model.llama import LlamaModel
+from tokios.model.quant import dequantize
+
+# GGUF architecture name / HF model_type -> model class.
+ARCHITECTURES = {"llama": LlamaModel, "mistral": LlamaModel, "qwen2": LlamaModel}
+HF_ARCHITECTURE_TO_TYPE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                           "Qwen2ForCausalLM": "qwen2"}
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.weight": "self_attn.k_proj.weight", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                   "output.weight": "lm_head.weight"}
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    model: Any
+    tokenizer_source: Any  # GGUF metadata dict, or the HF directory path
+    load_seconds: float
+    path: str
+
+
+def _architecture_class(name: str):
+    if name not in ARCHITECTURES:
+        raise UnsupportedError(f"model architecture {name!r} is not supported "
+                               f"(supported: {', '.join(sorted(ARCHITECTURES))})")
+    return ARCHITECTURES[name]
+
+
+def model_config_from_gguf(metadata: dict[str, Any], path: str, has_output_weight: bool = False) -> ModelConfig:
+    arch = metadata.get("general.architecture")
+    if arch is None:
+        raise ModelLoadError(f"{path}: GGUF metadata has no general.architecture")
+    _architecture_class(arch)
+
+    def get(key: str, default: Any = None) -> Any:
+        value = metadata.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.{key}")
+        return value
+
+    hidden_size = int(get("embedding_length"))
+    num_heads = int(get("attention.head_count"))
+    head_dim = int(get("attention.key_length", hidden_size // num_heads))
+    vocab_size = int(metadata.get(f"{arch}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens", [])))
+    scaling_type = metadata.get(f"{arch}.rope.scaling.type")
+    rope_scaling = None
+    if scaling_type not in (None, "none"):
+        rope_scaling = {"type": scaling_type, "factor": float(get("rope.scaling.factor", 1.0)),
+                        "original_max_position_embeddings":
+                            int(get("rope.scaling.original_context_length", get("context_length")))}
+    return ModelConfig(
+        architecture=arch,
+        num_layers=int(get("block_count")),
+        hidden_size=hidden_size,
+        intermediate_size=int(get("feed_forward_length")),
+        num_heads=num_heads,
+        num_kv_heads=int(get("attention.head_count_kv", num_heads)),
+        head_dim=head_dim,
+        vocab_size=vocab_size,
+        max_model_len=int(get("context_length")),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_word_embeddings=not has_output_weight,
+        attention_bias=False,
+        name=str(metadata.get("general.name", os.path.basename(path))),
+    )
+
+
+def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    # llama.cpp's converter interleaves each head's two rotary halves; restore HF's layout.
+    out_features = weight.shape[0]
+    rest = weight.shape[1:]
+    return weight.reshape(num_heads, out_features // num_heads // 2, 2, *rest).transpose(1, 2).reshape(weight.shape)
+
+
+def weights_from_gguf(gguf: GGUFFile, config: ModelConfig) -> dict[str, torch.Tensor]:
+    weights: dict[str, torch.Tensor] = {}
+    for name, info in gguf.tensors.items():
+        if name in _GGUF_TOP_NAMES:
+            hf_name = _GGUF_TOP_NAMES[name]
+        elif name.startswith("blk."):
+            _, index, local = name.split(".", 2)
+            if local not in _GGUF_LAYER_NAMES:
+                raise UnsupportedError(f"{gguf.path}: tensor {name} is not part of the {config.architecture} "
+                                       "architecture as tokios implements it")
+            hf_name = f"model.layers.{index}.{_GGUF_LAYER_NAMES[local]}"
+        elif name == "rope_freqs.weight":
+            hf_name = "rope_freqs"
+        else:
+            raise UnsupportedError(f"{gguf.path}: unexpected tensor {name}")
+        tensor = dequantize(gguf.raw_bytes(name), info.ggml_type, info.shape, name)
+        if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+            tensor = _unpermute_rope(tensor, config.num_heads)
+        elif hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+            tensor = _unpermute_rope(tensor, config.num_kv_heads)
+        weights[hf_name] = tensor
+    return weights
+
+
+def model_config_from_hf(directory: str) -> ModelConfig:
+    config_path = os.path.join(directory, "config.json")
+    if not os.path.exists(config_path):
+        raise ModelLoadError(f"{directory}: no config.json (a Hugging Face model directory needs one)")
+    with open(config_path) as handle:
+        hf = json.load(handle)
+    architectures = hf.get("architectures") or []
+    model_type = hf.get("model_type") or (HF_ARCHITECTURE_TO_TYPE.get(architectures[0]) if architectures else None)
+    _architecture_class(model_type or str(architectures))
+    num_heads = int(hf["num_attention_heads"])
+    return ModelConfig(
+        architecture=model_type,
+        num_layers=int(hf["num_hidden_layers"]),
+        hidden_size=int(hf["hidden_size"]),
+        intermediate_size=int(hf["intermediate_size"]),
+        num_heads=num_heads,
+        num_kv_heads=int(hf.get("num_key_value_heads", num_heads)),
+        head_dim=int(hf.get("head_dim") or hf["hidden_size"] // num_heads),
+        vocab_size=int(hf["vocab_size"]),
+        max_model_len=int(hf.get("max_position_embeddings", 2048)),
+        rope_theta=float(hf.get("rope_theta", 10000.0)),
+        rope_scaling=hf.get("rope_scaling"),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+        name=os.path.basename(os.path.normpath(directory)),
+    )
+
+
+def weights_from_hf(directory: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+    if not files:
+        raise ModelLoadError(f"{directory}: no *.safetensors weight files")
+    weights: dict[str, torch.Tensor] = {}
+    for file_name in files:
+        for name, tensor in load_file(os.path.join(directory, file_name)).items():
+            weights[name] = tensor.float()
+    return weights
+
+
+def load_model(path: str, weight_format: str, device: torch.device) -> LoadedModel:
+    """Load a GGUF file or HF directory into the model class of its architecture."""
+    started = time.perf_counter()
+    if os.path.isdir(path):
+        config = model_config_from_hf(path)
+        weights = weights_from_hf(path)
+        tokenizer_source: Any = path
+    else:
+        gguf = GGUFFile(path)
+        config = model_config_from_gguf(gguf.metadata, path, "output.weight" in gguf.tensors)
+        weights = weights_from_gguf(gguf, config)
+        tokenizer_source = gguf.metadata
+    if "rope_freqs" in weights:
+        config = _with_rope_factors(config, weights.pop("rope_freqs"))
+    if "lm_head.weight" in weights and config.tie_word_embeddings:
+        weights.pop("lm_head.weight")
+    model_class = _architecture_class(config.architecture)
+    try:
+        model = model_class(config, weights, weight_format, device)
+    except KeyError as exc:
+        raise ModelLoadError(f"{path}: missing weight {exc.args[0]}") from None
+    return LoadedModel(config, model, tokenizer_source, time.perf_counter() - started, path)
+
+
+def _with_rope_factors(config: ModelConfig, factors: torch.Tensor) -> ModelConfig:
+    from dataclasses import replace
+
+    return replace(config, rope_scaling={"type": "freq_factors", "factors": factors})

@@ -259,3 +259,23 @@ def test_cuda_seeded_row_matches_alone_and_greedy_matches_argmax():
     assert sampled.device.type == "cuda"
     assert sampled[5].item() == alone.sampled_token_ids[0].item()
     assert sampled[0].item() == logits[0].argmax().item()
+
+
+@pytest.mark.parametrize("initial_num_candidates", [1, 2, 64, None])
+def test_fused_truncation_equals_top_k_then_top_p_then_min_p(initial_num_candidates):
+    generator = torch.Generator().manual_seed(8)
+    num_rows = 24
+    scales = torch.tensor([0.1, 1.0, 4.0, 10.0]).repeat(num_rows // 4).unsqueeze(1)
+    logits = torch.randn(num_rows, VOCAB_SIZE, generator=generator) * scales
+    top_k = torch.tensor([1, 5, 40, VOCAB_SIZE, VOCAB_SIZE, 200] * 4)
+    top_p = torch.tensor([1.0, 0.9, 0.5, 0.95, 1.0, 0.3, 0.99, 0.7] * 3)
+    min_p = torch.tensor([0.0, 0.0, 0.05, 0.3, 0.0, 0.01] * 4)
+    max_top_k = int(top_k[top_k < VOCAB_SIZE].max())
+    reference = ops.apply_min_p(ops.apply_top_p(ops.apply_top_k(logits, top_k, max_top_k), top_p), min_p)
+    fused = ops.apply_truncation(logits, top_k, max_top_k, top_p, min_p, initial_num_candidates)
+    assert torch.equal(torch.isfinite(fused), torch.isfinite(reference))
+    assert torch.equal(fused, reference)
+    # Each cut alone, too.
+    assert torch.equal(ops.apply_truncation(logits, top_k, max_top_k, None, None, 1), ops.apply_top_k(logits, top_k, max_top_k))
+    assert torch.equal(ops.apply_truncation(logits, None, VOCAB_SIZE, None, min_p, 1), ops.apply_min_p(logits, min_p))
+    assert torch.equal(ops.apply_truncation(logits, None, VOCAB_SIZE, top_p, None, initial_num_candidates), ops.apply_top_p(logits, top_p))

@@ -201,3 +201,17 @@ def test_swapping_top_p_and_min_p_changes_the_kept_set():
     params = SamplingParams(top_p=0.75, min_p=0.3)
     observed = draw_counts(params, logits=logits[0].double().numpy())
     assert_follows(observed, np.array([0.4, 0.3, 0.2, 0.0]) / 0.9)
+
+
+def test_inverse_cdf_across_blocks_and_a_ragged_last_block():
+    # 700 tokens = 2 full 256-token blocks + a ragged one; block 1 holds no mass at all, and the
+    # mass sits at both ends of blocks (where an off-by-one in the two-level search would show).
+    vocab_size = 700
+    probs = np.zeros(vocab_size)
+    support = [0, 1, 255, 512, 513, 600, 699]
+    probs[support] = [0.05, 0.2, 0.1, 0.15, 0.25, 0.05, 0.2]
+    generator = torch.Generator().manual_seed(9)
+    uniforms = torch.rand(NUM_SAMPLES, dtype=torch.float64, generator=generator)
+    batch = torch.tensor(probs, dtype=torch.float32).repeat(NUM_SAMPLES, 1)
+    sampled = ops.sample_from_probs(batch, uniforms)
+    assert_follows(np.bincount(sampled.numpy(), minlength=vocab_size), probs)

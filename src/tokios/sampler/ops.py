@@ -105,6 +105,63 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(logits < threshold, NEG_INF)
 
 
+def apply_truncation(
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None,
+    max_top_k: int,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+    initial_num_candidates: int | None = None,
+) -> torch.Tensor:
+    """top-k, then top-p on the top-k distribution, then min-p, in one masking pass.
+
+    Same result as apply_top_k -> apply_top_p -> apply_min_p (a test holds it to that), but each of
+    the three cuts is a per-row logit threshold found from one topk of candidates, so the
+    [rows, vocab] tensor is read by one topk, one logsumexp and one masked_fill instead of three
+    rounds. `initial_num_candidates` as in apply_top_p (None on accelerators: no host sync).
+    """
+    num_rows, vocab_size = logits.shape
+    num_candidates = vocab_size if initial_num_candidates is None else min(initial_num_candidates, vocab_size)
+    if top_k is not None:
+        num_candidates = max(num_candidates, min(max_top_k, vocab_size))
+    log_normalizer = logits.logsumexp(dim=-1, keepdim=True) if top_p is not None else None
+    while True:
+        candidates = logits.topk(num_candidates, dim=-1).values  # [rows, candidates], descending
+        threshold = torch.full((num_rows, 1), NEG_INF, dtype=logits.dtype, device=logits.device)
+        if top_k is not None:
+            kth = candidates.gather(1, (top_k.clamp(max=num_candidates) - 1).unsqueeze(1))
+            # Rows without top-k carry vocab_size > num_candidates, unless all candidates are in.
+            threshold = kth.masked_fill((top_k > num_candidates).unsqueeze(1), NEG_INF)
+        if top_p is None:
+            break
+        in_top_k = candidates >= threshold
+        # The top-p distribution is the top-k one: renormalise over the top-k candidates when the
+        # row has top-k, over the whole row otherwise.
+        row_log_normalizer = log_normalizer
+        if top_k is not None:
+            top_k_log_normalizer = candidates.masked_fill(~in_top_k, NEG_INF).logsumexp(dim=-1, keepdim=True)
+            row_log_normalizer = torch.where(threshold > NEG_INF, top_k_log_normalizer, log_normalizer)
+        probs = (candidates - row_log_normalizer).exp() * in_top_k
+        mass_before = probs.cumsum(dim=-1) - probs
+        keep = (mass_before < top_p.unsqueeze(1)) & in_top_k
+        is_disabled = top_p >= 1.0
+        if num_candidates == vocab_size:
+            break
+        is_resolved = ~keep[:, -1] | is_disabled | (candidates[:, -1] == NEG_INF)
+        if top_k is not None:
+            is_resolved |= top_k <= num_candidates
+        if bool(is_resolved.all()):
+            break
+        num_candidates = min(vocab_size, num_candidates * TOP_P_CANDIDATE_GROWTH)
+    if top_p is not None:
+        num_kept = keep.sum(dim=-1, keepdim=True).clamp(min=1)
+        top_p_threshold = candidates.gather(1, num_kept - 1).masked_fill(is_disabled.unsqueeze(1), NEG_INF)
+        threshold = torch.maximum(threshold, top_p_threshold)
+    if min_p is not None:
+        threshold = torch.maximum(threshold, candidates[:, :1] + min_p.log().unsqueeze(1))
+    return logits.masked_fill(logits < threshold, NEG_INF)
+
+
 def draw_uniforms(
     generators: list[torch.Generator | None],
     device: torch.device,
@@ -119,20 +176,47 @@ def draw_uniforms(
     return uniforms
 
 
+# Inverse-CDF block width: per-block sums locate the block, a cumsum inside one block finds the
+# token, so no [rows, vocab] float64 cumsum is ever built (that alone costs ~5x a softmax on CPU).
+CDF_BLOCK_SIZE = 256
+
+
 def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Exact inverse-CDF draw: the first token whose cumulative probability exceeds u * total.
 
     probs: [rows, vocab] (need not sum to 1); uniforms: [rows] in [0, 1). Returns [rows] long.
     Why not the exponential race (argmax probs / Exp(1)): it needs vocab random numbers per row,
-    and on CPU generating them costs 15x a softmax; this needs one. The CDF is accumulated in
-    float64 so tokens with tiny probability keep their exact share, and a zero-probability token
-    can never be chosen (its CDF equals its predecessor's, never strictly above the target).
+    and on CPU generating them costs 15x a softmax; this needs one. Two levels, both accumulated in
+    float64: block sums pick the block, a cumsum inside it picks the token. A zero-probability
+    token (or block) can never be chosen: its CDF equals its predecessor's, never strictly above
+    the target.
     """
-    cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # [rows, vocab]
-    total = cdf[:, -1:]
-    # u * total can round up to total when u is within an ulp of 1; keep the target below it.
-    target = torch.minimum(uniforms.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True).squeeze(1)
+    num_rows, vocab_size = probs.shape
+    num_blocks = -(-vocab_size // CDF_BLOCK_SIZE)
+    padding = num_blocks * CDF_BLOCK_SIZE - vocab_size
+    if padding:
+        probs = torch.nn.functional.pad(probs, (0, padding))
+    blocks = probs.view(num_rows, num_blocks, CDF_BLOCK_SIZE)
+    block_cdf = blocks.sum(dim=-1).double().cumsum(dim=-1)  # [rows, blocks]
+    total = block_cdf[:, -1:]
+    target = torch.minimum(uniforms.unsqueeze(1) * total, _just_below(total))
+    block_ids = torch.searchsorted(block_cdf, target, right=True)  # [rows, 1]
+    block_cdf = torch.nn.functional.pad(block_cdf, (1, 0))  # column 0: mass before block 0
+    mass_before = block_cdf.gather(1, block_ids)
+    block_mass = block_cdf.gather(1, block_ids + 1) - mass_before
+    rows = torch.arange(num_rows, device=probs.device)
+    in_block_cdf = blocks[rows, block_ids.squeeze(1)].double().cumsum(dim=-1)  # [rows, block]
+    in_block_total = in_block_cdf[:, -1:]
+    # Rescale the residual from the block-sum scale to this cumsum's (they differ by rounding).
+    in_block_target = (target - mass_before) / block_mass * in_block_total
+    in_block_target = torch.minimum(in_block_target, _just_below(in_block_total))
+    offsets = torch.searchsorted(in_block_cdf, in_block_target, right=True)
+    return (block_ids * CDF_BLOCK_SIZE + offsets).squeeze(1)
+
+
+def _just_below(values: torch.Tensor) -> torch.Tensor:
+    # u * total can round up to total when u is within an ulp of 1; targets must stay below it.
+    return torch.nextafter(values, torch.zeros_like(values))
 
 
 def gather_logprobs(
@@ -142,6 +226,7 @@ def gather_logprobs(
     (chosen logprob [rows], chosen rank [rows] long, 1 = most likely, top ids [rows, num_top],
     top logprobs [rows, num_top]). Shared by sampled-token and prompt logprobs."""
     chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # [rows, 1]
-    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    # Counting in int32 skips a [rows, vocab] bool->int64 copy (2x faster on CPU).
+    ranks = (logprobs > chosen).sum(dim=-1, dtype=torch.int32).long() + 1
     top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)
     return chosen.squeeze(1), ranks, top_ids, top_logprobs

@@ -65,15 +65,13 @@ def apply_logit_edits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch
 def apply_temperature_and_truncation(edited_logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """Steps 4-5 on the output of apply_logit_edits; meaningful for the random rows only."""
     logits = ops.apply_temperature(edited_logits, metadata.temperature)
-    if metadata.top_k is not None:
-        logits = ops.apply_top_k(logits, metadata.top_k, metadata.max_top_k)
-    if metadata.top_p is not None:
-        # Narrow-first search only where a host sync is free; on accelerators one full sort.
-        initial = ops.CPU_INITIAL_NUM_TOP_P_CANDIDATES if logits.device.type == "cpu" else None
-        logits = ops.apply_top_p(logits, metadata.top_p, initial)
-    if metadata.min_p is not None:
-        logits = ops.apply_min_p(logits, metadata.min_p)
-    return logits
+    if metadata.top_k is None and metadata.top_p is None and metadata.min_p is None:
+        return logits
+    # Narrow-first candidate search only where a host sync is free; on accelerators one full sort.
+    initial = ops.CPU_INITIAL_NUM_TOP_P_CANDIDATES if logits.device.type == "cpu" else None
+    if metadata.top_p is None:
+        initial = 1  # top-k / min-p alone need max_top_k (or 1) candidates, never a search
+    return ops.apply_truncation(logits, metadata.top_k, metadata.max_top_k, metadata.top_p, metadata.min_p, initial)
 
 
 def compute_processed_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

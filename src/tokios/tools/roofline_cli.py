@@ -65,7 +65,6 @@ def run(args: argparse.Namespace) -> int:
     engine_dtype = args.dtype
     if not args.skip_engine:
         engine_dtype, points = _measure_engine(args)
-    # Quantized weights are expanded to a 16-bit type for the matrix products unless told otherwise.
     compute_dtype = args.compute_dtype or ENGINE_DTYPE_TO_COMPUTE_DTYPE.get(engine_dtype, "bf16")
     roofs = next((r for r in roofs_list if r.dtype == compute_dtype), roofs_list[0])
     chart_path = None
@@ -101,8 +100,19 @@ def _measure_engine(args: argparse.Namespace) -> tuple[str, list[RooflinePoint]]
     print("measuring decode...", file=sys.stderr)
     points += measure_decode_utilization(engine, args.batch_sizes, prompt_len=args.decode_prompt_len,
                                          num_steps=tuple(args.decode_steps), num_repeats=args.repeats)
-    resolved = getattr(engine, "dtype", None) or getattr(getattr(engine, "load_config", None), "dtype", None)
-    return str(resolved or args.dtype).removeprefix("torch."), points
+    return _engine_compute_dtype(engine, args.dtype), points
+
+
+def _engine_compute_dtype(engine, requested: str) -> str:
+    """The dtype of the engine's matrix products: its activation dtype for the weight format it
+    resolved (int8/int4 weights are expanded for the products), so the right roof is used."""
+    weight_format = getattr(getattr(engine, "core", None), "weight_format", None) or requested
+    try:
+        from tokios.model.llama import ACTIVATION_DTYPE
+    except ImportError:
+        return weight_format
+    torch_dtype = ACTIVATION_DTYPE.get(weight_format)
+    return str(torch_dtype).removeprefix("torch.") if torch_dtype is not None else weight_format
 
 
 def render_report(measurement: dict, roofs: Roofs, points: list[RooflinePoint], chart_path) -> str:

@@ -53,10 +53,9 @@ def engine_footprint(engine: Any) -> EngineFootprint:
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", True)),
     )
     if hasattr(engine, "weight_bytes"):
-        total = float(engine.weight_bytes())
-        untied_embedding = 0.0 if model.tie_word_embeddings else \
-            total * model.num_embedding_params / model.num_params
-        step_weights = total - untied_embedding
+        # The engine counts its linear layers and output projection (not the embedding table,
+        # which a step only gathers rows of): exactly what a step reads.
+        step_weights = float(engine.weight_bytes())
     else:
         step_weights = model.num_step_params * _engine_dtype_bytes(engine, config)
     if hasattr(engine, "kv_bytes_per_token"):

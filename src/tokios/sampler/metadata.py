@@ -43,7 +43,7 @@ class SamplingMetadata:
     # [num_requests] float32; disabled rows hold 1.0. None when no random row uses top-p / min-p.
     top_p: torch.Tensor | None
     min_p: torch.Tensor | None
-    # Penalties; None when no row of the batch uses them. [num_requests] float32 each.
+    # Penalties; None when no row of the batch uses that penalty. [num_requests] float32 each.
     repetition_penalty: torch.Tensor | None
     frequency_penalty: torch.Tensor | None
     presence_penalty: torch.Tensor | None
@@ -131,6 +131,11 @@ class SamplingMetadata:
         prompt_token_mask = output_token_counts = None
         if has_penalties:
             repetition_penalty, frequency_penalty, presence_penalty = next(floats), next(floats), next(floats)
+            # A penalty nobody in the batch uses is skipped rather than applied as a no-op.
+            if not has_repetition:
+                repetition_penalty = None
+            if not has_frequency_presence:
+                frequency_penalty = presence_penalty = None
             penalty_rows = next(ints)
             store.fold_new_output_tokens(states, output_token_ids)
             output_token_counts = store.output_token_counts.index_select(0, penalty_rows)

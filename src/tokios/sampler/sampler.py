@@ -49,7 +49,7 @@ def apply_logit_edits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch
     if metadata.prompt_token_mask is not None:
         seen_mask = metadata.prompt_token_mask | (metadata.output_token_counts > 0)
         edited = ops.apply_repetition_penalty(edited, seen_mask, metadata.repetition_penalty)
-    if metadata.has_penalties:
+    if metadata.frequency_penalty is not None:
         edited = ops.apply_frequency_presence_penalties(
             edited, metadata.output_token_counts, metadata.frequency_penalty, metadata.presence_penalty
         )

@@ -1,0 +1,211 @@
+"""KVCacheManager with exact block ids: prefix hits and misses, chained hashes and the salt,
+tail-first freeing (LRU eviction order), copy on write after fork, and the invariants."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from tokios.kv_cache.manager import KVCacheManager, chain_hash, salt_hash
+
+BLOCK_SIZE = 4
+
+
+@dataclass
+class FakeRequest:
+    request_id: str
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+
+
+def admit(kv: KVCacheManager, request: FakeRequest) -> list[int]:
+    """What the scheduler does for a new request: prefix lookup, then room for the rest."""
+    hit_blocks, num_cached = kv.get_computed_blocks(request)
+    copies = kv.allocate_slots(request, len(request.all_token_ids) - num_cached, hit_blocks)
+    assert copies == []
+    request.num_computed_tokens = len(request.all_token_ids)
+    return hit_blocks
+
+
+def test_prefix_miss_allocates_fresh_blocks_in_order():
+    kv = KVCacheManager(8, BLOCK_SIZE)
+    request = FakeRequest("a", list(range(10)))
+    assert admit(kv, request) == []
+    assert kv.block_ids("a") == [0, 1, 2]  # 10 tokens: two full blocks and a partial one
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (10, 0)
+    kv.check_invariants()
+
+
+def test_prefix_hit_shares_full_blocks_and_never_the_last_token():
+    kv = KVCacheManager(8, BLOCK_SIZE)
+    admit(kv, FakeRequest("a", list(range(10))))
+    # Same first 8 tokens: blocks 0 and 1 are shared, the rest is new.
+    b = FakeRequest("b", list(range(8)) + [50, 51, 52])
+    assert admit(kv, b) == [0, 1]
+    assert kv.block_ids("b") == [0, 1, 3]
+    assert kv.pool.ref_counts[:4] == [2, 2, 1, 1]
+    assert kv.prefix_cache_hits == 8
+    # Exactly 8 tokens, all cached: the last block is recomputed so the step has logits to sample.
+    c = FakeRequest("c", list(range(8)))
+    assert admit(kv, c) == [0]
+    assert kv.block_ids("c") == [0, 4]
+    kv.check_invariants()
+
+
+def test_a_different_first_block_breaks_the_chain_even_when_later_blocks_match():
+    kv = KVCacheManager(8, BLOCK_SIZE)
+    admit(kv, FakeRequest("a", [1, 2, 3, 4, 5, 6, 7, 8, 9]))
+    other = FakeRequest("b", [0, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert admit(kv, other) == []  # block 2's tokens match, its parent does not
+    assert kv.block_ids("b") == [3, 4, 5]
+
+
+def test_cache_salt_separates_models():
+    tokens = list(range(9))
+    kv_one = KVCacheManager(4, BLOCK_SIZE, cache_salt="model-1")
+    kv_two = KVCacheManager(4, BLOCK_SIZE, cache_salt="model-2")
+    assert kv_one.root_hash == salt_hash("model-1") != kv_two.root_hash
+    admit(kv_one, FakeRequest("a", tokens))
+    first_hash = chain_hash(salt_hash("model-1"), tokens[:4])
+    assert kv_one.pool.get_cached_block(first_hash) == 0
+    assert chain_hash(salt_hash("model-2"), tokens[:4]) != first_hash
+
+
+def test_freed_prefix_is_reused_by_a_later_request():
+    kv = KVCacheManager(8, BLOCK_SIZE)
+    admit(kv, FakeRequest("a", list(range(12))))
+    kv.free(FakeRequest("a"))
+    kv.check_invariants(expect_idle=True)
+    assert kv.pool.num_cached_blocks == 3
+    b = FakeRequest("b", list(range(12)) + [99])
+    assert admit(kv, b) == [0, 1, 2]  # revived from the free queue
+    assert kv.block_ids("b") == [0, 1, 2, 3]
+    assert kv.pool.ref_counts[:4] == [1, 1, 1, 1]
+    kv.check_invariants()
+
+
+def test_free_is_tail_first_so_a_prompt_end_is_evicted_before_its_start():
+    kv = KVCacheManager(6, BLOCK_SIZE)
+    admit(kv, FakeRequest("a", list(range(12))))  # blocks 0 1 2, all full and cached
+    kv.free(FakeRequest("a"))
+    assert list(kv.pool.free_queue) == [3, 4, 5, 2, 1, 0]
+    # Five fresh blocks: the never-used 3 4 5 go first, then a's last block 2, then block 1.
+    admit(kv, FakeRequest("b", list(range(100, 120))))
+    assert kv.block_ids("b") == [3, 4, 5, 2, 1]
+    assert kv.pool.num_evictions == 2
+    # Only a's first block survives: a repeat of a's prompt hits one block, not three.
+    c = FakeRequest("c", list(range(12)) + [7])
+    assert kv.get_computed_blocks(c) == ([0], BLOCK_SIZE)
+    kv.check_invariants()
+
+
+def test_allocation_that_does_not_fit_returns_none_without_side_effects():
+    kv = KVCacheManager(3, BLOCK_SIZE)
+    admit(kv, FakeRequest("a", list(range(8))))
+    before = (list(kv.pool.ref_counts), list(kv.pool.free_queue), dict(kv.request_to_blocks))
+    big = FakeRequest("b", list(range(50, 59)))
+    assert kv.allocate_slots(big, 9) is None
+    assert (list(kv.pool.ref_counts), list(kv.pool.free_queue), dict(kv.request_to_blocks)) == before
+    kv.check_invariants()
+
+
+def test_reviving_cached_blocks_counts_against_free_space():
+    kv = KVCacheManager(3, BLOCK_SIZE)
+    admit(kv, FakeRequest("a", list(range(8))))
+    kv.free(FakeRequest("a"))  # blocks 1, 0 cached in the free queue; block 2 free
+    b = FakeRequest("b", list(range(8)) + list(range(60, 66)))  # 14 tokens: 4 blocks, only 3 exist
+    hit_blocks, num_cached = kv.get_computed_blocks(b)
+    assert (hit_blocks, num_cached) == ([0, 1], 8)
+    assert kv.allocate_slots(b, 6, hit_blocks) is None
+    assert kv.pool.ref_counts == [0, 0, 0]
+    kv.check_invariants(expect_idle=True)
+
+
+def test_decode_grows_one_block_when_the_last_is_full():
+    kv = KVCacheManager(4, BLOCK_SIZE)
+    request = FakeRequest("a", list(range(4)))
+    admit(kv, request)
+    assert kv.block_ids("a") == [0]
+    request.all_token_ids.append(42)  # sampled token, not yet computed
+    assert kv.allocate_slots(request, 1) == []
+    assert kv.block_ids("a") == [0, 1]
+    request.num_computed_tokens += 1
+    for token_id in (43, 44, 45):
+        request.all_token_ids.append(token_id)
+        assert kv.allocate_slots(request, 1) == []
+        request.num_computed_tokens += 1
+    assert kv.block_ids("a") == [0, 1]  # positions 4..7 fit in block 1
+    # The decoded block is full now, so it is registered for later prefix hits too.
+    assert kv.pool.get_cached_block(chain_hash(chain_hash(kv.root_hash, [0, 1, 2, 3]), [42, 43, 44, 45])) == 1
+
+
+def test_fork_shares_prompt_blocks_and_the_first_write_copies_the_shared_last_block():
+    kv = KVCacheManager(6, BLOCK_SIZE)
+    parent = FakeRequest("p", list(range(6)))  # blocks 0 (full) and 1 (2 of 4 slots)
+    admit(kv, parent)
+    child = FakeRequest("c", list(range(6)))
+    kv.fork(parent, child, 6)
+    assert kv.block_ids("c") == [0, 1]
+    assert kv.pool.ref_counts[:2] == [2, 2]
+    # The child recomputes the last prompt token (its own logits): a write into shared block 1.
+    child.num_computed_tokens = 5
+    assert kv.allocate_slots(child, 1) == [(1, 2)]
+    assert kv.block_ids("c") == [0, 2] and kv.block_ids("p") == [0, 1]
+    assert kv.pool.ref_counts[:3] == [2, 1, 1]
+    # Later writes are private: no more copies.
+    child.num_computed_tokens = 6
+    child.all_token_ids.append(9)
+    assert kv.allocate_slots(child, 1) == []
+    kv.free(child)
+    kv.free(parent)
+    kv.check_invariants(expect_idle=True)
+
+
+def test_fork_on_a_block_boundary_copies_the_full_last_block():
+    kv = KVCacheManager(6, BLOCK_SIZE)
+    parent = FakeRequest("p", list(range(8)))
+    admit(kv, parent)
+    child = FakeRequest("c", list(range(8)))
+    kv.fork(parent, child, 8)
+    child.num_computed_tokens = 7
+    assert kv.allocate_slots(child, 1) == [(1, 2)]
+    assert kv.pool.ref_counts[:3] == [2, 1, 1]
+    kv.free(parent)
+    kv.free(child)
+    kv.check_invariants(expect_idle=True)
+
+
+def test_copy_on_write_that_does_not_fit_returns_none():
+    kv = KVCacheManager(2, BLOCK_SIZE)
+    parent = FakeRequest("p", list(range(6)))
+    admit(kv, parent)  # both blocks used
+    child = FakeRequest("c", list(range(6)))
+    kv.fork(parent, child, 6)
+    child.num_computed_tokens = 5
+    assert kv.allocate_slots(child, 1) is None
+    assert kv.block_ids("c") == [0, 1] and kv.pool.ref_counts == [2, 2]
+    kv.free(child)
+    kv.free(parent)
+    kv.check_invariants(expect_idle=True)
+
+
+def test_prefix_caching_disabled_finds_nothing():
+    kv = KVCacheManager(6, BLOCK_SIZE, enable_prefix_caching=False)
+    admit(kv, FakeRequest("a", list(range(9))))
+    kv.free(FakeRequest("a"))
+    assert admit(kv, FakeRequest("b", list(range(9)))) == []
+    assert kv.pool.num_cached_blocks == 0
+
+
+def test_can_fit_is_against_the_whole_pool():
+    kv = KVCacheManager(10, 16)
+    assert kv.can_fit(160) and not kv.can_fit(161)
+
+
+def test_invariant_check_reports_blocks_left_mapped_to_a_request():
+    kv = KVCacheManager(4, BLOCK_SIZE)
+    admit(kv, FakeRequest("a", list(range(5))))
+    kv.check_invariants()
+    with pytest.raises(RuntimeError):
+        kv.check_invariants(expect_idle=True)

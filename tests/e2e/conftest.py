@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -97,7 +98,10 @@ def serve(*flags: str, api_key: str | None = None, env: dict[str, str] | None = 
     """A running `tokios serve` with `flags`; `api_key` is added as --api-key and used by helpers."""
     log_dir = Path(tempfile.mkdtemp(prefix="tokios-serve-"))
     log_path = log_dir / "server.log"
-    argv = [sys.executable, "-m", "tokios.cli", "serve", "--host", "127.0.0.1", "--port", "0", *flags]
+    # TOKIOS_E2E_SERVE_FLAGS adds flags to every server (e.g. "--dtype bfloat16" to run the suite
+    # on another weight format or device).
+    extra_flags = shlex.split(os.environ.get("TOKIOS_E2E_SERVE_FLAGS", ""))
+    argv = [sys.executable, "-m", "tokios.cli", "serve", "--host", "127.0.0.1", "--port", "0", *extra_flags, *flags]
     if api_key:
         argv += ["--api-key", api_key]
     with open(log_path, "wb") as log_file:

@@ -116,7 +116,8 @@ def test_prompt_too_long_names_the_limit_and_counts(http, model):
     assert error["type"] == "invalid_request_error"
     assert "maximum context length is 2048 tokens" in error["message"]
     num_prompt_tokens = http.post("/tokenize", json={"prompt": long_prompt}).json()["count"]
-    assert f"{num_prompt_tokens + 5} tokens ({num_prompt_tokens} in the prompt, 5 for the completion)" in error["message"]
+    expected_counts = f"{num_prompt_tokens + 5} tokens ({num_prompt_tokens} in the prompt, 5 for the completion)"
+    assert expected_counts in error["message"]
     chat_error = assert_error(
         http.post("/v1/chat/completions", json=chat_body(model, max_tokens=5000)), 400, code="context_length_exceeded")
     assert "in the messages, 5000 for the completion" in chat_error["message"]

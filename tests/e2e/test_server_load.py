@@ -1,8 +1,10 @@
 """Load, cancellation and the bounded queue against a real `tokios serve`.
 
 - 64 concurrent streams with ignore_eos each get exactly max_tokens tokens; none is lost.
-- 200 requests for 10,000 tokens with a 0.5 s client timeout all time out; then a new request
-  completes within 5 s and every KV block is free again (the engine cancelled abandoned work).
+- 200 requests for as many tokens as the context allows with a 0.5 s client timeout all time out;
+  then a new request completes within 5 s and every KV block is free again (the engine cancelled
+  the abandoned work). The issue says 10,000 tokens; the default model's context is 8,192, so each
+  request asks for the whole rest of the context (about 8,170 tokens) instead.
 - streams closed after a few tokens leave nothing running.
 - beyond max_num_seqs + max_queued_requests a request gets 429 with Retry-After.
 """
@@ -22,14 +24,12 @@ from conftest import serve
 NUM_STREAMS = 64
 TOKENS_PER_STREAM = 16
 NUM_ABANDONED = 200
-ABANDONED_MAX_TOKENS = 10_000
 IDLE_TIMEOUT_S = 120.0
 
 
 @pytest.fixture(scope="module")
 def server():
-    # The context limit is raised so that a 10,000-token answer is a valid request.
-    with serve("--max-model-len", "16384") as server:
+    with serve() as server:
         yield server
 
 
@@ -39,8 +39,10 @@ def wait_until_idle(server) -> dict:
     with server.client() as http:
         while True:
             stats = http.get("/v1/engine/stats").json()
-            if stats["num_unfinished_requests"] == 0 and stats["num_requests_in_flight"] == 0:
-                return stats
+            # Aborts reach the engine thread asynchronously: wait for its queues to empty too.
+            if (stats["num_unfinished_requests"] == 0 and stats["num_requests_in_flight"] == 0
+                    and stats["num_running"] == 0 and stats["num_waiting"] == 0):
+                return http.get("/v1/engine/stats").json()
             if time.monotonic() > deadline:
                 raise AssertionError(f"server still busy after {IDLE_TIMEOUT_S} s: {stats}")
             time.sleep(0.2)
@@ -89,8 +91,9 @@ def test_64_concurrent_streams_each_get_exactly_max_tokens(server):
 
 def test_abandoned_requests_are_cancelled_and_free_their_blocks(server):
     model = server.openai().models.list().data[0].id
+    # No max_tokens: each may generate up to the context limit.
     body = {"model": model, "messages": [{"role": "user", "content": "Write a very long story."}],
-            "max_tokens": ABANDONED_MAX_TOKENS, "ignore_eos": True}
+            "ignore_eos": True}
 
     async def abandon(client: httpx.AsyncClient) -> str:
         try:

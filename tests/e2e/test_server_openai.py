@@ -94,17 +94,18 @@ def test_completions_streaming_matches_non_streaming(client, model):
 
 
 def test_stop_string_cuts_the_answer(client, model):
-    full = client.completions.create(model=model, prompt=PROMPT, max_tokens=16, temperature=0, ignore_eos=True)
+    full = client.completions.create(model=model, prompt=PROMPT, max_tokens=16, temperature=0,
+                                     extra_body={"ignore_eos": True})
     full_text = full.choices[0].text
     words = re.findall(r"[A-Za-z]{3,}", full_text)
     assert words, f"need a word in {full_text!r} to stop on"
     stop = words[min(1, len(words) - 1)]
     cut = client.completions.create(model=model, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop],
-                                    ignore_eos=True)
+                                    extra_body={"ignore_eos": True})
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].text == full_text[:full_text.index(stop)]
     streamed = client.completions.create(model=model, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop],
-                                         ignore_eos=True, stream=True)
+                                         extra_body={"ignore_eos": True}, stream=True)
     assert "".join(chunk.choices[0].text for chunk in streamed) == cut.choices[0].text
 
 
@@ -195,7 +196,8 @@ def test_tokenize_detokenize_round_trip(tokios_server):
 
 def test_metrics_and_request_log(tokios_server, client, model):
     secret_prompt = "zebra-umbrella-quartz"
-    client.completions.create(model=model, prompt=secret_prompt, max_tokens=3, temperature=0, ignore_eos=True)
+    client.completions.create(model=model, prompt=secret_prompt, max_tokens=3, temperature=0,
+                              extra_body={"ignore_eos": True})
     with tokios_server.client() as http:
         text = http.get("/metrics").text
     for name in ("tokios:time_to_first_token_seconds_count", "tokios:inter_token_latency_seconds_count",

@@ -9,6 +9,7 @@ Skips only when no Chromium binary is installed.
 from __future__ import annotations
 
 import base64
+import contextlib
 import itertools
 import json
 import os
@@ -52,7 +53,9 @@ class Browser:
         port = int(port_file.read_text().split()[0])
         targets = httpx.get(f"http://127.0.0.1:{port}/json/list", timeout=10).json()
         page = next(target for target in targets if target["type"] == "page")
-        self.socket = connect(page["webSocketDebuggerUrl"], max_size=None, open_timeout=30)
+        self._exit_stack = contextlib.ExitStack()
+        self.socket = self._exit_stack.enter_context(
+            connect(page["webSocketDebuggerUrl"], max_size=None, open_timeout=30))
         self._ids = itertools.count(1)
 
     def call(self, method: str, **params) -> dict:
@@ -87,15 +90,16 @@ class Browser:
 
     def press_enter(self) -> None:
         for event_type in ("keyDown", "keyUp"):
+            text = {"text": "\r"} if event_type == "keyDown" else {}
             self.call("Input.dispatchKeyEvent", type=event_type, key="Enter", code="Enter",
-                      windowsVirtualKeyCode=13, nativeVirtualKeyCode=13, **({"text": "\r"} if event_type == "keyDown" else {}))
+                      windowsVirtualKeyCode=13, nativeVirtualKeyCode=13, **text)
 
     def screenshot(self) -> bytes:
         return base64.b64decode(self.call("Page.captureScreenshot", format="png")["data"])
 
     def close(self) -> None:
         try:
-            self.socket.close()
+            self._exit_stack.close()
         finally:
             self.process.terminate()
             try:

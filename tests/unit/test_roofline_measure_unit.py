@@ -93,19 +93,15 @@ def test_a_request_that_stops_early_is_an_error():
 
 
 def test_noise_that_makes_the_difference_negative_is_an_error():
-    class NoisyClock(FakeClock):
-        def __init__(self):
-            super().__init__()
-            self.calls = 0
+    class StalledShortRuns(StandInEngine):
+        def generate(self, prompts, sampling_params):
+            if sampling_params.max_tokens == 4:
+                self.clock.now += 10.0  # a neighbour stalls every short run
+            return super().generate(prompts, sampling_params)
 
-        def __call__(self) -> float:
-            self.calls += 1
-            # Short runs (before the long ones) get 10 s of extra stall each.
-            return self.now + (10.0 * self.calls if self.calls <= 6 else 60.0)
-
-    clock = NoisyClock()
+    clock = FakeClock()
     with pytest.raises(TokiosError, match="noisy"):
-        measure_decode_utilization(StandInEngine(clock), [1], clock=clock)
+        measure_decode_utilization(StalledShortRuns(clock), [1], num_steps=(4, 20), clock=clock)
 
 
 def test_footprint_falls_back_to_the_engine_dtype():
@@ -124,3 +120,25 @@ def test_bad_sizes_name_the_field(call):
     clock = FakeClock()
     with pytest.raises(InvalidRequestError):
         call(StandInEngine(clock), clock)
+
+
+def test_one_time_cost_of_a_new_shape_is_kept_out_of_the_timing():
+    class ColdShapes(StandInEngine):
+        def __init__(self, clock):
+            super().__init__(clock)
+            self.seen_shapes = set()
+
+        def generate(self, prompts, sampling_params):
+            shape = (len(prompts), len(prompts[0]))
+            if shape not in self.seen_shapes:
+                self.seen_shapes.add(shape)
+                self.clock.now += 5.0  # kernel selection for a shape never seen
+            return super().generate(prompts, sampling_params)
+
+    clock = FakeClock()
+    engine = ColdShapes(clock)
+    decode = measure_decode_utilization(engine, [2, 8], prompt_len=16, num_repeats=1, clock=clock)
+    prefill = measure_prefill_utilization(engine, [100], num_repeats=1, clock=clock)
+    assert [p.seconds for p in decode] == pytest.approx([STEP_BASE_S + 2 * STEP_S_PER_REQUEST,
+                                                         STEP_BASE_S + 8 * STEP_S_PER_REQUEST])
+    assert prefill[0].seconds == pytest.approx(OVERHEAD_S + PREFILL_S_PER_TOKEN * 100)

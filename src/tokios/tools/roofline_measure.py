@@ -116,9 +116,10 @@ def measure_prefill_utilization(engine: Any, prompt_lens: Sequence[int], *, num_
     _check_sizes("prompt_lens", prompt_lens)
     footprint = engine_footprint(engine)
     prompts = _PromptMaker(footprint.model.vocab_size, seed)
-    _timed_generate(engine, prompts.make(1, min(prompt_lens)), 1, clock)  # warm-up
     points = []
     for prompt_len in prompt_lens:
+        # Untimed first: a new shape can cost one-time work (kernel selection, allocation).
+        _timed_generate(engine, prompts.make(1, prompt_len), 1, clock)
         seconds = min(_timed_generate(engine, prompts.make(1, prompt_len), 1, clock)
                       for _ in range(num_repeats))
         points.append(RooflinePoint(
@@ -142,11 +143,12 @@ def measure_decode_utilization(engine: Any, batch_sizes: Sequence[int], *, promp
                                   "1 <= short < long", param="num_steps")
     footprint = engine_footprint(engine)
     prompts = _PromptMaker(footprint.model.vocab_size, seed)
-    _timed_generate(engine, prompts.make(min(batch_sizes), prompt_len), short_steps, clock)  # warm-up
     # The differenced steps see contexts from prompt_len + short_steps to prompt_len + long_steps.
     context_len = prompt_len + (short_steps + long_steps) / 2
     points = []
     for batch_size in batch_sizes:
+        # Untimed first: a new batch shape can cost one-time work (kernel selection, allocation).
+        _timed_generate(engine, prompts.make(batch_size, prompt_len), short_steps, clock)
         short_s = min(_timed_generate(engine, prompts.make(batch_size, prompt_len), short_steps, clock)
                       for _ in range(num_repeats))
         long_s = min(_timed_generate(engine, prompts.make(batch_size, prompt_len), long_steps, clock)

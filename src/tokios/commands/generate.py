@@ -1,0 +1,163 @@
+"""`tokios generate PROMPT`: one completion, streamed to the terminal as it is produced.
+
+Owns the command, plus the pieces `tokios chat` shares with it: the model and sampling flags,
+loading an EngineCore from them, and streaming one request's text deltas. Talks to
+tokios.engine (EngineCore steps the model; OutputProcessor turns token ids into text deltas),
+tokios.config (flag validation) and the tokenizer's chat template. The text goes to stdout;
+load time, TTFT, prompt tok/s and decode tok/s go to stderr, so stdout stays pipeable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from typing import TextIO
+
+from tokios.errors import InvalidRequestError
+
+DEFAULT_MAX_TOKENS = 256
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="a .gguf file or a Hugging Face directory (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", default="auto",
+                        help="how weights are held: auto, float32, bfloat16, int8 or int4 (default auto)")
+    parser.add_argument("--kv-cache-memory", default="512MiB", help="memory for the KV cache (default 512MiB)")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                        help=f"most tokens to generate (default {DEFAULT_MAX_TOKENS})")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 is greedy (the default, reproducible); higher is more varied")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1] (default 1)")
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens; 0 is off")
+    parser.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", help="the prompt (a user message, or plain text with --raw)")
+    parser.add_argument("--raw", action="store_true",
+                        help="complete the prompt as plain text instead of applying the chat template")
+    parser.add_argument("--system", default=None, help="a system message (chat template only)")
+    add_model_arguments(parser)
+    add_sampling_arguments(parser)
+
+
+def sampling_params_from_args(args: argparse.Namespace):
+    from tokios.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.seed)
+
+
+def load_engine(args: argparse.Namespace, err: TextIO = sys.stderr):
+    """EngineCore for the model flags; reports where the model came from and how long it took."""
+    from tokios.config import CacheConfig, EngineConfig, LoadConfig, parse_size
+
+    # Validate every flag before paying for torch and the model.
+    load = LoadConfig(model=args.model, dtype=args.dtype, num_threads=args.threads)
+    cache = CacheConfig(kv_cache_memory_bytes=parse_size(args.kv_cache_memory, field_name="kv_cache_memory"))
+    sampling_params_from_args(args)
+    started = time.perf_counter()
+    from tokios.engine import EngineCore
+
+    core = EngineCore(EngineConfig(load=load, cache=cache, seed=args.seed or 0))
+    total_seconds = time.perf_counter() - started
+    capacity = core.kv.pool.num_blocks * core.kv.block_size
+    print(f"loaded {core.model_path} ({core.weight_format}) in {total_seconds:.2f} s "
+          f"(weights {core.load_seconds:.2f} s); KV cache holds {capacity} tokens", file=err)
+    return core
+
+
+@dataclass
+class StreamResult:
+    text: str
+    num_prompt_tokens: int
+    num_output_tokens: int
+    finish_reason: str | None
+    ttft_seconds: float | None
+    decode_seconds: float | None
+
+    def stats_line(self) -> str:
+        parts = [f"{self.num_prompt_tokens} prompt tokens", f"{self.num_output_tokens} generated"]
+        if self.ttft_seconds:
+            parts.append(f"TTFT {self.ttft_seconds * 1000:.0f} ms")
+            parts.append(f"prompt {self.num_prompt_tokens / self.ttft_seconds:.1f} tok/s")
+        if self.decode_seconds and self.num_output_tokens > 1:
+            parts.append(f"decode {(self.num_output_tokens - 1) / self.decode_seconds:.1f} tok/s")
+        parts.append(f"finish {self.finish_reason}")
+        return ", ".join(parts)
+
+
+_request_counter = 0
+
+
+def stream_completion(core, prompt_token_ids: list[int], params, out: TextIO) -> StreamResult:
+    """Run one request to the end on `core`, writing each text delta to `out` as it comes."""
+    from tokios.engine.output_processor import OutputProcessor
+
+    global _request_counter
+    _request_counter += 1
+    request_id = f"cli-{_request_counter}"
+    processor = OutputProcessor(core.tokenizer)
+    requests = core.make_requests(request_id, prompt_token_ids, params)
+    started = time.perf_counter()
+    processor.add_request(request_id, None, prompt_token_ids, params)
+    core.add_requests(requests)
+    first_token_at = last_token_at = None
+    final = None
+    while core.has_unfinished:
+        outputs, stopped = processor.process(core.step())
+        core.abort(stopped)
+        for output in outputs:
+            completion = output.outputs[0]
+            if completion.token_ids_delta:
+                last_token_at = time.perf_counter()
+                first_token_at = first_token_at or last_token_at
+            if completion.text_delta:
+                out.write(completion.text_delta)
+                out.flush()
+            if output.finished:
+                final = completion
+    if final is None:
+        raise InvalidRequestError("the engine finished without an output for the request", param="prompt")
+    return StreamResult(
+        text=final.text, num_prompt_tokens=len(prompt_token_ids), num_output_tokens=len(final.token_ids),
+        finish_reason=final.finish_reason,
+        ttft_seconds=None if first_token_at is None else first_token_at - started,
+        decode_seconds=None if first_token_at is None else last_token_at - first_token_at)
+
+
+def prompt_token_ids_for(core, messages: list[dict] | None, raw_text: str | None) -> list[int]:
+    """Chat messages through the model's template, or plain text as is."""
+    if messages is not None:
+        rendered = core.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        # The template already wrote any BOS the model wants.
+        return core.tokenizer.encode(rendered, add_special_tokens=False)
+    return core.tokenizer.encode(raw_text)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.prompt:
+        raise InvalidRequestError("the prompt is empty; give some text", param="prompt")
+    params = sampling_params_from_args(args)
+    core = load_engine(args)
+    if args.raw:
+        if args.system is not None:
+            raise InvalidRequestError("--system needs the chat template; drop --raw", param="system")
+        token_ids = prompt_token_ids_for(core, None, args.prompt)
+    else:
+        messages = [{"role": "system", "content": args.system}] if args.system is not None else []
+        messages.append({"role": "user", "content": args.prompt})
+        token_ids = prompt_token_ids_for(core, messages, None)
+    result = stream_completion(core, token_ids, params, sys.stdout)
+    if not result.text.endswith("\n"):
+        sys.stdout.write("\n")
+    sys.stdout.flush()
+    print(result.stats_line(), file=sys.stderr)
+    return 0

@@ -38,6 +38,7 @@ class AttentionMetadata:
     # decode request, padded with slot 0 (masked out by decode_mask).
     decode_slot_indices: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None  # [num_decode_tokens, 1, 1, max_context_len] bool
+    decode_context_lens: torch.Tensor | None = None  # [num_decode_tokens] long
     spans: list[MultiTokenSpan] = field(default_factory=list)
 
 

@@ -21,7 +21,9 @@ class DenseLinear:
         self.bias = None if bias is None else bias.to(dtype)
         self.out_features, self.in_features = self.weight.shape
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, num_decode_rows: int | None = None) -> torch.Tensor:
+        # Dense weights compute every row the same way; the decode/prefill split is for
+        # quantized formats (model/kernels).
         return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
 
     def num_bytes(self) -> int:

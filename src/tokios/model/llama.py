@@ -10,11 +10,12 @@ whatever file they came from.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from tokios.config import ModelConfig
-from tokios.model.attention import AttentionMetadata, paged_attention, write_kv
+from tokios.model.attention import AttentionMetadata
+from tokios.model.kernels import load_extension
 from tokios.model.linear import make_linear
+from tokios.model.ops import CpuKernelOps, TorchOps
 from tokios.model.rope import RotaryEmbedding
 
 # Weight format -> dtype of activations and of the KV cache.
@@ -52,50 +53,50 @@ class LlamaModel:
         self.weight_format = weight_format
         self.device = device
         self.dtype = ACTIVATION_DTYPE[weight_format]
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
-        self.scale = config.head_dim ** -0.5
-        self.eps = config.rms_norm_eps
         embed = weights.pop("model.embed_tokens.weight")
         # The embedding table is only gathered from (a row per token), so it stays dense.
         self.embed_tokens = embed.to(device=device, dtype=self.dtype)
         lm_head = weights.pop("lm_head.weight", None)
-        self.lm_head = make_linear(embed if lm_head is None else lm_head, None, weight_format, device)
+        # The output projection decides every token's ranking; 4-bit blocks there cost more
+        # accuracy than anywhere else, so int4 keeps it at 8 bits (as llama.cpp's Q4 files do).
+        head_format = "int8" if weight_format == "int4" else weight_format
+        self.lm_head = make_linear(embed if lm_head is None else lm_head, None, head_format, device)
         self.norm = weights.pop("model.norm.weight").to(device=device, dtype=self.dtype)
         self.layers = [LlamaLayer(config, weights, f"model.layers.{i}", weight_format, device)
                        for i in range(config.num_layers)]
         self.rotary = RotaryEmbedding(config, config.max_model_len, device, torch.float32)
-
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
+        extension = load_extension() if weight_format in ("int4", "int8") and device.type == "cpu" else None
+        self.ops = CpuKernelOps(config, self.rotary, extension) if extension is not None else TorchOps(config, self.rotary)
+        self.can_fuse_decode = extension is not None
+        self._fused = None
+        self._fused_caches = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden]."""
-        config = self.config
-        num_tokens = input_ids.shape[0]
         hidden = self.embed_tokens[input_ids]
-        cos, sin = self.rotary.tables(positions)
+        ops = self.ops
+        if self.can_fuse_decode and metadata.num_decode_tokens == input_ids.shape[0]:
+            # Decode-only step: every layer in one C++ call (no Python between operations).
+            if self._fused is None or self._fused_caches is not kv_caches:
+                self._fused, self._fused_caches = ops.fused_decoder(self, kv_caches), kv_caches
+            hidden = self._fused.forward(hidden, positions, metadata.slot_mapping, metadata.decode_slot_indices,
+                                         metadata.decode_context_lens)
+            return ops.rms_norm(hidden, self.norm)
+        rope_tables = ops.rope_tables(positions)
+        num_decode = metadata.num_decode_tokens
         for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
-            normed = self._norm(hidden, layer.input_norm)
-            qkv = layer.qkv(normed)
-            query = qkv[:, :self.q_size].view(num_tokens, config.num_heads, config.head_dim)
-            key = qkv[:, self.q_size:self.q_size + self.kv_size].view(num_tokens, config.num_kv_heads, config.head_dim)
-            value = qkv[:, self.q_size + self.kv_size:].view(num_tokens, config.num_kv_heads, config.head_dim)
-            query = self.rotary.apply(query.float(), cos, sin)
-            key = self.rotary.apply(key.float(), cos, sin)
-            write_kv(key_cache, value_cache, key, value, metadata.slot_mapping)
-            attended = paged_attention(query, key_cache, value_cache, metadata, self.scale)
-            hidden = hidden + layer.o_proj(attended.reshape(num_tokens, self.q_size).to(self.dtype)).to(self.dtype)
-            normed = self._norm(hidden, layer.post_attention_norm)
-            gate_up = layer.gate_up(normed)
-            gate, up = gate_up.chunk(2, dim=-1)
-            hidden = hidden + layer.down(F.silu(gate) * up).to(self.dtype)
-        return self._norm(hidden, self.norm)
+            qkv = layer.qkv(ops.rms_norm(hidden, layer.input_norm), num_decode)
+            attended = ops.attention(qkv, positions, key_cache, value_cache, metadata, rope_tables)
+            hidden = hidden + layer.o_proj(attended.to(self.dtype), num_decode).to(self.dtype)
+            gate_up = layer.gate_up(ops.rms_norm(hidden, layer.post_attention_norm), num_decode)
+            hidden = hidden + layer.down(ops.silu_mul(gate_up), num_decode).to(self.dtype)
+        return ops.rms_norm(hidden, self.norm)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [num_sampled, hidden] -> float32 logits [num_sampled, vocab]."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, is_prompt: bool = False) -> torch.Tensor:
+        """hidden [num_rows, hidden] -> float32 logits [num_rows, vocab]. Sampled rows take the
+        decode kernel (batch-invariant); prompt-logprob rows, many at once, the prefill path."""
+        return self.lm_head(hidden, 0 if is_prompt else None).float()
 
     def weight_bytes(self) -> int:
         linears = [self.lm_head] + [lin for layer in self.layers

@@ -143,6 +143,7 @@ class ModelRunner:
                 valid[i, :len(slots)] = True
             metadata.decode_slot_indices = torch.from_numpy(padded).to(self.device)
             metadata.decode_mask = torch.from_numpy(valid).to(self.device)[:, None, None, :]
+            metadata.decode_context_lens = torch.tensor([len(s) for s in decode_slots], device=self.device)
         return input_ids, positions, metadata, sample_rows, prompt_rows
 
     def _sample(self, sampling: list[ScheduledRequest], hidden: torch.Tensor, output: RunnerOutput) -> None:
@@ -169,7 +170,7 @@ class ModelRunner:
     def _prompt_logprobs(self, scheduled: ScheduledRequest, hidden: torch.Tensor, output: RunnerOutput) -> None:
         request = scheduled.request
         start = request.num_computed_tokens
-        logprobs = torch.log_softmax(self.model.compute_logits(hidden), dim=-1)
+        logprobs = torch.log_softmax(self.model.compute_logits(hidden, is_prompt=True), dim=-1)
         next_ids = request.all_token_ids[start + 1:start + 1 + hidden.shape[0]]
         chosen = logprobs.gather(1, torch.tensor(next_ids, device=self.device)[:, None]).squeeze(1).tolist()
         num_top = request.sampling_params.prompt_logprobs

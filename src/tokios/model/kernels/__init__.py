@@ -1,0 +1,151 @@
+"""Quantized weight formats and their CPU kernels.
+
+`--dtype int4` holds linear weights in GGML's Q4_1 blocks (fp16 scale and minimum per 32
+weights, 4-bit values: 5 bits per weight), `--dtype int8` in Q8_0 blocks (fp16 scale per 32,
+8-bit values: 8.5 bits per weight). The matrix product is a C++ kernel (quant_linear.cpp:
+activations quantized to 8-bit blocks, AVX-512 VNNI dot products), compiled once per machine
+with torch's extension builder into ~/.cache/tokios/kernels (scripts/setup builds it; a first
+use builds it otherwise). Where it cannot be built, or off the CPU, the same blocks are
+dequantized and multiplied with torch (correct, slower); `kernel_status()` says which path runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger("tokios.kernels")
+
+BLOCK = 32
+Q4_1, Q8_0 = 0, 1
+BLOCK_BYTES = {Q4_1: 20, Q8_0: 34}
+FORMAT_BY_DTYPE = {"int4": Q4_1, "int8": Q8_0}
+_SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+_extension = None
+_extension_error: str | None = None
+
+
+def _build_directory() -> Path:
+    digest = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
+    root = Path(os.environ.get("TOKIOS_CACHE_DIR", Path.home() / ".cache" / "tokios"))
+    return root / "kernels" / digest
+
+
+def load_extension():
+    """The compiled kernel module, or None (with the reason in kernel_status()) if unavailable."""
+    global _extension, _extension_error
+    if _extension is not None or _extension_error is not None:
+        return _extension
+    try:
+        from torch.utils.cpp_extension import load
+
+        build_directory = _build_directory()
+        build_directory.mkdir(parents=True, exist_ok=True)
+        _extension = load(name="tokios_cpu_kernels", sources=[str(_SOURCE)], build_directory=str(build_directory),
+                          extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                          verbose=False)
+    except Exception as exc:  # no compiler, no headers: fall back to torch, say so once
+        _extension_error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        logger.warning("quantized CPU kernel unavailable (%s); using the slower torch path", _extension_error)
+    return _extension
+
+
+def kernel_status() -> str:
+    extension = load_extension()
+    if extension is None:
+        return f"torch fallback ({_extension_error})"
+    return "C++ kernel, AVX-512 VNNI" if extension.has_vnni() else "C++ kernel, portable scalar path"
+
+
+# ---- quantization into GGML blocks (torch, at load time) ------------------------------------------
+def _halves_as_bytes(values: torch.Tensor) -> torch.Tensor:
+    # [N, num_blocks] float -> [N, num_blocks, 2] uint8 (little-endian fp16)
+    return values.to(torch.float16).contiguous().view(torch.uint8).view(*values.shape, 2)
+
+
+def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] float -> [N, K/32*34] uint8 Q8_0 blocks (scale = max |w| / 127, as llama.cpp)."""
+    n, k = weight.shape
+    blocks = weight.float().reshape(n, k // BLOCK, BLOCK)
+    scale = blocks.abs().amax(dim=-1) / 127.0
+    inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    values = torch.round(blocks * inverse[..., None]).clamp(-127, 127).to(torch.int8)
+    return torch.cat([_halves_as_bytes(scale), values.view(torch.uint8)], dim=-1).reshape(n, -1)
+
+
+def quantize_q4_1(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] float -> [N, K/32*20] uint8 Q4_1 blocks (scale = (max - min) / 15, minimum = min).
+    A weight that was Q4_1 in the file comes back to the same 16 levels per block."""
+    n, k = weight.shape
+    blocks = weight.float().reshape(n, k // BLOCK, BLOCK)
+    minimum = blocks.amin(dim=-1)
+    scale = (blocks.amax(dim=-1) - minimum) / 15.0
+    # Quantize against the fp16-rounded scale and minimum that the kernel will read back.
+    scale16, minimum16 = scale.half().float(), minimum.half().float()
+    inverse = torch.where(scale16 > 0, 1.0 / scale16, torch.zeros_like(scale16))
+    values = torch.round((blocks - minimum16[..., None]) * inverse[..., None]).clamp(0, 15).to(torch.uint8)
+    packed = values[..., :16] | (values[..., 16:] << 4)
+    return torch.cat([_halves_as_bytes(scale), _halves_as_bytes(minimum), packed], dim=-1).reshape(n, -1)
+
+
+def dequantize_blocks(blocks: torch.Tensor, block_format: int, in_features: int) -> torch.Tensor:
+    """Inverse of the quantizers: uint8 blocks -> [N, K] float32 (the torch fallback path)."""
+    n = blocks.shape[0]
+    num_blocks = in_features // BLOCK
+    raw = blocks.reshape(n, num_blocks, BLOCK_BYTES[block_format])
+    scale = raw[..., 0:2].contiguous().view(torch.float16).float()  # [N, num_blocks, 1]
+    if block_format == Q8_0:
+        values = raw[..., 2:].contiguous().view(torch.int8).float()
+        return (values * scale).reshape(n, in_features)
+    minimum = raw[..., 2:4].contiguous().view(torch.float16).float()
+    packed = raw[..., 4:]
+    values = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()
+    return (values * scale + minimum).reshape(n, in_features)
+
+
+class QuantizedLinear:
+    """y = x W^T + b with W in GGML blocks; activations and output float32."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, block_format: int):
+        self.out_features, self.in_features = weight.shape
+        if self.in_features % BLOCK:
+            raise ValueError(f"in_features must be a multiple of {BLOCK}, got {self.in_features}")
+        self.block_format = block_format
+        quantize = quantize_q4_1 if block_format == Q4_1 else quantize_q8_0
+        self.blocks = quantize(weight.cpu()).to(weight.device)
+        self.bias = None if bias is None else bias.float().to(weight.device)
+        self.extension = load_extension() if weight.device.type == "cpu" else None
+
+    def __call__(self, x: torch.Tensor, num_decode_rows: int | None = None) -> torch.Tensor:
+        """Rows [0, num_decode_rows) are decodes (None: all rows): the 8-bit dot kernel, whose
+        per-row result does not depend on the batch. The remaining rows are prefill chunks: one
+        bf16 matrix product on the dequantized weight, much faster when many rows share it."""
+        x = x.float()
+        if self.extension is None:
+            weight = dequantize_blocks(self.blocks, self.block_format, self.in_features)
+            return F.linear(x, weight, self.bias)
+        num_rows = x.shape[0]
+        num_decode_rows = num_rows if num_decode_rows is None else num_decode_rows
+        if num_decode_rows == num_rows:
+            return self.extension.quant_linear(x, self.blocks, self.block_format, self.bias)
+        weight = self.extension.dequantize_bf16(self.blocks, self.block_format, self.in_features)
+        prefill = F.linear(x[num_decode_rows:].to(torch.bfloat16), weight).float()
+        if self.bias is not None:
+            prefill += self.bias
+        if num_decode_rows == 0:
+            return prefill
+        decode = self.extension.quant_linear(x[:num_decode_rows].contiguous(), self.blocks, self.block_format, self.bias)
+        return torch.cat([decode, prefill])
+
+    def num_bytes(self) -> int:
+        return self.blocks.numel()
+
+
+def make_quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, weight_format: str) -> QuantizedLinear:
+    return QuantizedLinear(weight, bias, FORMAT_BY_DTYPE[weight_format])
+

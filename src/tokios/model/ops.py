@@ -1,0 +1,103 @@
+"""The elementwise and attention operations of a decoder layer, in two implementations chosen
+once at model construction:
+
+- TorchOps: plain PyTorch (any device, any dtype). The float32 reference path.
+- CpuKernelOps: the C++ kernels of model/kernels (quantized weights on the CPU). Decode rows go
+  through the same C++ functions that the fused decode step (FusedDecoder) runs, so a request's
+  tokens are computed identically whether its step was decode-only (fused) or mixed with
+  prefill chunks (per-op), and whatever the batch size.
+
+Both take the fused qkv projection [num_tokens, (heads + 2 * kv_heads) * head_dim], rotate q and
+k, write k and v to the paged cache, and attend.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tokios.config import ModelConfig
+from tokios.model.attention import AttentionMetadata, paged_attention, write_kv
+from tokios.model.rope import RotaryEmbedding
+
+
+class TorchOps:
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding):
+        self.config = config
+        self.rotary = rotary
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim ** -0.5
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def attention(self, qkv: torch.Tensor, positions: torch.Tensor, key_cache: torch.Tensor,
+                  value_cache: torch.Tensor, metadata: AttentionMetadata, rope_tables) -> torch.Tensor:
+        """-> attended [num_tokens, heads * head_dim]"""
+        config = self.config
+        num_tokens = qkv.shape[0]
+        cos, sin = rope_tables
+        query = qkv[:, :self.q_size].view(num_tokens, config.num_heads, config.head_dim)
+        key = qkv[:, self.q_size:self.q_size + self.kv_size].view(num_tokens, config.num_kv_heads, config.head_dim)
+        value = qkv[:, self.q_size + self.kv_size:].view(num_tokens, config.num_kv_heads, config.head_dim)
+        query = self.rotary.apply(query.float(), cos, sin)
+        key = self.rotary.apply(key.float(), cos, sin)
+        write_kv(key_cache, value_cache, key, value, metadata.slot_mapping)
+        attended = paged_attention(query, key_cache, value_cache, metadata, self.scale)
+        return attended.reshape(num_tokens, self.q_size)
+
+    def rope_tables(self, positions: torch.Tensor):
+        return self.rotary.tables(positions)
+
+
+class CpuKernelOps(TorchOps):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, extension):
+        super().__init__(config, rotary)
+        self.extension = extension
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self.extension.rms_norm(x, weight, self.config.rms_norm_eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.extension.silu_mul(gate_up)
+
+    def rope_tables(self, positions: torch.Tensor):
+        return None  # the kernel indexes the full tables by position itself
+
+    def attention(self, qkv: torch.Tensor, positions: torch.Tensor, key_cache: torch.Tensor,
+                  value_cache: torch.Tensor, metadata: AttentionMetadata, rope_tables) -> torch.Tensor:
+        config = self.config
+        qkv = qkv.contiguous()
+        self.extension.rope_write_kv(qkv, positions, self.rotary.cos, self.rotary.sin, key_cache, value_cache,
+                                     metadata.slot_mapping, config.num_heads, config.num_kv_heads, config.head_dim)
+        num_tokens = qkv.shape[0]
+        num_decode = metadata.num_decode_tokens
+        attended = torch.empty(num_tokens, self.q_size, dtype=qkv.dtype)
+        if num_decode:
+            attended[:num_decode] = self.extension.decode_attention(
+                qkv[:num_decode], key_cache, value_cache, metadata.decode_slot_indices, metadata.decode_context_lens,
+                config.num_heads, config.num_kv_heads, config.head_dim, self.scale)
+        if metadata.spans:
+            # Prefill chunks: one SDPA per span (a matrix product over the chunk).
+            query = qkv[:, :self.q_size].view(num_tokens, config.num_heads, config.head_dim)
+            span_metadata = AttentionMetadata(metadata.slot_mapping, 0, spans=metadata.spans)
+            attended[num_decode:] = paged_attention(query, key_cache, value_cache, span_metadata,
+                                                    self.scale)[num_decode:].reshape(-1, self.q_size)
+        return attended
+
+    def fused_decoder(self, model, kv_caches):
+        """The all-layers C++ decode step over these caches (built once per cache list)."""
+        layers = model.layers
+        bias = [layer.qkv.bias for layer in layers] if layers[0].qkv.bias is not None else []
+        return self.extension.FusedDecoder(
+            [layer.input_norm for layer in layers], [layer.post_attention_norm for layer in layers],
+            [layer.qkv.blocks for layer in layers], bias, [layer.o_proj.blocks for layer in layers],
+            [layer.gate_up.blocks for layer in layers], [layer.down.blocks for layer in layers],
+            layers[0].qkv.block_format, [k for k, _ in kv_caches], [v for _, v in kv_caches],
+            self.rotary.cos, self.rotary.sin, self.config.num_heads, self.config.num_kv_heads, self.config.head_dim,
+            self.config.hidden_size, self.config.intermediate_size, self.config.rms_norm_eps)

@@ -3,8 +3,8 @@
 `serve(*flags)` starts `python -m tokios.cli serve --host 127.0.0.1 --port 0 ...`, reads the
 port from the server's "listening on" line, waits for `/health` to answer 200 (the model loads in
 a few seconds), yields a ServerProcess, and stops it with SIGTERM (then SIGKILL if it hangs).
-The output goes to a log file that failing tests print. `tokios_server` is the module-scoped
-default server; modules needing other flags call `serve` from their own fixture.
+The output goes to a log file that failing tests print. `tokios_server` (default flags) and
+`small_keyed_server` are shared by the session; tests needing other flags call `serve`.
 """
 
 from __future__ import annotations
@@ -117,7 +117,29 @@ def serve(*flags: str, api_key: str | None = None, env: dict[str, str] | None = 
         server.stop()
 
 
-@pytest.fixture(scope="module")
+# Loading the model is the slow part of starting a server, so two servers are shared by the
+# whole session: the default one, and a small keyed one (two keys, one from a key file; a small
+# body limit and context; one running request and one queued, so the queue bound is reachable;
+# bfloat16 weights, which load several times faster than the default int8 and change nothing
+# that its tests look at).
+SMALL_SERVER_FLAG_KEY = "sk-e2e-flag-7c1d"
+SMALL_SERVER_FILE_KEY = "sk-e2e-file-93ab"
+SMALL_SERVER_MAX_BODY_SIZE = 256 * 1024
+SMALL_SERVER_MAX_MODEL_LEN = 2048
+
+
+@pytest.fixture(scope="session")
 def tokios_server() -> Iterator[ServerProcess]:
     with serve() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def small_keyed_server(tmp_path_factory) -> Iterator[ServerProcess]:
+    key_file = tmp_path_factory.mktemp("keys") / "keys.txt"
+    key_file.write_text(f"# e2e keys\n{SMALL_SERVER_FILE_KEY}\n")
+    with serve("--dtype", "bfloat16", "--api-key-file", str(key_file),
+               "--max-body-size", str(SMALL_SERVER_MAX_BODY_SIZE),
+               "--max-model-len", str(SMALL_SERVER_MAX_MODEL_LEN), "--max-num-seqs", "1",
+               "--max-queued-requests", "1", api_key=SMALL_SERVER_FLAG_KEY) as server:
         yield server

@@ -1,6 +1,7 @@
 """Every error of `tokios serve`, with its status and OpenAI's error shape, on a keyed server.
 
-One server for the module: two keys (one by flag, one from a key file) and a small body limit.
+On the session's small keyed server: two keys (one by flag, one from a key file), a 256 KiB
+body limit and a 2,048-token context.
 """
 
 from __future__ import annotations
@@ -8,20 +9,14 @@ from __future__ import annotations
 import openai
 import pytest
 
-from conftest import serve
-
-FLAG_KEY = "sk-e2e-flag-7c1d"
-FILE_KEY = "sk-e2e-file-93ab"
-MAX_BODY_SIZE = 256 * 1024
+from conftest import SMALL_SERVER_FILE_KEY as FILE_KEY
+from conftest import SMALL_SERVER_FLAG_KEY as FLAG_KEY
+from conftest import SMALL_SERVER_MAX_BODY_SIZE as MAX_BODY_SIZE
 
 
 @pytest.fixture(scope="module")
-def keyed_server(tmp_path_factory):
-    key_file = tmp_path_factory.mktemp("keys") / "keys.txt"
-    key_file.write_text(f"# e2e keys\n{FILE_KEY}\n")
-    with serve("--api-key-file", str(key_file), "--max-body-size", "256KiB", "--max-model-len", "2048",
-               api_key=FLAG_KEY) as server:
-        yield server
+def keyed_server(small_keyed_server):
+    return small_keyed_server
 
 
 @pytest.fixture(scope="module")

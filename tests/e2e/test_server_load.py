@@ -19,8 +19,6 @@ import httpx
 import openai
 import pytest
 
-from conftest import serve
-
 NUM_STREAMS = 64
 TOKENS_PER_STREAM = 16
 NUM_ABANDONED = 200
@@ -28,9 +26,8 @@ IDLE_TIMEOUT_S = 120.0
 
 
 @pytest.fixture(scope="module")
-def server():
-    with serve() as server:
-        yield server
+def server(tokios_server):
+    return tokios_server
 
 
 def wait_until_idle(server) -> dict:
@@ -154,37 +151,37 @@ def test_streams_closed_early_leave_nothing_running(server):
     assert 'tokios:request_success_total{finished_reason="abort"}' in metrics
 
 
-def test_queue_bound_gives_429_with_retry_after():
-    with serve("--max-num-seqs", "1", "--max-queued-requests", "1") as small:
+def test_queue_bound_gives_429_with_retry_after(small_keyed_server):
+    """The small server runs one request and queues one; a third gets 429."""
+    small = small_keyed_server
+    with small.client() as http:
+        model = http.get("/v1/models").json()["data"][0]["id"]
+    body = {"model": model, "prompt": "Tell me everything.", "max_tokens": 1500, "ignore_eos": True,
+            "stream": True}
+    stop_reading = threading.Event()
+
+    def hold_stream() -> None:
+        with small.client(timeout=300) as client:
+            with client.stream("POST", "/v1/completions", json=body) as response:
+                for _ in response.iter_lines():
+                    if stop_reading.is_set():
+                        return
+
+    holders = [threading.Thread(target=hold_stream) for _ in range(2)]
+    try:
+        for holder in holders:
+            holder.start()
+        deadline = time.monotonic() + 60
         with small.client() as http:
-            model = http.get("/v1/models").json()["data"][0]["id"]
-        body = {"model": model, "prompt": "Tell me everything.", "max_tokens": 6000, "ignore_eos": True,
-                "stream": True}
-        stop_reading = threading.Event()
-
-        def hold_stream() -> None:
-            with httpx.Client(base_url=small.base_url, timeout=300) as client:
-                with client.stream("POST", "/v1/completions", json=body) as response:
-                    for _ in response.iter_lines():
-                        if stop_reading.is_set():
-                            return
-
-        holders = [threading.Thread(target=hold_stream) for _ in range(2)]
-        try:
-            for holder in holders:
-                holder.start()
-            deadline = time.monotonic() + 60
-            with small.client() as http:
-                while http.get("/v1/engine/stats").json()["num_requests_in_flight"] < 2:
-                    assert time.monotonic() < deadline, "the two holding requests never got in"
-                    time.sleep(0.1)
-                response = http.post("/v1/completions", json={**body, "stream": False, "max_tokens": 4})
-            assert response.status_code == 429, response.text
-            assert int(response.headers["Retry-After"]) >= 1
-            assert response.json()["error"]["type"] == "rate_limit_error"
-        finally:
-            stop_reading.set()
-            for holder in holders:
-                holder.join(120)
-        stats = wait_until_idle(small)
-        assert_all_blocks_free(stats)
+            while http.get("/v1/engine/stats").json()["num_requests_in_flight"] < 2:
+                assert time.monotonic() < deadline, "the two holding requests never got in"
+                time.sleep(0.1)
+            response = http.post("/v1/completions", json={**body, "stream": False, "max_tokens": 4})
+        assert response.status_code == 429, response.text
+        assert int(response.headers["Retry-After"]) >= 1
+        assert response.json()["error"]["type"] == "rate_limit_error"
+    finally:
+        stop_reading.set()
+        for holder in holders:
+            holder.join(120)
+    assert_all_blocks_free(wait_until_idle(small))

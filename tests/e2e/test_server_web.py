@@ -23,10 +23,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import serve
+from conftest import SMALL_SERVER_FLAG_KEY as API_KEY
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
-API_KEY = "sk-web-e2e-41f0"
 ANSWER_TIMEOUT_S = 180.0
 SCREENSHOT_PATH = Path(__file__).resolve().parents[2] / "docs" / "web-chat.png"
 
@@ -110,9 +109,8 @@ class Browser:
 
 
 @pytest.fixture(scope="module")
-def keyed_server():
-    with serve(api_key=API_KEY) as server:
-        yield server
+def keyed_server(small_keyed_server):
+    return small_keyed_server
 
 
 @pytest.fixture

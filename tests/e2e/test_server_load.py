@@ -105,6 +105,10 @@ def test_abandoned_requests_are_cancelled_and_free_their_blocks(server):
                                      limits=limits) as client:
             return await asyncio.gather(*(abandon(client) for _ in range(NUM_ABANDONED)))
 
+    def num_aborted_logged() -> int:
+        return server.log_text().count("finish_reason=abort params=")
+
+    num_aborted_before = num_aborted_logged()
     outcomes = asyncio.run(run_all())
     answered = [outcome for outcome in outcomes if outcome.startswith("answered")]
     assert not answered, answered[:5]
@@ -118,6 +122,8 @@ def test_abandoned_requests_are_cancelled_and_free_their_blocks(server):
     assert response.json()["usage"]["completion_tokens"] >= 1
     assert elapsed_s < 5.0, f"a new request took {elapsed_s:.1f} s after the abandoned ones"
     assert_all_blocks_free(wait_until_idle(server))
+    # Each abandoned request was logged as aborted, whether it had produced tokens or not.
+    assert num_aborted_logged() - num_aborted_before == NUM_ABANDONED
 
 
 def test_streams_closed_early_leave_nothing_running(server):

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from fastapi import FastAPI
-from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
@@ -181,14 +180,6 @@ def create_app(settings: ServerSettings, *, engine: Any | None = None,
 
     for exception_type in (TokiosError, ValidationError, StarletteHTTPException, Exception):
         app.add_exception_handler(exception_type, handle_error)
-
-    async def handle_request_validation(request: Request, exc: RequestValidationError) -> Response:
-        errors = exc.errors()
-        location = ".".join(str(part) for part in errors[0].get("loc", ())) if errors else "body"
-        message = errors[0].get("msg", "invalid") if errors else "invalid request"
-        return error_response(InvalidRequestError(f"{location}: {message}"))
-
-    app.add_exception_handler(RequestValidationError, handle_request_validation)
 
     @app.get("/health")
     async def health() -> Response:

@@ -100,17 +100,22 @@ class EngineStream:
         in_flight = self.serving.admission.request_ids_in_flight
         in_flight.add(self.request_id)
         iterator = engine.generate(None, self.sampling_params, self.request_id, prompt_token_ids=self.prompt_ids)
+        is_refused = False
         try:
             async for output in iterator:
                 self._observe(output)
                 self.last_output = output
                 yield output
+        except Exception:
+            # Refused before its first output (bad input): the HTTP error says it; nothing ran.
+            is_refused = self.last_output is None
+            raise
         finally:
             in_flight.discard(self.request_id)
             if not self.is_finished:
                 engine.abort(self.request_id)
             await iterator.aclose()
-            if self.last_output is not None:
+            if not is_refused:
                 self._record()
 
     def _observe(self, output: RequestOutput) -> None:
@@ -131,20 +136,25 @@ class EngineStream:
         self._last_token_time = now
 
     def _record(self) -> None:
+        """Metrics and the request log line; a request left before any output counts as aborted."""
         output = self.last_output
-        finish_reasons = [choice.finish_reason or "abort" for choice in output.outputs]
-        num_completion_tokens = sum(len(choice.token_ids) for choice in output.outputs)
+        if output is None:
+            finish_reasons = ["abort"] * self.sampling_params.n
+            num_completion_tokens = 0
+        else:
+            finish_reasons = [choice.finish_reason or "abort" for choice in output.outputs]
+            num_completion_tokens = sum(len(choice.token_ids) for choice in output.outputs)
         ttft_s = None if self._first_token_time is None else self._first_token_time - self._start_time
         e2e_s = (self._last_token_time or time.monotonic()) - self._start_time
         queue_s = None
-        engine_metrics = output.metrics
+        engine_metrics = output.metrics if output is not None else None
         if engine_metrics is not None and engine_metrics.first_scheduled_time is not None:
             queue_s = max(0.0, engine_metrics.first_scheduled_time - engine_metrics.arrival_time)
         self.serving.metrics.observe_finished(ttft_s=ttft_s, e2e_s=e2e_s, queue_s=queue_s,
                                               finish_reasons=finish_reasons)
         if not self.serving.settings.log_requests:
             return
-        num_tokens_per_choice = num_completion_tokens / max(1, len(output.outputs))
+        num_tokens_per_choice = num_completion_tokens / max(1, len(finish_reasons))
         tpot_s = None
         if self._first_token_time is not None and num_tokens_per_choice > 1:
             tpot_s = (self._last_token_time - self._first_token_time) / (num_tokens_per_choice - 1)

@@ -142,3 +142,20 @@ def test_one_time_cost_of_a_new_shape_is_kept_out_of_the_timing():
     assert [p.seconds for p in decode] == pytest.approx([STEP_BASE_S + 2 * STEP_S_PER_REQUEST,
                                                          STEP_BASE_S + 8 * STEP_S_PER_REQUEST])
     assert prefill[0].seconds == pytest.approx(OVERHEAD_S + PREFILL_S_PER_TOKEN * 100)
+
+
+def test_a_single_stalled_attempt_is_measured_again():
+    class OneStall(StandInEngine):
+        has_stalled = False
+
+        def generate(self, prompts, sampling_params):
+            if sampling_params.max_tokens == 4 and len(self.seen_prompts) > 1 and not self.has_stalled:
+                self.has_stalled = True
+                self.clock.now += 10.0
+            return super().generate(prompts, sampling_params)
+
+    clock = FakeClock()
+    engine = OneStall(clock)
+    points = measure_decode_utilization(engine, [1], num_steps=(4, 20), num_repeats=1, clock=clock)
+    assert engine.has_stalled
+    assert points[0].seconds == pytest.approx(STEP_BASE_S + STEP_S_PER_REQUEST)

@@ -149,7 +149,7 @@ def test_a_single_stalled_attempt_is_measured_again():
         has_stalled = False
 
         def generate(self, prompts, sampling_params):
-            if sampling_params.max_tokens == 4 and len(self.seen_prompts) > 1 and not self.has_stalled:
+            if sampling_params.max_tokens == 4 and self.seen_prompts and not self.has_stalled:
                 self.has_stalled = True
                 self.clock.now += 10.0
             return super().generate(prompts, sampling_params)

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from tokios.errors import InvalidRequestError
+from tokios.model.quant import PackedWeight, as_dense
 
 
 class DenseLinear:
@@ -30,17 +31,18 @@ class DenseLinear:
         return self.weight.numel() * self.weight.element_size()
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, weight_format: str, device: torch.device):
-    """weight: [out_features, in_features] float32 on the CPU."""
-    weight = weight.to(device)
+def make_linear(weight: "torch.Tensor | PackedWeight", bias: torch.Tensor | None, weight_format: str,
+                device: torch.device):
+    """weight: [out_features, in_features] float32 on the CPU, or still packed as in the file."""
     bias = None if bias is None else bias.to(device)
+    if weight_format in ("int8", "int4"):
+        from tokios.model.kernels import make_quantized_linear
+
+        return make_quantized_linear(weight, bias, weight_format, device)
+    weight = as_dense(weight).to(device)
     if weight_format == "float32":
         return DenseLinear(weight, bias, torch.float32)
     if weight_format == "bfloat16":
         return DenseLinear(weight, bias, torch.bfloat16)
-    if weight_format in ("int8", "int4"):
-        from tokios.model.kernels import make_quantized_linear
-
-        return make_quantized_linear(weight, bias, weight_format)
     raise InvalidRequestError(f"dtype must be one of float32, bfloat16, int8, int4, got {weight_format!r}",
                               param="dtype")

@@ -16,6 +16,7 @@ from tokios.model.attention import AttentionMetadata
 from tokios.model.kernels import load_extension
 from tokios.model.linear import make_linear
 from tokios.model.ops import CpuKernelOps, TorchOps
+from tokios.model.quant import as_dense, concat_rows
 from tokios.model.rope import RotaryEmbedding
 
 # Weight format -> dtype of activations and of the KV cache.
@@ -33,15 +34,15 @@ class LlamaLayer:
             return weights.pop(f"{prefix}.{name}", None)
 
         dtype = ACTIVATION_DTYPE[weight_format]
-        self.input_norm = weight("input_layernorm.weight").to(device=device, dtype=dtype)
-        self.post_attention_norm = weight("post_attention_layernorm.weight").to(device=device, dtype=dtype)
-        qkv_weight = torch.cat([weight("self_attn.q_proj.weight"), weight("self_attn.k_proj.weight"),
-                                weight("self_attn.v_proj.weight")])
+        self.input_norm = as_dense(weight("input_layernorm.weight")).to(device=device, dtype=dtype)
+        self.post_attention_norm = as_dense(weight("post_attention_layernorm.weight")).to(device=device, dtype=dtype)
+        qkv_weight = concat_rows([weight("self_attn.q_proj.weight"), weight("self_attn.k_proj.weight"),
+                                  weight("self_attn.v_proj.weight")])
         qkv_biases = [bias(f"self_attn.{n}_proj.bias") for n in "qkv"]
-        qkv_bias = torch.cat(qkv_biases) if all(b is not None for b in qkv_biases) else None
+        qkv_bias = torch.cat([as_dense(b) for b in qkv_biases]) if all(b is not None for b in qkv_biases) else None
         self.qkv = make_linear(qkv_weight, qkv_bias, weight_format, device)
         self.o_proj = make_linear(weight("self_attn.o_proj.weight"), None, weight_format, device)
-        gate_up = torch.cat([weight("mlp.gate_proj.weight"), weight("mlp.up_proj.weight")])
+        gate_up = concat_rows([weight("mlp.gate_proj.weight"), weight("mlp.up_proj.weight")])
         self.gate_up = make_linear(gate_up, None, weight_format, device)
         self.down = make_linear(weight("mlp.down_proj.weight"), None, weight_format, device)
 
@@ -55,13 +56,13 @@ class LlamaModel:
         self.dtype = ACTIVATION_DTYPE[weight_format]
         embed = weights.pop("model.embed_tokens.weight")
         # The embedding table is only gathered from (a row per token), so it stays dense.
-        self.embed_tokens = embed.to(device=device, dtype=self.dtype)
+        self.embed_tokens = as_dense(embed).to(device=device, dtype=self.dtype)
         lm_head = weights.pop("lm_head.weight", None)
         # The output projection decides every token's ranking; 4-bit blocks there cost more
         # accuracy than anywhere else, so int4 keeps it at 8 bits (as llama.cpp's Q4 files do).
         head_format = "int8" if weight_format == "int4" else weight_format
         self.lm_head = make_linear(embed if lm_head is None else lm_head, None, head_format, device)
-        self.norm = weights.pop("model.norm.weight").to(device=device, dtype=self.dtype)
+        self.norm = as_dense(weights.pop("model.norm.weight")).to(device=device, dtype=self.dtype)
         self.layers = [LlamaLayer(config, weights, f"model.layers.{i}", weight_format, device)
                        for i in range(config.num_layers)]
         self.rotary = RotaryEmbedding(config, config.max_model_len, device, torch.float32)

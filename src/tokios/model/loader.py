@@ -19,7 +19,7 @@ from tokios.config import ModelConfig
 from tokios.errors import ModelLoadError, UnsupportedError
 from tokios.model.gguf_file import GGUFFile
 from tokios.model.llama import LlamaModel
-from tokios.model.quant import dequantize
+from tokios.model.quant import PACKABLE_TYPES, PackedWeight, dequantize
 
 # GGUF architecture name / HF model_type -> model class.
 ARCHITECTURES = {"llama": LlamaModel, "mistral": LlamaModel, "qwen2": LlamaModel}
@@ -105,8 +105,8 @@ def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, out_features // num_heads // 2, 2, *rest).transpose(1, 2).reshape(weight.shape)
 
 
-def weights_from_gguf(gguf: GGUFFile, config: ModelConfig) -> dict[str, torch.Tensor]:
-    weights: dict[str, torch.Tensor] = {}
+def weights_from_gguf(gguf: GGUFFile, config: ModelConfig) -> dict[str, "torch.Tensor | PackedWeight"]:
+    weights: dict[str, torch.Tensor | PackedWeight] = {}
     for name, info in gguf.tensors.items():
         if name in _GGUF_TOP_NAMES:
             hf_name = _GGUF_TOP_NAMES[name]
@@ -120,12 +120,17 @@ def weights_from_gguf(gguf: GGUFFile, config: ModelConfig) -> dict[str, torch.Te
             hf_name = "rope_freqs"
         else:
             raise UnsupportedError(f"{gguf.path}: unexpected tensor {name}")
-        tensor = dequantize(gguf.raw_bytes(name), info.ggml_type, info.shape, name)
+        if info.ggml_type in PACKABLE_TYPES and len(info.shape) == 2:
+            weight = PackedWeight.from_file(gguf.raw_bytes(name), info.ggml_type, info.shape, name)
+            rows = weight.raw
+        else:
+            weight = rows = dequantize(gguf.raw_bytes(name), info.ggml_type, info.shape, name)
+        # The permutation moves whole output rows, so it applies to packed block rows as well.
         if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
-            tensor = _unpermute_rope(tensor, config.num_heads)
+            rows = _unpermute_rope(rows, config.num_heads)
         elif hf_name.endswith(("k_proj.weight", "k_proj.bias")):
-            tensor = _unpermute_rope(tensor, config.num_kv_heads)
-        weights[hf_name] = tensor
+            rows = _unpermute_rope(rows, config.num_kv_heads)
+        weights[hf_name] = weight.with_rows(rows) if isinstance(weight, PackedWeight) else rows
     return weights
 
 

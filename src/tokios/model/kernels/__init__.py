@@ -18,12 +18,16 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+
+from tokios.model.quant import PackedWeight, as_dense
 
 logger = logging.getLogger("tokios.kernels")
 
 BLOCK = 32
 Q4_1, Q8_0 = 0, 1
 BLOCK_BYTES = {Q4_1: 20, Q8_0: 34}
+_GGML_TYPE = {Q4_1: GGMLQuantizationType.Q4_1, Q8_0: GGMLQuantizationType.Q8_0}
 FORMAT_BY_DTYPE = {"int4": Q4_1, "int8": Q8_0}
 _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 _extension = None
@@ -111,15 +115,20 @@ def dequantize_blocks(blocks: torch.Tensor, block_format: int, in_features: int)
 class QuantizedLinear:
     """y = x W^T + b with W in GGML blocks; activations and output float32."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, block_format: int):
+    def __init__(self, weight: "torch.Tensor | PackedWeight", bias: torch.Tensor | None, block_format: int,
+                 device: torch.device = torch.device("cpu")):
         self.out_features, self.in_features = weight.shape
         if self.in_features % BLOCK:
             raise ValueError(f"in_features must be a multiple of {BLOCK}, got {self.in_features}")
         self.block_format = block_format
-        quantize = quantize_q4_1 if block_format == Q4_1 else quantize_q8_0
-        self.blocks = quantize(weight.cpu()).to(weight.device)
-        self.bias = None if bias is None else bias.float().to(weight.device)
-        self.extension = load_extension() if weight.device.type == "cpu" else None
+        if isinstance(weight, PackedWeight) and weight.ggml_type == _GGML_TYPE[block_format]:
+            blocks = weight.raw  # the file's own blocks, bit for bit
+        else:
+            quantize = quantize_q4_1 if block_format == Q4_1 else quantize_q8_0
+            blocks = quantize(as_dense(weight).cpu())
+        self.blocks = blocks.contiguous().to(device)
+        self.bias = None if bias is None else bias.float().to(device)
+        self.extension = load_extension() if device.type == "cpu" else None
 
     def __call__(self, x: torch.Tensor, num_decode_rows: int | None = None) -> torch.Tensor:
         """Rows [0, num_decode_rows) are decodes (None: all rows): the 8-bit dot kernel, whose
@@ -146,6 +155,7 @@ class QuantizedLinear:
         return self.blocks.numel()
 
 
-def make_quantized_linear(weight: torch.Tensor, bias: torch.Tensor | None, weight_format: str) -> QuantizedLinear:
-    return QuantizedLinear(weight, bias, FORMAT_BY_DTYPE[weight_format])
+def make_quantized_linear(weight: "torch.Tensor | PackedWeight", bias: torch.Tensor | None, weight_format: str,
+                          device: torch.device = torch.device("cpu")) -> QuantizedLinear:
+    return QuantizedLinear(weight, bias, FORMAT_BY_DTYPE[weight_format], device)
 

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -42,7 +43,8 @@ class Browser:
             [CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
              "--no-first-run", "--no-default-browser-check", "--remote-debugging-port=0",
              "--remote-allow-origins=*", f"--user-data-dir={user_data_dir}", "--window-size=1000,760",
-             "about:blank"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             "about:blank"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True)  # its own process group, so close() can reap its helpers too
         port_file = user_data_dir / "DevToolsActivePort"
         deadline = time.monotonic() + 60
         while not (port_file.exists() and port_file.read_text().strip()):
@@ -106,6 +108,10 @@ class Browser:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(10)
+            try:  # renderer and zygote helpers may outlive the browser process for a moment
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +121,8 @@ def keyed_server(small_keyed_server):
 
 @pytest.fixture
 def browser():
-    with tempfile.TemporaryDirectory(prefix="tokios-chromium-") as user_data_dir:
+    # Chromium may still be flushing its profile while the directory is removed; that is harmless.
+    with tempfile.TemporaryDirectory(prefix="tokios-chromium-", ignore_cleanup_errors=True) as user_data_dir:
         browser = Browser(Path(user_data_dir))
         try:
             yield browser

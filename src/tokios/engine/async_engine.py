@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import queue
+import re
 import threading
 from typing import AsyncIterator
 
@@ -24,6 +26,15 @@ from tokios.outputs import RequestOutput
 from tokios.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokios.engine")
+
+
+def served_model_name(path: str) -> str:
+    """A clean model id from the file or directory name: '.../SmolLM2-135M-Instruct.Q4_1.gguf'
+    -> 'SmolLM2-135M-Instruct' (the quantization suffix names the file, not the model)."""
+    name = os.path.basename(os.path.normpath(path))
+    if name.endswith(".gguf"):
+        name = re.sub(r"[.-](I?Q\d\w*|F16|F32|BF16)$", "", name[:-5], flags=re.IGNORECASE)
+    return name or "tokios"
 
 
 class EngineDeadError(TokiosError):
@@ -38,7 +49,7 @@ class AsyncEngine:
         self.tokenizer = self.core.tokenizer
         self.model_config = self.core.model_config
         self.max_model_len = self.core.max_model_len
-        self.model_name = self.model_config.name or "tokios"
+        self.model_name = served_model_name(self.core.model_path)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()

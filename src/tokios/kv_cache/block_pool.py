@@ -34,6 +34,9 @@ class BlockPool:
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
         self.num_evictions = 0
+        # Kept as a count (not recomputed by scanning the free queue) so that stats() from another
+        # thread never iterates a structure the engine thread is changing.
+        self._num_cached_free = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -42,7 +45,8 @@ class BlockPool:
 
     @property
     def num_cached_blocks(self) -> int:
-        return sum(1 for block_id in self.free_queue if self.block_hashes[block_id] is not None)
+        """Blocks with ref_count 0 that still hold a reusable prefix."""
+        return self._num_cached_free
 
     @property
     def num_used_blocks(self) -> int:
@@ -54,6 +58,8 @@ class BlockPool:
         block_ids = []
         for _ in range(num_blocks):
             block_id, _ = self.free_queue.popitem(last=False)
+            if self.block_hashes[block_id] is not None:
+                self._num_cached_free -= 1
             self._evict_hash(block_id)
             self.ref_counts[block_id] = 1
             block_ids.append(block_id)
@@ -75,6 +81,8 @@ class BlockPool:
         for block_id in block_ids:
             if self.ref_counts[block_id] == 0:
                 del self.free_queue[block_id]
+                if self.block_hashes[block_id] is not None:
+                    self._num_cached_free -= 1
             self.ref_counts[block_id] += 1
 
     def cache_block(self, block_id: int, block_hash: int) -> None:
@@ -96,10 +104,13 @@ class BlockPool:
             self.ref_counts[block_id] = count
             if count == 0:
                 self.free_queue[block_id] = None
+                if self.block_hashes[block_id] is not None:
+                    self._num_cached_free += 1
 
     def reset_prefix_cache(self) -> None:
         for block_id in self.free_queue:
             self._evict_hash(block_id)
+        self._num_cached_free = 0
 
     def check_invariants(self, expect_idle: bool = False) -> None:
         """Raise AssertionError-free RuntimeError on inconsistent state. With expect_idle, every
@@ -115,5 +126,8 @@ class BlockPool:
         for block_hash, block_id in self.hash_to_block.items():
             if self.block_hashes[block_id] != block_hash:
                 problems.append(f"hash map points at block {block_id}, which holds another hash")
+        num_cached_free = sum(1 for block_id in self.free_queue if self.block_hashes[block_id] is not None)
+        if num_cached_free != self._num_cached_free:
+            problems.append(f"cached-block count {self._num_cached_free} but {num_cached_free} cached blocks are free")
         if problems:
             raise RuntimeError("KV block pool invariant violated: " + "; ".join(problems[:10]))

@@ -1,0 +1,93 @@
+"""The independent reference: Hugging Face transformers loading the same GGUF file in float32.
+
+Owns loading that model once per test session (about 20 s here) and the few things the model
+tests ask of it: greedy continuations through transformers' own generate(), logits at every
+prompt position, and perplexity. Also the engine-side counterparts that need the engine's
+internals (full prompt logits from the model file, perplexity from prompt logprobs), so every
+test computes them the same way.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from tokios.model_files import default_model_path
+
+
+def default_gguf() -> Path:
+    return default_model_path()
+
+
+@functools.lru_cache(maxsize=1)
+def load_reference_model():
+    """transformers' model for the default GGUF, float32, eval mode. Loaded at most once."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    path = default_gguf()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                              dtype=torch.float32)
+    return model.eval()
+
+
+def reference_greedy(model, prompt_token_ids: list[int], num_tokens: int) -> list[int]:
+    """transformers' generate(do_sample=False) for exactly num_tokens new tokens (EOS ignored,
+    so the comparison always covers num_tokens positions)."""
+    input_ids = torch.tensor([prompt_token_ids])
+    config = model.generation_config
+    with torch.no_grad():
+        output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                                max_new_tokens=num_tokens, min_new_tokens=0, eos_token_id=None,
+                                pad_token_id=config.pad_token_id if config.pad_token_id is not None else 0,
+                                temperature=None, top_p=None, top_k=None)
+    new_token_ids = output[0, len(prompt_token_ids):].tolist()
+    assert len(new_token_ids) == num_tokens, "transformers stopped early: EOS was not ignored"
+    return new_token_ids
+
+
+def reference_logits(model, token_ids: list[int]) -> torch.Tensor:
+    """[num_tokens, vocab] float32 logits at every position."""
+    with torch.no_grad():
+        return model(torch.tensor([token_ids])).logits[0].float()
+
+
+def perplexity_from_logits(logits: torch.Tensor, token_ids: list[int]) -> float:
+    """exp(mean negative log-likelihood of token i+1 given tokens 0..i)."""
+    logprobs = torch.log_softmax(logits[:-1].double(), dim=-1)
+    targets = torch.tensor(token_ids[1:])
+    return math.exp(-logprobs.gather(1, targets[:, None]).mean().item())
+
+
+def engine_perplexity(llm, token_ids: list[int]) -> float:
+    """The engine's perplexity of token_ids, through the public prompt-logprobs path."""
+    from tokios.sampling_params import SamplingParams
+
+    (output,) = llm.generate([token_ids], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0))
+    entries = output.prompt_logprobs
+    assert entries[0] is None and len(entries) == len(token_ids)
+    total = sum(entry[token_id].logprob for entry, token_id in zip(entries[1:], token_ids[1:]))
+    return math.exp(-total / (len(token_ids) - 1))
+
+
+def engine_prompt_logits(llm, token_ids: list[int]) -> torch.Tensor:
+    """[num_tokens, vocab] logits from the engine's model file in one causal pass over a scratch
+    paged KV cache (the engine's public API only exposes logprobs, not raw logits)."""
+    from tokios.model.attention import AttentionMetadata, MultiTokenSpan
+
+    model = llm.core.model
+    config = llm.model_config
+    num_tokens = len(token_ids)
+    kv_dtype = model.dtype
+    shape = (num_tokens, config.num_kv_heads, config.head_dim)
+    kv_caches = [(torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype))
+                 for _ in range(config.num_layers)]
+    slots = torch.arange(num_tokens)
+    metadata = AttentionMetadata(slot_mapping=slots, num_decode_tokens=0,
+                                 spans=[MultiTokenSpan(0, num_tokens, num_tokens, slots, None)])
+    with torch.no_grad():
+        hidden = model.forward(torch.tensor(token_ids), slots, metadata, kv_caches)
+        return model.compute_logits(hidden)

@@ -14,7 +14,6 @@ from tokios.errors import InvalidRequestError, ModelLoadError
 from tokios.tools.hardware import NAME_TO_HARDWARE
 from tokios.tools.model_presets import NAME_TO_PRESET, load_model_shape
 from tokios.tools.plan import PlanInputs, make_plan, parse_weight_bits
-from tokios.tools.plan_gguf import read_gguf_header
 
 
 def _default_gguf() -> Path:
@@ -45,19 +44,6 @@ def test_gguf_shape_and_exact_weight_bytes_from_tensor_types():
     expected = preset.num_layer_linear_params * 5 / 8 + preset.num_embedding_params * 8.5 / 8 + norms * 4
     assert shape.file_weight_bytes == expected
     assert shape.file_step_weight_bytes == expected  # tied: the output projection is the embedding
-
-
-def test_fast_gguf_header_agrees_with_gguf_reader():
-    from gguf import GGUFReader
-
-    path = _default_gguf()
-    header = read_gguf_header(path)
-    reader = GGUFReader(path)
-    assert header.array_lengths["tokenizer.ggml.tokens"] == len(reader.fields["tokenizer.ggml.tokens"].data)
-    for key in ("general.architecture", "llama.block_count", "llama.attention.head_count_kv"):
-        assert header.metadata[key] == reader.fields[key].contents()
-    assert [(t.name, t.num_elements, t.num_bytes) for t in header.tensors] == [
-        (t.name, int(t.n_elements), int(t.n_bytes)) for t in reader.tensors]
 
 
 def test_hf_directory_shape_and_safetensors_bytes(tmp_path):

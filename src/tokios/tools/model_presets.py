@@ -5,9 +5,9 @@ vocabulary, context, and the weight bytes when a file tells us) and `load_model_
 which accepts a preset name, a GGUF file or an HF directory. It never imports torch, so
 `tokios plan` stays instant; used by tools/plan.py, tools/plan_cli.py and tools/roofline*.py.
 
-GGUF headers are read by a small private parser (tools/plan_gguf.py): it walks the metadata
-and the tensor infos without materialising the tokenizer arrays, which gguf.GGUFReader does and
-which costs seconds. Parameter counts and weight bytes come from the tensor shapes and types.
+GGUF headers are read by the shared parser (tokios/gguf_file.py), which walks the metadata and
+the tensor infos in milliseconds where gguf.GGUFReader takes seconds and imports no torch.
+Parameter counts and weight bytes come from the tensor shapes and types.
 """
 
 from __future__ import annotations
@@ -119,10 +119,11 @@ def load_model_shape(spec: str) -> ModelShape:
 
 
 def _shape_from_gguf(path: Path) -> ModelShape:
-    from tokios.tools.plan_gguf import read_gguf_header
+    from tokios.gguf_file import GGUFFile
 
-    header = read_gguf_header(path)
-    metadata = header.metadata
+    gguf = GGUFFile(path)
+    metadata = gguf.metadata
+    tensors = list(gguf.tensors.values())
     arch = metadata.get("general.architecture")
     if not isinstance(arch, str):
         raise ModelLoadError(f"{path}: GGUF has no general.architecture")
@@ -135,16 +136,16 @@ def _shape_from_gguf(path: Path) -> ModelShape:
 
     hidden = field("embedding_length")
     heads = field("attention.head_count")
-    vocab = metadata.get(f"{arch}.vocab_size") or header.array_lengths.get("tokenizer.ggml.tokens")
+    vocab = metadata.get(f"{arch}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens", ()))
     if not vocab:
         raise ModelLoadError(f"{path}: GGUF has neither {arch}.vocab_size nor tokenizer.ggml.tokens")
-    names = {tensor.name for tensor in header.tensors}
+    names = set(gguf.tensors)
     is_tied = "output.weight" not in names
     step_bytes = sum(
-        t.num_bytes for t in header.tensors if t.name != "token_embd.weight" or is_tied
+        t.num_bytes for t in tensors if t.name != "token_embd.weight" or is_tied
     )
-    num_params = sum(t.num_elements for t in header.tensors)
-    total_bytes = sum(t.num_bytes for t in header.tensors)
+    num_params = sum(t.num_elements for t in tensors)
+    total_bytes = sum(t.num_bytes for t in tensors)
     return ModelShape(
         name=str(metadata.get("general.name") or path.stem),
         num_layers=field("block_count"),

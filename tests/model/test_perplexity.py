@@ -58,9 +58,6 @@ def test_reference_perplexity_is_that_of_a_language_model(reference_perplexity, 
     assert 1.5 < reference_perplexity < 60
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: with a prefix-cache hit, prompt_logprobs only covers the "
-                                       "positions after the cached blocks (the scheduler starts the request "
-                                       "at the hit, and the runner computes prompt logprobs from there)")
 def test_prompt_logprobs_cover_every_position_after_a_prefix_cache_hit(engine_float32, text_token_ids):
     token_ids = text_token_ids[:40]
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)

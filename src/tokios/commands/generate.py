@@ -10,6 +10,7 @@ load time, TTFT, prompt tok/s and decode tok/s go to stderr, so stdout stays pip
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 from dataclasses import dataclass
@@ -94,16 +95,14 @@ class StreamResult:
         return ", ".join(parts)
 
 
-_request_counter = 0
+_request_numbers = itertools.count(1)
 
 
 def stream_completion(core, prompt_token_ids: list[int], params, out: TextIO) -> StreamResult:
     """Run one request to the end on `core`, writing each text delta to `out` as it comes."""
     from tokios.engine.output_processor import OutputProcessor
 
-    global _request_counter
-    _request_counter += 1
-    request_id = f"cli-{_request_counter}"
+    request_id = f"cli-{next(_request_numbers)}"
     processor = OutputProcessor(core.tokenizer)
     requests = core.make_requests(request_id, prompt_token_ids, params)
     started = time.perf_counter()

@@ -1,0 +1,142 @@
+"""Greedy tokens must not depend on how the engine schedules them (float32, the real model).
+
+Sixteen different prompts, run one by one (the reference), all together, with a 32-token step
+budget (so prompts are prefilled in chunks and share steps with decodes), with a hot prefix
+cache (the same batch again: blocks are reused, checked through stats()), and under forced
+preemption (a KV cache of a few blocks, checked through stats()). Every scenario must give
+exactly the reference token ids, and leave the block pool idle and consistent.
+
+Also here: a request that could never fit (past the model's context, or larger than the whole
+KV cache) fails at once with ContextLengthExceededError and leaves nothing queued.
+
+Lower precisions are measured in test_engine_invariance_low_precision below.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tokios.errors import ContextLengthExceededError
+from tokios.sampling_params import SamplingParams
+
+MAX_TOKENS = 16
+NUM_PREEMPTION_BLOCKS = 8  # 128 tokens: every request fits alone, two or three at once
+
+PROMPTS = [
+    [{"role": "user", "content": "What is gravity?"}],
+    [{"role": "user", "content": "Name three colours."}],
+    [{"role": "system", "content": "You are a poet."}, {"role": "user", "content": "Write about rain."}],
+    [{"role": "user", "content": "Translate 'good morning' into French."}],
+    [{"role": "user", "content": "Jak się masz?"}],
+    "The capital of France is",
+    "Once upon a time, in a small village by the sea,",
+    "def fibonacci(n):",
+    "Water boils at",
+    "The three primary colours are red,",
+    "日本の首都は",
+    "Kraków leży nad rzeką",
+    "Photosynthesis is the process by which green plants and some other organisms use sunlight to "
+    "synthesize foods from carbon dioxide and water. In plants it generally involves",
+    "1, 2, 3, 4, 5,",
+    "The quick brown fox",
+    "In the year 1969, the first humans",
+]
+
+
+def prompt_token_ids(tokenizer, prompt) -> list[int]:
+    if isinstance(prompt, list):
+        return tokenizer.encode(tokenizer.apply_chat_template(prompt, add_generation_prompt=True),
+                                add_special_tokens=False)
+    return tokenizer.encode(prompt)
+
+
+def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def run_together(llm, prompts: list[list[int]]) -> list[list[int]]:
+    outputs = llm.generate(prompts, greedy())
+    llm.check_invariants()
+    stats = llm.stats()
+    assert stats.num_running == stats.num_waiting == 0 and stats.num_blocks_used == 0
+    return [output.outputs[0].token_ids for output in outputs]
+
+
+@pytest.fixture(scope="module")
+def plain_engine():
+    from tokios.engine import LLM
+
+    return LLM(dtype="float32", enable_prefix_caching=False, kv_cache_memory="64MiB")
+
+
+@pytest.fixture(scope="module")
+def prompts(plain_engine) -> list[list[int]]:
+    token_ids = [prompt_token_ids(plain_engine.tokenizer, p) for p in PROMPTS]
+    assert len({tuple(t) for t in token_ids}) == len(PROMPTS)
+    assert max(len(t) for t in token_ids) > 32  # at least one prompt spans several 32-token chunks
+    return token_ids
+
+
+@pytest.fixture(scope="module")
+def reference_token_ids(plain_engine, prompts) -> list[list[int]]:
+    """One request at a time: no batching, no chunking, no prefix cache."""
+    result = []
+    for token_ids in prompts:
+        (output,) = plain_engine.generate([token_ids], greedy())
+        assert len(output.outputs[0].token_ids) == MAX_TOKENS
+        result.append(output.outputs[0].token_ids)
+    plain_engine.check_invariants()
+    return result
+
+
+def test_all_together_equals_one_by_one(plain_engine, prompts, reference_token_ids):
+    assert run_together(plain_engine, prompts) == reference_token_ids
+
+
+def test_chunked_prefill_then_hot_prefix_cache_equal_one_by_one(prompts, reference_token_ids):
+    from tokios.engine import LLM
+
+    llm = LLM(dtype="float32", max_num_batched_tokens=32, kv_cache_memory="64MiB")
+    assert run_together(llm, prompts) == reference_token_ids  # cold cache, chunked
+    hits_after_cold = llm.stats().prefix_cache_hits
+    assert run_together(llm, prompts) == reference_token_ids  # the same batch again: a hot cache
+    assert llm.stats().prefix_cache_hits > hits_after_cold
+    assert llm.stats().num_blocks_cached > 0
+
+
+@pytest.fixture(scope="module")
+def tight_engine(plain_engine):
+    from tokios.engine import LLM
+
+    block_bytes = plain_engine.kv_bytes_per_token() * 16
+    return LLM(dtype="float32", kv_cache_memory=NUM_PREEMPTION_BLOCKS * block_bytes, block_size=16)
+
+
+def test_forced_preemption_equals_one_by_one(tight_engine, prompts, reference_token_ids):
+    assert tight_engine.stats().num_blocks_total == NUM_PREEMPTION_BLOCKS
+    assert run_together(tight_engine, prompts) == reference_token_ids
+    assert tight_engine.stats().num_preemptions > 0
+
+
+def test_request_larger_than_the_whole_kv_cache_fails_at_once(tight_engine, prompts):
+    capacity = NUM_PREEMPTION_BLOCKS * 16
+    too_long = prompts[0] + [prompts[0][-1]] * capacity
+    with pytest.raises(ContextLengthExceededError, match=f"KV cache holds {capacity} tokens"):
+        tight_engine.generate([too_long], greedy(1))
+    with pytest.raises(ContextLengthExceededError) as raised:
+        tight_engine.core.make_requests("never-fits", prompts[0], greedy(capacity))
+    assert raised.value.code == "context_length_exceeded" and "\n" not in raised.value.message
+    stats = tight_engine.stats()
+    assert stats.num_running == stats.num_waiting == 0
+    (output,) = tight_engine.generate([prompts[1]], greedy(2))  # the queue is not blocked
+    assert len(output.outputs[0].token_ids) == 2
+    tight_engine.check_invariants()
+
+
+def test_request_past_the_model_context_fails_at_once(plain_engine, prompts):
+    limit = plain_engine.model_config.max_model_len
+    with pytest.raises(ContextLengthExceededError, match=f"maximum context length is {limit} tokens"):
+        plain_engine.generate([prompts[0]], greedy(limit))
+    stats = plain_engine.stats()
+    assert stats.num_running == stats.num_waiting == 0
+    plain_engine.check_invariants()

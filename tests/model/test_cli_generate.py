@@ -1,0 +1,66 @@
+"""`tokios generate` and `tokios chat` as a user runs them: real processes on the real model.
+
+generate streams exactly the engine's greedy text to stdout and its figures (load time, TTFT,
+prompt and decode tok/s) to stderr; chat reads turns from a pipe, keeps the conversation (the
+second turn's prompt holds the first turn and its reply), and stops at /exit or end of input.
+Process failures (missing model, bad flags) are covered in test_load_errors.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+from tokios.sampling_params import SamplingParams
+
+MAX_TOKENS = 6
+
+
+def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tokios.cli", *args], input=stdin, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_generate_raw_streams_the_engines_greedy_text_and_reports_figures(engine_float32):
+    prompt = "The capital of France is"
+    (expected,) = engine_float32.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    result = run_cli("generate", prompt, "--raw", "--dtype", "float32", "--max-tokens", str(MAX_TOKENS))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.rstrip("\n") == expected.outputs[0].text.rstrip("\n")
+    assert re.search(r"loaded .+ \(float32\) in [0-9.]+ s", result.stderr)
+    stats = result.stderr.strip().splitlines()[-1]
+    assert f"{len(expected.prompt_token_ids)} prompt tokens" in stats
+    assert f"{len(expected.outputs[0].token_ids)} generated" in stats
+    assert re.search(r"TTFT [0-9]+ ms, prompt [0-9.]+ tok/s", stats), stats
+    if len(expected.outputs[0].token_ids) > 1:
+        assert re.search(r"decode [0-9.]+ tok/s", stats), stats
+
+
+def test_generate_applies_the_chat_template_by_default(engine_float32):
+    tokenizer = engine_float32.tokenizer
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "What is gravity?"}])
+    num_prompt_tokens = len(tokenizer.encode(rendered, add_special_tokens=False))
+    result = run_cli("generate", "What is gravity?", "--dtype", "float32", "--max-tokens", "2")
+    assert result.returncode == 0, result.stderr
+    assert f"{num_prompt_tokens} prompt tokens" in result.stderr
+    assert result.stdout.strip()
+
+
+def test_chat_keeps_the_conversation_and_stops_at_exit():
+    turns = "My name is Ola.\n\nWhat is my name?\n/exit\nThis line is never read.\n"
+    result = run_cli("chat", "--dtype", "float32", "--max-tokens", str(MAX_TOKENS), "--stats", stdin=turns)
+    assert result.returncode == 0, result.stderr
+    replies = result.stdout.splitlines()
+    assert len(replies) == 2 and all(reply.strip() for reply in replies), result.stdout
+    prompt_sizes = [int(n) for n in re.findall(r"^(\d+) prompt tokens", result.stderr, re.MULTILINE)]
+    generated = [int(n) for n in re.findall(r"(\d+) generated", result.stderr)]
+    assert len(prompt_sizes) == 2, result.stderr
+    # The second prompt holds the first turn, its reply and the new question.
+    assert prompt_sizes[1] > prompt_sizes[0] + generated[0]
+
+
+def test_chat_ends_at_end_of_input():
+    result = run_cli("chat", "--dtype", "float32", "--max-tokens", "2", stdin="Hi\n")
+    assert result.returncode == 0, result.stderr
+    assert len(result.stdout.splitlines()) == 1

@@ -1,0 +1,112 @@
+"""A Hugging Face model directory loads and generates exactly what the GGUF file does.
+
+The test writes the directory itself from the default GGUF: config.json from the GGUF's
+ModelConfig, tokenizer.json from the engine tokenizer's `tokenizers` pipeline,
+tokenizer_config.json with the chat template and special tokens, and model.safetensors with
+the dequantized weights (the loader keeps Q4_1/Q8_0 packed; as_dense
+unpacks them) in Hugging Face names and layout. Both engines run in float32 on the
+same weights, so greedy tokens (and where they stop) must be identical.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from reference import default_gguf
+from tokios.model.gguf_file import GGUFFile
+from tokios.model.loader import model_config_from_gguf, weights_from_gguf
+from tokios.model.quant import as_dense
+from tokios.sampling_params import SamplingParams
+
+PROMPTS = [
+    [{"role": "system", "content": "You answer in one sentence."}, {"role": "user", "content": "Why is the sky blue?"}],
+    "Zażółć gęślą jaźń, said the teacher, and the children",
+    "東京タワーの高さは",
+]
+
+
+def write_hf_directory(directory, tokenizer) -> None:
+    path = default_gguf()
+    gguf = GGUFFile(path)
+    config = model_config_from_gguf(gguf.metadata, str(path), "output.weight" in gguf.tensors)
+    weights = weights_from_gguf(gguf, config)
+    from safetensors.torch import save_file
+
+    dense = {name: as_dense(weight).contiguous() for name, weight in weights.items()}
+    save_file(dense, str(directory / "model.safetensors"))
+    hf_config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "num_hidden_layers": config.num_layers,
+        "head_dim": config.head_dim,
+        "vocab_size": config.vocab_size,
+        "max_position_embeddings": config.max_model_len,
+        "rope_theta": config.rope_theta,
+        "rms_norm_eps": config.rms_norm_eps,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "torch_dtype": "float32",
+    }
+    (directory / "config.json").write_text(json.dumps(hf_config, indent=2))
+    tokenizer.backend.save(str(directory / "tokenizer.json"))
+    tokenizer_config = {
+        "chat_template": tokenizer.chat_template,
+        "bos_token": tokenizer.bos_token,
+        "eos_token": tokenizer.eos_token,
+        "add_bos_token": False,
+        "add_eos_token": False,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, ensure_ascii=False, indent=2))
+
+
+@pytest.fixture(scope="module")
+def hf_dir_engine(tmp_path_factory, engine_float32):
+    from tokios.engine import LLM
+
+    directory = tmp_path_factory.mktemp("smollm2-hf")
+    write_hf_directory(directory, engine_float32.tokenizer)
+    return LLM(model=str(directory), dtype="float32", kv_cache_memory="64MiB")
+
+
+def prompt_token_ids(tokenizer, prompt) -> list[int]:
+    if isinstance(prompt, list):
+        return tokenizer.encode(tokenizer.apply_chat_template(prompt, add_generation_prompt=True),
+                                add_special_tokens=False)
+    return tokenizer.encode(prompt)
+
+
+def test_directory_describes_the_same_model(hf_dir_engine, engine_float32):
+    assert hf_dir_engine.model_config.architecture == "llama"
+    for field in ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
+                  "vocab_size", "max_model_len", "rope_theta", "rms_norm_eps", "tie_word_embeddings"):
+        assert getattr(hf_dir_engine.model_config, field) == getattr(engine_float32.model_config, field), field
+    assert hf_dir_engine.weight_bytes() == engine_float32.weight_bytes()
+
+
+def test_directory_tokenizer_and_chat_template_match_the_gguf(hf_dir_engine, engine_float32):
+    ours, theirs = hf_dir_engine.tokenizer, engine_float32.tokenizer
+    assert ours.eos_token_ids == theirs.eos_token_ids
+    for prompt in PROMPTS:
+        assert prompt_token_ids(ours, prompt) == prompt_token_ids(theirs, prompt)
+        if isinstance(prompt, list):
+            assert ours.apply_chat_template(prompt) == theirs.apply_chat_template(prompt)
+
+
+def test_greedy_output_equals_the_gguf_engine(hf_dir_engine, engine_float32):
+    params = SamplingParams(max_tokens=16, temperature=0.0)  # EOS honoured: both must stop alike
+    prompts = [prompt_token_ids(engine_float32.tokenizer, p) for p in PROMPTS]
+    from_dir = hf_dir_engine.generate(prompts, params)
+    from_gguf = engine_float32.generate(prompts, params)
+    for ours, theirs in zip(from_dir, from_gguf):
+        assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids
+        assert ours.outputs[0].text == theirs.outputs[0].text
+        assert ours.outputs[0].finish_reason == theirs.outputs[0].finish_reason
+    hf_dir_engine.check_invariants()
+    engine_float32.check_invariants()

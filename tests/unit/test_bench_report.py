@@ -46,15 +46,16 @@ def test_serve_table_lists_every_vllm_metric_and_errors():
     assert "- c=1: HTTP 503: busy" in text
 
 
-def test_offline_tables_put_ratios_against_llama_cpp():
-    def fig(v):
-        return RepeatedFigure.of([v, v, v])
-
-    figures = {"tokios (int8)": {"decode": fig(100.0), "prefill": fig(1000.0)},
-               "llama.cpp (x)": {"decode": fig(200.0), "prefill": fig(500.0)},
-               "transformers (bfloat16)": {"decode": fig(10.0), "prefill": fig(100.0)}}
-    text = bench_offline.single_stream_table(figures)
-    assert "| tokios (int8) | 100.0 [100.0, 100.0] | 1,000.0 [1,000.0, 1,000.0] | 3 | 0.50x | 2.00x | 10.00x |" in text
+def test_offline_tables_put_paired_ratios_against_llama_cpp():
+    samples = {"tokios (int8)": {"decode": {1: 100.0, 2: 10.0, 3: 50.0}, "prefill": {1: 1000.0, 2: 100.0, 3: 500.0}},
+               "llama.cpp (x)": {"decode": {1: 200.0, 2: 20.0, 3: 100.0}, "prefill": {1: 500.0, 2: 50.0, 3: 250.0}},
+               "transformers (bfloat16)": {"decode": {1: 10.0}, "prefill": {1: 100.0}}}
+    text = bench_offline.single_stream_table(samples)
+    # The load changed 10x between reps 1 and 2; the per-rep ratios stay 0.5 and 2.
+    assert ("| tokios (int8) | 50.0 [14.0, 95.0] | 500.0 [140.0, 950.0] | 3 | 0.50x [0.50x, 0.50x] "
+            "| 2.00x [2.00x, 2.00x] | 10.00x [10.00x, 10.00x] |") in text
+    paired = bench_offline.paired_ratio({1: 3.0, 2: 8.0, 3: 1.0}, {2: 4.0, 3: 1.0})
+    assert (paired.median, paired.num_reps) == (1.5, 2)  # rep 1 has no partner and is left out
     throughput = {"tokios (int8)": {"num_prompts": 2, "input_tokens": 10, "output_tokens": 20, "wall_s": 2.0,
                                     "input_tok_s": 5.0, "output_tok_s": 10.0},
                   "llama.cpp (x)": {"num_prompts": 2, "input_tokens": 10, "output_tokens": 20, "wall_s": 4.0,

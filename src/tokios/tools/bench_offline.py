@@ -80,13 +80,17 @@ def load_systems(args: argparse.Namespace, model_path: str) -> list:
     return systems
 
 
-def measure_single_stream(systems: list, args: argparse.Namespace, codec) -> dict[str, dict[str, RepeatedFigure]]:
+# system name -> "decode" | "prefill" -> rep number -> tok/s
+RepSamples = dict[str, dict[str, dict[int, float]]]
+
+
+def measure_single_stream(systems: list, args: argparse.Namespace, codec) -> RepSamples:
     rng = random.Random(args.seed)
     # One fresh prompt per (rep, system); +1 rep for the warm-up that is not counted.
     num_runs = (args.reps + 1) * len(systems)
     prefill_prompts = [make_token_ids(args.prefill_tokens, rng, codec) for _ in range(num_runs)]
     decode_prompts = [make_token_ids(DECODE_PROMPT_TOKENS, rng, codec) for _ in range(num_runs)]
-    samples = {s.name: {"prefill": [], "decode": []} for s in systems}
+    samples: RepSamples = {s.name: {"prefill": {}, "decode": {}} for s in systems}
     for rep in range(args.reps + 1):
         for index, system in enumerate(systems):
             if system.name.startswith("transformers") and rep > args.transformers_reps:
@@ -97,11 +101,11 @@ def measure_single_stream(systems: list, args: argparse.Namespace, codec) -> dic
             decode = system.decode(decode_prompts[run], num_decode)
             if rep == 0:
                 continue  # warm-up: first calls pay for lazy initialisation and compilation
-            samples[system.name]["prefill"].append(args.prefill_tokens / ttft_s)
-            samples[system.name]["decode"].append(decode.tokens_per_s)
+            samples[system.name]["prefill"][rep] = args.prefill_tokens / ttft_s
+            samples[system.name]["decode"][rep] = decode.tokens_per_s
             print(f"rep {rep}: {system.name}: prefill {args.prefill_tokens / ttft_s:.1f} tok/s, "
                   f"decode {decode.tokens_per_s:.1f} tok/s", file=sys.stderr)
-    return {name: {k: RepeatedFigure.of(v) for k, v in figures.items()} for name, figures in samples.items()}
+    return samples
 
 
 def measure_throughput(systems: list, args: argparse.Namespace, codec) -> dict[str, dict[str, float]]:
@@ -124,18 +128,32 @@ def _peer_name(names, prefix: str) -> str | None:
     return next((n for n in names if n.startswith(prefix)), None)
 
 
-def single_stream_table(figures: dict[str, dict[str, RepeatedFigure]]) -> str:
-    llama = _peer_name(figures, "llama.cpp")
-    hf = _peer_name(figures, "transformers")
+def paired_ratio(ours: dict[int, float], theirs: dict[int, float]) -> RepeatedFigure:
+    """Median of per-rep ratios, over the reps both systems ran.
+
+    On a shared machine the load drifts between reps; a ratio taken within one rep sees nearly
+    the same load on both sides, so its median is steadier than a ratio of two medians.
+    """
+    return RepeatedFigure.of([ratio(ours[rep], theirs[rep]) for rep in sorted(ours) if rep in theirs])
+
+
+def single_stream_table(samples: RepSamples) -> str:
+    llama = _peer_name(samples, "llama.cpp")
+    hf = _peer_name(samples, "transformers")
+
+    def ratio_cell(name: str, peer: str | None, kind: str) -> str:
+        if peer is None:
+            return "-"
+        paired = paired_ratio(samples[name][kind], samples[peer][kind])
+        return f"{fmt_ratio(paired.median)} [{fmt_ratio(paired.p5)}, {fmt_ratio(paired.p95)}]"
+
     rows = []
-    for name, fig in figures.items():
-        decode, prefill = fig["decode"], fig["prefill"]
+    for name, by_kind in samples.items():
+        decode, prefill = (RepeatedFigure.of(list(by_kind[k].values())) for k in ("decode", "prefill"))
         rows.append([
             name, f"{fmt(decode.median)} [{fmt(decode.p5)}, {fmt(decode.p95)}]",
             f"{fmt(prefill.median)} [{fmt(prefill.p5)}, {fmt(prefill.p95)}]", str(decode.num_reps),
-            fmt_ratio(ratio(decode.median, figures[llama]["decode"].median)) if llama else "-",
-            fmt_ratio(ratio(prefill.median, figures[llama]["prefill"].median)) if llama else "-",
-            fmt_ratio(ratio(decode.median, figures[hf]["decode"].median)) if hf else "-",
+            ratio_cell(name, llama, "decode"), ratio_cell(name, llama, "prefill"), ratio_cell(name, hf, "decode"),
         ])
     return markdown_table(["system", "decode tok/s p50 [p5, p95]", "prefill tok/s p50 [p5, p95]", "reps",
                            "decode / llama.cpp", "prefill / llama.cpp", "decode / transformers"], rows)
@@ -191,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
         bench_report.write_json(args.json_path, {
             "command": bench_report.command_line(), "machine": machine_line(),
             "load_s": {s.name: s.load_s for s in systems},
-            "single_stream": {n: {k: vars(v) for k, v in f.items()} for n, f in figures.items()},
+            "single_stream_tok_s_by_rep": figures,
             "throughput": throughput})
     if args.write_docs:
         write_docs(args, args.write_docs, single, load_lines, throughput)
@@ -205,8 +223,10 @@ def write_docs(args: argparse.Namespace, path: str, single: str, load_lines: str
         f"Decode: {args.decode_tokens} greedy tokens after a {DECODE_PROMPT_TOKENS}-token prompt, EOS ignored, "
         f"tok/s = (tokens - 1) / (last token time - first token time). Prefill: a {args.prefill_tokens}-token "
         "prompt / time to first token; every prompt starts differently, so no prompt cache is reused. "
-        f"Median of {args.reps} reps (transformers: {args.transformers_reps}) after one warm-up, [p5, p95] "
-        f"in brackets; llama.cpp runs with {args.threads} threads on the same GGUF.\n\n{single}\n\n{load_lines}"))
+        f"Median of {args.reps} reps (transformers: its first {args.transformers_reps}) after one warm-up, "
+        "[p5, p95] in brackets. Ratios are medians of per-rep ratios over the reps both systems ran (the "
+        "systems take turns within a rep, so a ratio sees nearly the same machine load on both sides). "
+        f"llama.cpp runs with {args.threads} threads on the same GGUF.\n\n{single}\n\n{load_lines}"))
     if throughput:
         bench_report.update_docs_section(path, THROUGHPUT_SECTION, header + (
             f"{args.throughput_prompts} prompts of {args.throughput_input_len} tokens, "

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokios.errors import InvalidRequestError
+from tokios.speculative.config import SpeculativeConfig
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "int8", "int4")
 # What "auto" resolves to on each device; chosen by measurement (docs/benchmarks.md).
@@ -108,4 +109,5 @@ class EngineConfig:
     load: LoadConfig = field(default_factory=LoadConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     seed: int = 0

@@ -47,6 +47,15 @@ class Request:
     first_scheduled_time: float | None = None
     # Per-request sampling state kept by the runner (generator, penalty counts).
     sampling_state: object | None = None
+    # Speculative decoding. num_speculative_tokens: how many proposed tokens the scheduler may
+    # reserve room for in the next step (0: plain decoding); set by the speculator, read by the
+    # scheduler as an int. spec_token_ids: this step's proposed tokens, verified after the
+    # request's last token; never part of all_token_ids (so never hashed into the prefix cache)
+    # and cleared by Scheduler.update once verified.
+    num_speculative_tokens: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)
+    # Per-request speculation state kept by the speculator (method, acceptance history).
+    spec_state: object | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

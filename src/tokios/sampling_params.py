@@ -18,6 +18,7 @@ import numbers
 from dataclasses import dataclass
 
 from tokios.errors import InvalidRequestError
+from tokios.speculative.config import SpeculativeParams
 
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -101,6 +102,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Speculative decoding for this request: {"method": ..., "num_tokens": ...} (docs/speculative.md).
+    speculative: SpeculativeParams | dict | None = None
 
     def __post_init__(self) -> None:
         self.n = _check_int("n", self.n, f"in [1, {MAX_N}]", 1, MAX_N)
@@ -143,6 +146,7 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, _check_int(name, value, f"in [0, {MAX_LOGPROBS}]", 0, MAX_LOGPROBS))
+        self.speculative = SpeculativeParams.from_value(self.speculative)
 
     @staticmethod
     def _checked_logit_bias(logit_bias: object) -> dict[int, float] | None:

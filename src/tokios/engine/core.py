@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,9 @@ from tokios.request import Request, RequestStatus
 from tokios.runner.model_runner import ModelRunner
 from tokios.sampling_params import SamplingParams
 from tokios.scheduler.scheduler import Scheduler
+from tokios.speculative.draft_model import load_draft_proposer
+from tokios.speculative.proposers import ModelDraftProposer, NgramProposer
+from tokios.speculative.speculator import Speculator
 from tokios.tokenizer import Tokenizer
 
 logger = logging.getLogger("tokios.engine")
@@ -45,6 +49,13 @@ class EngineStats:
     num_preemptions: int
     num_prompt_tokens: int
     num_generation_tokens: int
+    # Speculative decoding (docs/speculative.md): verifications with proposals, proposed and
+    # accepted tokens, and per position j the drafts that reached j / whose token j was accepted.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_drafts_per_position: list[int] | None = None
+    spec_accepted_per_position: list[int] | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -106,8 +117,21 @@ class EngineCore:
                                    self.max_model_len)
         self.runner = ModelRunner(self.model, self.model_config, num_blocks, block_size, self.device, kv_dtype,
                                   seed=config.seed)
+        self.speculator = Speculator(config.speculative, self._make_proposers(num_blocks, block_size))
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+
+    def _make_proposers(self, num_blocks: int, block_size: int) -> dict:
+        spec = self.config.speculative
+        proposers = {
+            "ngram": NgramProposer(spec.ngram_min_n, spec.ngram_max_n),
+            "self_draft": ModelDraftProposer(
+                "self_draft", self.model, self.runner.kv_caches, min(spec.self_draft_num_layers, self.model_config.num_layers),
+                self.runner.build_batch, block_size, shares_target_cache=True),
+        }
+        if spec.draft_model:
+            proposers["draft_model"] = load_draft_proposer(spec, self, num_blocks, block_size)
+        return proposers
 
     # ---- requests ------------------------------------------------------------------------------
     def make_requests(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[Request]:
@@ -118,6 +142,7 @@ class EngineCore:
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})", param="prompt")
         params.validate_for_vocab(vocab_size)
+        self.speculator.resolve(params)
         num_prompt = len(prompt_token_ids)
         limit = self.max_model_len
         if params.max_tokens is None:
@@ -148,6 +173,8 @@ class EngineCore:
             if request.request_id in self.scheduler.requests:
                 raise InvalidRequestError(f"request id {request.request_id!r} is already running", param="request_id")
         for request in requests:
+            self.speculator.admit(request)
+        for request in requests:
             self.scheduler.add_request(request)
         self.num_prompt_tokens += requests[0].num_prompt_tokens if requests else 0
 
@@ -165,8 +192,11 @@ class EngineCore:
     # ---- one step ------------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
         scheduler_output = self.scheduler.schedule()
+        self.speculator.propose(scheduler_output)
+        started = time.perf_counter()
         runner_output = self.runner.execute(scheduler_output)
         finished = self.scheduler.update(scheduler_output, runner_output.sampled_token_ids)
+        self.speculator.observe(scheduler_output, runner_output.sampled_token_ids, time.perf_counter() - started)
         finish_by_id = {f.request.request_id: f for f in finished}
         outputs = []
         for scheduled in scheduler_output.scheduled:
@@ -189,6 +219,7 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         pool = self.kv.pool
+        spec = self.speculator.stats
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_blocks_total=pool.num_blocks, num_blocks_used=pool.num_used_blocks,
@@ -196,7 +227,11 @@ class EngineCore:
             kv_cache_usage=pool.num_used_blocks / pool.num_blocks,
             prefix_cache_queries=self.kv.prefix_cache_queries, prefix_cache_hits=self.kv.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,
-            num_prompt_tokens=self.num_prompt_tokens, num_generation_tokens=self.num_generation_tokens)
+            num_prompt_tokens=self.num_prompt_tokens, num_generation_tokens=self.num_generation_tokens,
+            spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
+            spec_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_drafts_per_position=list(spec.drafts_per_position),
+            spec_accepted_per_position=list(spec.accepted_per_position))
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()

@@ -3,6 +3,9 @@
     llm = LLM()                       # the default model
     outputs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
     outputs[0].outputs[0].text
+
+    # speculative decoding (docs/speculative.md)
+    llm = LLM(speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=4))
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from tokios.engine.output_processor import OutputProcessor
 from tokios.errors import InvalidRequestError
 from tokios.outputs import RequestOutput
 from tokios.sampling_params import SamplingParams
+from tokios.speculative.config import SpeculativeConfig
 
 Prompt = str | Sequence[int]
 
@@ -24,7 +28,8 @@ class LLM:
     def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "auto",
                  kv_cache_memory: str | int = "512MiB", block_size: int = 16, enable_prefix_caching: bool = True,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_model_len: int | None = None,
-                 num_threads: int | None = None, seed: int = 0):
+                 num_threads: int | None = None, seed: int = 0,
+                 speculative_config: SpeculativeConfig | None = None):
         self.engine_config = EngineConfig(
             load=LoadConfig(model=model, dtype=dtype, device=device, num_threads=num_threads),
             cache=CacheConfig(block_size=block_size,
@@ -32,6 +37,7 @@ class LLM:
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len),
+            speculative=speculative_config or SpeculativeConfig(),
             seed=seed)
         self.core = EngineCore(self.engine_config)
         self.tokenizer = self.core.tokenizer

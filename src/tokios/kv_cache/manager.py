@@ -3,7 +3,9 @@
 Pure Python (no torch). The scheduler asks three things of it:
   get_computed_blocks(request)  -> the longest cached prefix of full blocks (prefix caching);
   allocate_slots(request, n)    -> room for n more tokens, or None when the pool cannot give it;
-  free(request)                 -> give the request's blocks back, tail first.
+  free(request)                 -> give the request's blocks back, tail first;
+  truncate(request, n)          -> keep only the blocks holding the first n tokens (speculative
+                                   decoding rolls back rejected positions with it).
 Block identity for prefix caching is a chained hash: hash(parent block's hash, this block's
 token ids), where the first block's parent is the cache salt (model, tokenizer and chat
 template), so blocks are only shared between requests whose whole prefix matches.
@@ -151,6 +153,28 @@ class KVCacheManager:
         self.request_to_hashes.pop(request.request_id, None)
         self.request_to_num_cached_blocks.pop(request.request_id, None)
         self.pool.free_blocks(list(reversed(blocks)))
+
+    def truncate(self, request: CacheRequest, num_tokens: int) -> list[int]:
+        """Keep the blocks that hold the request's first num_tokens tokens and free the rest,
+        tail first; returns the freed block ids. Speculative decoding calls it after a
+        verification step rejected positions: their KV entries are never attended again (a
+        kept partial block's stale slots lie past the request's context length and are
+        overwritten by the next write). Freed blocks were never registered in the prefix cache:
+        allocate_slots only hashes blocks whose tokens are all accepted (request.all_token_ids
+        never holds provisional tokens)."""
+        blocks = self.request_to_blocks.get(request.request_id)
+        if blocks is None:
+            return []
+        num_kept = -(-num_tokens // self.block_size)
+        freed = blocks[num_kept:]
+        if not freed:
+            return []
+        del blocks[num_kept:]
+        num_cached = self.request_to_num_cached_blocks.get(request.request_id, 0)
+        if num_cached > num_kept:
+            self.request_to_num_cached_blocks[request.request_id] = num_kept
+        self.pool.free_blocks(list(reversed(freed)))
+        return freed
 
     def block_ids(self, request_id: str) -> list[int]:
         return self.request_to_blocks.get(request_id, [])

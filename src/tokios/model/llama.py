@@ -69,24 +69,27 @@ class LlamaModel:
         extension = load_extension() if weight_format in ("int4", "int8") and device.type == "cpu" else None
         self.ops = CpuKernelOps(config, self.rotary, extension) if extension is not None else TorchOps(config, self.rotary)
         self.can_fuse_decode = extension is not None
-        self._fused = None
-        self._fused_caches = None
+        # num_layers -> (fused decoder, the cache list it was built over)
+        self._fused_by_num_layers: dict[int | None, tuple[object, list]] = {}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden]."""
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_layers: int | None = None) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden].
+        num_layers: run only the first layers, then the final norm (speculative self-draft)."""
         hidden = self.embed_tokens[input_ids]
         ops = self.ops
         if self.can_fuse_decode and metadata.num_decode_tokens == input_ids.shape[0]:
             # Decode-only step: every layer in one C++ call (no Python between operations).
-            if self._fused is None or self._fused_caches is not kv_caches:
-                self._fused, self._fused_caches = ops.fused_decoder(self, kv_caches), kv_caches
-            hidden = self._fused.forward(hidden, positions, metadata.slot_mapping, metadata.decode_slot_indices,
-                                         metadata.decode_context_lens)
+            fused, fused_caches = self._fused_by_num_layers.get(num_layers, (None, None))
+            if fused is None or fused_caches is not kv_caches:
+                fused = ops.fused_decoder(self, kv_caches, num_layers)
+                self._fused_by_num_layers[num_layers] = (fused, kv_caches)
+            hidden = fused.forward(hidden, positions, metadata.slot_mapping, metadata.decode_slot_indices,
+                                   metadata.decode_context_lens)
             return ops.rms_norm(hidden, self.norm)
         rope_tables = ops.rope_tables(positions)
         num_decode = metadata.num_decode_tokens
-        for layer, (key_cache, value_cache) in zip(self.layers, kv_caches):
+        for layer, (key_cache, value_cache) in zip(self.layers[:num_layers], kv_caches):
             qkv = layer.qkv(ops.rms_norm(hidden, layer.input_norm), num_decode)
             attended = ops.attention(qkv, positions, key_cache, value_cache, metadata, rope_tables)
             hidden = hidden + layer.o_proj(attended.to(self.dtype), num_decode).to(self.dtype)

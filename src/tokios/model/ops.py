@@ -90,9 +90,11 @@ class CpuKernelOps(TorchOps):
                                                     self.scale)[num_decode:].reshape(-1, self.q_size)
         return attended
 
-    def fused_decoder(self, model, kv_caches):
-        """The all-layers C++ decode step over these caches (built once per cache list)."""
-        layers = model.layers
+    def fused_decoder(self, model, kv_caches, num_layers: int | None = None):
+        """The all-layers C++ decode step over these caches (built once per cache list); with
+        num_layers, over the first layers only (speculative self-draft)."""
+        layers = model.layers[:num_layers]
+        kv_caches = kv_caches[:len(layers)]
         bias = [layer.qkv.bias for layer in layers] if layers[0].qkv.bias is not None else []
         return self.extension.FusedDecoder(
             [layer.input_norm for layer in layers], [layer.post_attention_norm for layer in layers],

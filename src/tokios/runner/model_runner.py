@@ -4,7 +4,8 @@ Each step it turns a SchedulerOutput into one flattened batch (decodes first, th
 multi-token spans), fills AttentionMetadata once for all layers, runs the model, computes
 logits only at the positions that are sampled (plus every prompt position of a request that
 asked for prompt logprobs), samples, and returns token ids as Python ints: one host sync per
-step. It also owns the KV cache tensors and each request's sampling state.
+step. A request carrying proposed tokens (speculative decoding) is verified in the same batch:
+one decode row per token, logits at every one of them, the rejection sampler on top. It also owns the KV cache tensors and each request's sampling state.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from tokios.sampler.metadata import SamplingMetadata
 from tokios.sampler.sampler import Sampler
 from tokios.sampler.state import RequestSamplingState, SamplingStateStore
 from tokios.scheduler.scheduler import ScheduledRequest, SchedulerOutput
+from tokios.speculative.rejection_sampler import RejectionSampler, resolve_token_ids
 
 # (token id, logprob, rank) of the sampled token, then the top alternatives as (token id, logprob).
 SampleLogprobs = tuple[int, float, int | None, list[tuple[int, float]]]
@@ -33,6 +35,14 @@ class RunnerOutput:
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[SampleLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [num_rows] long
+    positions: torch.Tensor  # [num_rows] long
+    metadata: AttentionMetadata
+    entry_rows: list[list[int]]  # per entry (input order): its rows of the batch
 
 
 class ModelRunner:
@@ -50,6 +60,7 @@ class ModelRunner:
                           for _ in range(model_config.num_layers)]
         self.state_store = SamplingStateStore(model_config.vocab_size, device)
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
+        self.rejection_sampler = RejectionSampler(self.sampler.shared_generator)
         self.request_to_state: dict[str, RequestSamplingState] = {}
 
     # ---- per-request state ------------------------------------------------------------------
@@ -82,53 +93,70 @@ class ModelRunner:
             self._copy_blocks(scheduler_output.block_copies)
         if scheduler_output.is_empty:
             return RunnerOutput()
-        # Decodes (one query token) first: attention batches them; the rest are spans.
-        batch = sorted(scheduler_output.scheduled, key=lambda s: s.num_new_tokens != 1)
-        input_ids, positions, metadata, sample_rows, prompt_rows = self._prepare(batch)
-        hidden = self.model.forward(input_ids, positions, metadata, self.kv_caches)
+        scheduled = scheduler_output.scheduled
+        batch = self.build_batch([(s.request, s.num_new_tokens, s.block_ids) for s in scheduled])
+        hidden = self.model.forward(batch.input_ids, batch.positions, batch.metadata, self.kv_caches)
         output = RunnerOutput()
-        sampling = [s for s in batch if s.samples_this_step]
-        if sampling:
-            self._sample(sampling, hidden[sample_rows], output)
-        for scheduled, rows in prompt_rows:
-            self._prompt_logprobs(scheduled, hidden[rows], output)
+        plain = [(s, rows[-1]) for s, rows in zip(scheduled, batch.entry_rows)
+                 if s.samples_this_step and not s.request.spec_token_ids]
+        verify = [(s, rows) for s, rows in zip(scheduled, batch.entry_rows) if s.request.spec_token_ids]
+        pending_plain = self._sample(plain, hidden) if plain else None
+        pending_verify = self._verify(verify, hidden) if verify else None
+        # The step's one host sync: every sampled / verified token id at once.
+        parts = [t for t in (pending_plain and pending_plain[0], pending_verify and pending_verify[0]) if t is not None]
+        flat = torch.cat(parts).tolist() if parts else []
+        if pending_plain is not None:
+            self._finish_sample(pending_plain, flat[:len(plain)], output)
+        if pending_verify is not None:
+            self._finish_verify(pending_verify, flat[len(plain):] if plain else flat, output)
+        for s, rows in zip(scheduled, batch.entry_rows):
+            request = s.request
+            start = request.num_computed_tokens
+            if request.sampling_params.prompt_logprobs is not None and start < request.num_prompt_tokens:
+                last_prompt_row = min(start + s.num_new_tokens, request.num_prompt_tokens - 1)
+                if last_prompt_row > start:
+                    self._prompt_logprobs(s, hidden[rows[:last_prompt_row - start]], output)
         return output
 
-    def _prepare(self, batch: list[ScheduledRequest]):
+    def build_batch(self, entries) -> Batch:
+        """entries: (request, num_new_tokens, block_ids) each. A request's new tokens are
+        (all_token_ids + spec_token_ids)[num_computed : num_computed + num_new_tokens]. Rows:
+        decodes first, then multi-token spans. A verify (a request with spec_token_ids) is laid
+        out as one DECODE row per token, row j attending to the first num_computed + j + 1
+        positions: it runs the very kernels plain decoding runs (the 8-bit decode kernels and
+        the fused all-layer step), so verified tokens equal plain decoding bit for bit."""
         bs = self.block_size
+        is_decode = [n == 1 or bool(request.spec_token_ids) for request, n, _ in entries]
+        order = sorted(range(len(entries)), key=lambda i: not is_decode[i])
         token_chunks, position_chunks, slot_chunks = [], [], []
         decode_slots: list[np.ndarray] = []
         spans: list[MultiTokenSpan] = []
-        sample_rows: list[int] = []
-        prompt_rows: list[tuple[ScheduledRequest, list[int]]] = []
+        entry_rows: list[list[int]] = [[] for _ in entries]
         row = 0
-        for scheduled in batch:
-            request = scheduled.request
+        for index in order:
+            request, num_new, block_ids = entries[index]
             start = request.num_computed_tokens
-            end = start + scheduled.num_new_tokens
-            block_table = np.asarray(scheduled.block_ids, dtype=np.int64)
+            end = start + num_new
+            block_table = np.asarray(block_ids, dtype=np.int64)
             # Cache slot of every context position [0, end) of this request.
             context_slots = (block_table[:, None] * bs + np.arange(bs)).reshape(-1)[:end]
-            token_chunks.append(request.all_token_ids[start:end])
+            token_ids = request.all_token_ids[start:end]
+            if request.spec_token_ids:
+                token_ids = token_ids + request.spec_token_ids[:end - start - len(token_ids)]
+            token_chunks.append(token_ids)
             position_chunks.append(np.arange(start, end))
             slot_chunks.append(context_slots[start:end])
-            if scheduled.num_new_tokens == 1:
-                decode_slots.append(context_slots)
+            if is_decode[index]:
+                decode_slots.extend(context_slots[:position + 1] for position in range(start, end))
             else:
                 mask = None
                 if start > 0:
                     key_positions = torch.arange(end, device=self.device)
                     query_positions = torch.arange(start, end, device=self.device)
                     mask = key_positions[None, :] <= query_positions[:, None]
-                spans.append(MultiTokenSpan(row, scheduled.num_new_tokens, end,
-                                            torch.from_numpy(context_slots).to(self.device), mask))
-            if scheduled.samples_this_step:
-                sample_rows.append(row + scheduled.num_new_tokens - 1)
-            if request.sampling_params.prompt_logprobs is not None and start < request.num_prompt_tokens:
-                last_prompt_row = min(end, request.num_prompt_tokens - 1)
-                if last_prompt_row > start:
-                    prompt_rows.append((scheduled, list(range(row, row + last_prompt_row - start))))
-            row += scheduled.num_new_tokens
+                spans.append(MultiTokenSpan(row, num_new, end, torch.from_numpy(context_slots).to(self.device), mask))
+            entry_rows[index] = list(range(row, row + num_new))
+            row += num_new
 
         input_ids = torch.tensor([t for chunk in token_chunks for t in chunk], dtype=torch.long, device=self.device)
         positions = torch.from_numpy(np.concatenate(position_chunks)).to(self.device)
@@ -144,15 +172,18 @@ class ModelRunner:
             metadata.decode_slot_indices = torch.from_numpy(padded).to(self.device)
             metadata.decode_mask = torch.from_numpy(valid).to(self.device)[:, None, None, :]
             metadata.decode_context_lens = torch.tensor([len(s) for s in decode_slots], device=self.device)
-        return input_ids, positions, metadata, sample_rows, prompt_rows
+        return Batch(input_ids, positions, metadata, entry_rows)
 
-    def _sample(self, sampling: list[ScheduledRequest], hidden: torch.Tensor, output: RunnerOutput) -> None:
-        requests = [s.request for s in sampling]
+    def _sample(self, plain: list[tuple[ScheduledRequest, int]], hidden: torch.Tensor):
+        requests = [s.request for s, _ in plain]
         states = [self._state(r) for r in requests]
-        logits = self.model.compute_logits(hidden)  # [num_sampling, vocab] float32
+        logits = self.model.compute_logits(hidden[[row for _, row in plain]])  # [num_sampling, vocab] float32
         metadata = SamplingMetadata.from_states(self.state_store, states, [r.output_token_ids for r in requests])
         result = self.sampler(logits, metadata)
-        token_ids = result.sampled_token_ids.tolist()  # the step's one host sync
+        return result.sampled_token_ids, result, metadata, requests
+
+    def _finish_sample(self, pending, token_ids: list[int], output: RunnerOutput) -> None:
+        _, result, metadata, requests = pending
         wants_logprobs = metadata.max_num_logprobs is not None
         if wants_logprobs:
             sampled_logprobs = result.sampled_logprobs.tolist()
@@ -166,6 +197,33 @@ class ModelRunner:
                 top = list(zip(top_ids[i][:num_top], top_values[i][:num_top]))
                 output.logprobs[request.request_id] = [
                     (token_ids[i], sampled_logprobs[i], ranks[i] if ranks else None, top)]
+
+    def _verify(self, verify: list[tuple[ScheduledRequest, list[int]]], hidden: torch.Tensor):
+        """Score every verify row and apply the rejection rule (speculative/rejection_sampler.py).
+        Each row gets the request's settings with the output as it would be at that position
+        (min_tokens suppression counts per position). Requests with penalties or logprobs do not
+        speculate (the speculator keeps them off), so no penalty table is involved."""
+        requests = [s.request for s, _ in verify]
+        row_states, row_outputs, rows = [], [], []
+        for request, (_, request_rows) in zip(requests, verify):
+            state = self._state(request)
+            output_ids = request.output_token_ids
+            for j, row in enumerate(request_rows):
+                row_states.append(state)
+                row_outputs.append(output_ids + request.spec_token_ids[:j])
+                rows.append(row)
+        logits = self.model.compute_logits(hidden[rows])  # [num_verify_rows, vocab] float32
+        metadata = SamplingMetadata.from_states(self.state_store, row_states, row_outputs)
+        proposed = [r.spec_token_ids for r in requests]
+        result = self.rejection_sampler(logits, metadata, proposed)
+        flat = torch.cat([result.is_accepted.long(), result.candidate_token_ids])
+        return flat, requests, proposed, result.is_accepted.shape[0]
+
+    def _finish_verify(self, pending, flat: list[int], output: RunnerOutput) -> None:
+        _, requests, proposed, num_proposed = pending
+        token_ids = resolve_token_ids(proposed, [bool(x) for x in flat[:num_proposed]], flat[num_proposed:])
+        for request, new_token_ids in zip(requests, token_ids):
+            output.sampled_token_ids[request.request_id] = new_token_ids
 
     def _prompt_logprobs(self, scheduled: ScheduledRequest, hidden: torch.Tensor, output: RunnerOutput) -> None:
         request = scheduled.request

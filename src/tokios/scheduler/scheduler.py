@@ -15,6 +15,12 @@ some new tokens to compute, under two limits (max_num_batched_tokens, max_num_se
 
 update() takes the sampled tokens back, appends them, checks EOS / stop tokens / length, and
 frees the blocks of finished requests.
+
+Speculative decoding: a decoding request whose num_speculative_tokens > 0 gets room for its
+last token plus up to that many proposed tokens (num_spec_slots), when the budget, the pool,
+max_tokens and the context allow; if the pool cannot hold them it falls back to a plain decode
+before anyone is preempted. After verification update() rolls the rejected positions back
+(num_computed_tokens truncated, blocks past it freed).
 """
 
 from __future__ import annotations
@@ -32,6 +38,9 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
     block_ids: list[int]
+    # Room reserved for proposed tokens (speculative decoding); the speculator fills
+    # request.spec_token_ids with at most this many and sets num_new_tokens = 1 + their count.
+    num_spec_slots: int = 0
 
     @property
     def samples_this_step(self) -> bool:
@@ -109,7 +118,11 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            copies = self.kv.allocate_slots(request, num_new)
+            num_spec = self._num_spec_slots(request, num_new, budget)
+            copies = self.kv.allocate_slots(request, num_new + num_spec) if num_spec else None
+            if copies is None:
+                num_spec = 0
+                copies = self.kv.allocate_slots(request, num_new)
             while copies is None:
                 victim = self.running[-1]
                 self._preempt(victim, output)
@@ -119,13 +132,23 @@ class Scheduler:
             if copies is None:
                 break  # the request preempted itself: nothing older can be helped either
             output.block_copies.extend(copies)
-            output.scheduled.append(ScheduledRequest(request, num_new, self.kv.block_ids(request.request_id)))
-            budget -= num_new
+            output.scheduled.append(ScheduledRequest(request, num_new + num_spec, self.kv.block_ids(request.request_id),
+                                                     num_spec))
+            budget -= num_new + num_spec
             index += 1
 
         if not output.preempted_request_ids:
             self._admit_waiting(output, budget, now)
         return output
+
+    def _num_spec_slots(self, request: Request, num_new: int, budget: int) -> int:
+        """Proposed tokens a decoding request may verify this step: its wish, cut so the
+        accepted tokens plus the bonus token never pass max_tokens or the context."""
+        if request.num_speculative_tokens == 0 or num_new != 1 or request.num_tokens - request.num_computed_tokens != 1:
+            return 0
+        return max(0, min(request.num_speculative_tokens, budget - 1,
+                          request.max_tokens - request.num_output_tokens - 1,
+                          self.max_model_len - request.num_tokens - 1))
 
     def _preempt(self, request: Request, output: SchedulerOutput) -> None:
         self.running.remove(request)
@@ -193,12 +216,22 @@ class Scheduler:
         for scheduled in output.scheduled:
             request = scheduled.request
             request.num_computed_tokens += scheduled.num_new_tokens
-            for token_id in sampled_token_ids.get(request.request_id, ()):
+            new_token_ids = sampled_token_ids.get(request.request_id, [])
+            if scheduled.num_spec_slots:
+                # new_token_ids = the accepted proposals + one bonus/correction token; the KV of
+                # the rejected proposals is rolled back.
+                num_rejected = len(request.spec_token_ids) - (len(new_token_ids) - 1)
+                request.num_computed_tokens -= num_rejected
+                request.spec_token_ids = []
+                self.kv.truncate(request, request.num_computed_tokens)
+            for index, token_id in enumerate(new_token_ids):
                 request.append_token(token_id)
                 status = request.check_stop(self.max_model_len)
                 if status is not None:
                     self.finish(request.request_id, status)
                     finished.append(FinishedRequest(request, status))
+                    # Tokens verified past a stop are dropped (the caller reports only these).
+                    del new_token_ids[index + 1:]
                     break
         return finished
 

@@ -1,0 +1,52 @@
+"""Loading a separate draft model (--draft-model PATH) into a ModelDraftProposer.
+
+The draft gets its own weights and its own KV cache tensors, one pair per draft layer, with as
+many slots as the target's cache: it is addressed with the target's block ids, so the target's
+KV manager allocates (and rolls back) for both, and no second allocator exists. A draft whose
+tokenizer differs from the target's is refused with InvalidRequestError before anything runs.
+
+Talks to: model/loader.py (load_model), tokenizer (compatibility), speculative/proposers.py.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tokios.config import AUTO_DTYPE_BY_DEVICE
+from tokios.errors import InvalidRequestError
+from tokios.model.llama import ACTIVATION_DTYPE
+from tokios.model.loader import load_model
+from tokios.speculative.config import SpeculativeConfig
+from tokios.speculative.proposers import ModelDraftProposer, check_tokenizers_compatible
+from tokios.tokenizer import Tokenizer
+
+logger = logging.getLogger("tokios.speculative")
+
+
+def load_draft_proposer(spec: SpeculativeConfig, core, num_blocks: int, block_size: int) -> ModelDraftProposer:
+    """core: the EngineCore being built (its device, tokenizer, model config and runner)."""
+    weight_format = spec.draft_dtype
+    if weight_format == "auto":
+        weight_format = AUTO_DTYPE_BY_DEVICE[core.device.type]
+    try:
+        loaded = load_model(str(spec.draft_model), weight_format, core.device)
+    except FileNotFoundError as exc:
+        raise InvalidRequestError(f"draft model {spec.draft_model} not found: {exc}", param="draft_model") from exc
+    if isinstance(loaded.tokenizer_source, dict):
+        tokenizer = Tokenizer.from_gguf_metadata(loaded.tokenizer_source, source=str(spec.draft_model))
+    else:
+        tokenizer = Tokenizer.from_hf_dir(loaded.tokenizer_source)
+    check_tokenizers_compatible(core.tokenizer, tokenizer, core.model_config.vocab_size, loaded.config.vocab_size,
+                                str(spec.draft_model))
+    config = loaded.config
+    kv_dtype = ACTIVATION_DTYPE[weight_format]
+    shape = (num_blocks * block_size, config.num_kv_heads, config.head_dim)
+    kv_caches = [(torch.zeros(shape, dtype=kv_dtype, device=core.device),
+                  torch.zeros(shape, dtype=kv_dtype, device=core.device)) for _ in range(config.num_layers)]
+    logger.info("draft model %s (%s, %d layers) loaded in %.1f s; its KV cache: %d bytes per token",
+                spec.draft_model, weight_format, config.num_layers, loaded.load_seconds,
+                config.kv_bytes_per_token(torch.tensor([], dtype=kv_dtype).element_size()))
+    return ModelDraftProposer("draft_model", loaded.model, kv_caches, None, core.runner.build_batch, block_size,
+                              shares_target_cache=False)

@@ -1,0 +1,168 @@
+"""Speculative decoding on the real model: lossless under greedy, with every proposer.
+
+- Greedy outputs with speculation equal those without, for 16 prompts, for n-gram, self-draft
+  (early exit) and a draft model, one request at a time and all 16 batched, in the default
+  dtype (int4 kernels: verify rows are decode rows, so they run the very kernels plain decoding
+  runs) and in float32.
+- A chaos proposer that proposes the true continuation corrupted at random positions, under
+  concurrent load with a KV cache small enough to preempt: outputs equal, KV invariant holds.
+- Draft = target in float32: every proposal is accepted under greedy.
+- A draft whose tokenizer differs is refused with a clear error.
+
+The default-dtype engine runs without prefix caching: a prefix hit changes how a prompt was
+prefilled, which can move low-order bits in that dtype (docs/architecture.md), and that is not
+what these tests are about.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tokios.errors import InvalidRequestError
+from tokios.model_files import default_model_path
+from tokios.sampling_params import SamplingParams
+from tokios.speculative.config import SpeculativeConfig
+from tokios.speculative.proposers import check_tokenizers_compatible
+
+MAX_TOKENS = 16
+K = 4
+CODE = "def area(width, height):\n    result = width * height\n    return result\n"
+PROMPTS = [
+    "Repeat this code with the variable result renamed to size:\n" + CODE,
+    "Copy this sentence exactly: the cat sat on the mat and the cat sat on the hat.",
+    "List: apple, banana, cherry, apple, banana, cherry, apple,",
+    "1, 2, 3, 4, 5, 6, 7, 8,",
+    "Say it again: hello world, hello world, hello",
+    "def fibonacci(n):",
+    "The capital of France is",
+    "Once upon a time, in a small village by the sea,",
+    "Water boils at",
+    "The three primary colours are red,",
+    "Kraków leży nad rzeką",
+    "The quick brown fox",
+    "In the year 1969, the first humans",
+    "Name three colours.",
+    "for i in range(10):\n    print(i)\nfor j in range(10):\n    print(",
+    "<html><body><p>one</p><p>two</p><p>",
+]
+METHODS = ["ngram", "self_draft", "draft_model"]
+
+
+def greedy(method: str | None = None) -> SamplingParams:
+    speculative = {"method": method or "none"}
+    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, speculative=speculative)
+
+
+def make_engine(dtype: str, kv_cache_memory: str = "64MiB", **kwargs):
+    from tokios.engine import LLM
+
+    config = SpeculativeConfig(num_speculative_tokens=K, draft_model=str(default_model_path()),
+                               draft_dtype=dtype, enable_adaptive=False, self_draft_num_layers=20)
+    return LLM(dtype=dtype, enable_prefix_caching=dtype == "float32", kv_cache_memory=kv_cache_memory,
+               max_num_batched_tokens=2048, speculative_config=config, **kwargs)
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [output.outputs[0].token_ids for output in outputs]
+
+
+@pytest.fixture(scope="module", params=["auto", "float32"])
+def engine(request):
+    llm = make_engine(request.param)
+    prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
+    plain_batched = token_ids(llm.generate(prompts, greedy()))
+    plain_single = [token_ids(llm.generate([p], greedy()))[0] for p in prompts]
+    return llm, prompts, plain_single, plain_batched
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_with_speculation_equals_greedy_without(engine, method):
+    llm, prompts, plain_single, plain_batched = engine
+    before = llm.stats()
+    single = [token_ids(llm.generate([p], greedy(method)))[0] for p in prompts]
+    batched = token_ids(llm.generate(prompts, greedy(method)))
+    assert single == plain_single
+    assert batched == plain_batched
+    after = llm.stats()
+    assert after.spec_num_drafts > before.spec_num_drafts  # speculation really ran
+    llm.check_invariants()
+
+
+def test_draft_equal_to_target_in_float32_accepts_everything(engine):
+    llm, prompts, plain_single, _ = engine
+    if llm.core.weight_format != "float32":
+        pytest.skip("the exact-agreement check is for float32")
+    before = llm.stats()
+    outputs = token_ids(llm.generate(prompts[:4], greedy("draft_model")))
+    assert outputs == plain_single[:4]
+    after = llm.stats()
+    num_drafted = after.spec_num_draft_tokens - before.spec_num_draft_tokens
+    assert num_drafted > 0
+    assert after.spec_num_accepted_tokens - before.spec_num_accepted_tokens == num_drafted
+
+
+class ChaosProposer:
+    """Proposes the true greedy continuation, corrupted at random positions (seeded)."""
+
+    method = "ngram"
+
+    def __init__(self, prompt_to_expected: dict[tuple, list[int]], seed: int):
+        self.prompt_to_expected = prompt_to_expected
+        self.random = random.Random(seed)
+
+    def propose(self, requests, num_tokens, block_ids):
+        proposals = []
+        for request, k in zip(requests, num_tokens):
+            expected = self.prompt_to_expected[tuple(request.prompt_token_ids)]
+            done = request.num_output_tokens
+            proposal = list(expected[done:done + k])
+            for index in range(len(proposal)):
+                if self.random.random() < 0.3:
+                    proposal[index] = self.random.randrange(1000, 40000)
+            proposals.append(proposal)
+        return proposals
+
+    def on_verified(self, request):
+        pass
+
+    def drop(self, request_id):
+        pass
+
+
+def test_chaos_rejections_under_concurrent_load_keep_outputs_and_the_kv_invariant():
+    # float32, because a recompute after preemption is exact only there (docs/architecture.md).
+    # 46,080 bytes per token: 9 MB is 12 blocks of 16 tokens for 16 requests of about 3 blocks
+    # each, so requests are preempted and recomputed.
+    llm = make_engine("float32", kv_cache_memory="9MB", max_num_seqs=16)
+    prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
+    expected = token_ids(llm.generate(prompts, greedy()))
+    llm.core.speculator.proposers["ngram"] = ChaosProposer(
+        {tuple(p): e for p, e in zip(prompts, expected)}, seed=1234)
+    before = llm.stats()
+    outputs = token_ids(llm.generate(prompts, greedy("ngram")))
+    assert outputs == expected
+    after = llm.stats()
+    accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+    drafted = after.spec_num_draft_tokens - before.spec_num_draft_tokens
+    assert 0 < accepted < drafted  # both acceptances and rejections happened
+    assert after.num_preemptions > before.num_preemptions
+    llm.check_invariants()
+    assert after.num_blocks_used == 0
+
+
+def test_a_draft_with_another_tokenizer_is_refused():
+    class FakeTokenizer:
+        def __init__(self, tokens):
+            self.tokens = tokens
+
+        def convert_ids_to_tokens(self, ids):
+            return [self.tokens[i] for i in ids]
+
+    target = FakeTokenizer(["a", "b", "c", "d"])
+    check_tokenizers_compatible(target, FakeTokenizer(["a", "b", "c"]), 4, 3, "draft.gguf")
+    with pytest.raises(InvalidRequestError, match="incompatible tokenizer: token id 1 is 'x'"):
+        check_tokenizers_compatible(target, FakeTokenizer(["a", "x", "c", "d"]), 4, 4, "draft.gguf")
+    with pytest.raises(InvalidRequestError, match="larger than the target"):
+        check_tokenizers_compatible(target, FakeTokenizer(["a"] * 5), 4, 5, "draft.gguf")

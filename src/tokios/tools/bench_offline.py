@@ -28,8 +28,7 @@ SINGLE_STREAM_SECTION = "Offline: single stream"
 THROUGHPUT_SECTION = "Offline: throughput"
 DECODE_PROMPT_TOKENS = 16
 NOISE_NOTE = ("Figures taken during development, while other engineers shared the same 2 CPU cores: "
-              "absolute numbers are noisy; the ratios come from one run with the systems interleaved "
-              "rep by rep, so they are the figures to compare.")
+              "absolute numbers are noisy; the ratios come from one run, so they are the figures to compare.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -107,12 +107,16 @@ def run(args: argparse.Namespace) -> int:
             "results": {n: {k: (vars(v) if isinstance(v, RepeatedFigure) else v) for k, v in r.items()}
                         for n, r in results.items()}})
     if args.write_docs:
-        body = (f"Command: `{bench_report.command_line()}`\n\nMeasured {machine_line()}. {NOISE_NOTE}\n\n"
-                f"Each rep: a fresh {args.system_prompt_tokens}-token system prompt with a "
-                f"{args.question_tokens}-token question (cold: nothing cached), then the same system prompt "
-                f"with another question (warm). TTFT = time to the first token of a 1-token generation; median "
-                f"of {args.reps} reps after one warm-up. llama.cpp (llama-cpp-python) reuses the common prefix "
-                f"of its previous prompt, so it is shown as a reference.\n\n{text}\n\n{verdict}")
-        bench_report.update_docs_section(args.write_docs, SECTION, body)
-        print(f"updated {args.write_docs}", file=sys.stderr)
+        write_docs(args, args.write_docs, text, verdict)
     return 0
+
+
+def write_docs(args: argparse.Namespace, path: str, text: str, verdict: str) -> None:
+    body = (f"Command: `{bench_report.command_line()}`\n\nMeasured {machine_line()}. {NOISE_NOTE}\n\n"
+            f"Each rep: a fresh {args.system_prompt_tokens}-token system prompt with a "
+            f"{args.question_tokens}-token question (cold: nothing cached), then the same system prompt "
+            f"with another question (warm). TTFT = time to the first token of a 1-token generation; median "
+            f"of {args.reps} reps after one warm-up. llama.cpp (llama-cpp-python) reuses the common prefix "
+            f"of its previous prompt, so it is shown as a reference.\n\n{text}\n\n{verdict}")
+    bench_report.update_docs_section(path, SECTION, body)
+    print(f"updated {path}", file=sys.stderr)

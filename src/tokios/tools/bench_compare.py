@@ -51,10 +51,10 @@ def tokios_command(args: argparse.Namespace, model_path: str, port: int, num_slo
 
 def llama_server_command(args: argparse.Namespace, binary: str, model_path: str, port: int,
                          num_slots: int) -> list[str]:
-    # -c is the whole context, split evenly over the slots; --no-kv-unified keeps it per slot.
+    # -c is the whole context; --no-kv-unified splits it evenly, so each slot owns ctx_per_slot.
     return [binary, "-m", model_path, "--host", "127.0.0.1", "--port", str(port), "--parallel", str(num_slots),
             "-t", str(args.threads), "-tb", str(args.threads), "-c", str(num_slots * args.ctx_per_slot),
-            "--no-webui", *shlex.split(args.llama_server_args)]
+            "--no-kv-unified", "--no-webui", *shlex.split(args.llama_server_args)]
 
 
 def kv_bytes_per_token(model_path: str, *, bytes_per_element: int) -> int:

@@ -9,7 +9,16 @@ exactly the reference token ids, and leave the block pool idle and consistent.
 Also here: a request that could never fit (past the model's context, or larger than the whole
 KV cache) fails at once with ContextLengthExceededError and leaves nothing queued.
 
-Lower precisions are measured in test_engine_invariance_low_precision below.
+Lower precisions (bfloat16, and the default `auto`: int4 on a CPU today) are held to a weaker rule,
+because there the batch shape changes the rounding: oneDNN picks a different blocking (so a
+different summation order) for a 1-row and a 16-row matrix product, and bfloat16 keeps 8
+mantissa bits, so a logit near 30 moves by up to ~0.1 between the two. Tokens must then be
+identical except where greedy decoding was nearly undecided: at the first differing position
+the one-by-one run's top two candidates must be within NEAR_TIE_NATS, and before it the chosen
+tokens' log-probabilities must agree within MAX_LOGPROB_DRIFT_NATS. Measured here (16 prompts,
+16 tokens, 32-token chunks): bfloat16 14 of 16 identical, the other two part at tokens 4 and 5
+where the top two were 0.06 and 0.13 nats apart, with at most 0.05 nats of drift before;
+int8 and int4 (the quantized kernels compute in float32) 16 of 16 identical.
 """
 
 from __future__ import annotations
@@ -20,6 +29,8 @@ from tokios.errors import ContextLengthExceededError
 from tokios.sampling_params import SamplingParams
 
 MAX_TOKENS = 16
+NEAR_TIE_NATS = 0.5
+MAX_LOGPROB_DRIFT_NATS = 0.25
 NUM_PREEMPTION_BLOCKS = 8  # 128 tokens: every request fits alone, two or three at once
 
 PROMPTS = [
@@ -140,3 +151,31 @@ def test_request_past_the_model_context_fails_at_once(plain_engine, prompts):
     stats = plain_engine.stats()
     assert stats.num_running == stats.num_waiting == 0
     plain_engine.check_invariants()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "auto"])
+def test_low_precision_parts_from_one_by_one_only_at_near_ties(dtype):
+    from tokios.engine import LLM
+
+    llm = LLM(dtype=dtype, max_num_batched_tokens=32, enable_prefix_caching=False, kv_cache_memory="64MiB")
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
+    token_ids = [prompt_token_ids(llm.tokenizer, p) for p in PROMPTS]
+    alone = [llm.generate([t], params)[0].outputs[0] for t in token_ids]
+    together = [o.outputs[0] for o in llm.generate(token_ids, params)]
+    llm.check_invariants()
+    num_identical = 0
+    for index, (ours, reference) in enumerate(zip(together, alone)):
+        assert len(ours.token_ids) == len(reference.token_ids) == MAX_TOKENS
+        parted_at = next((i for i, (a, b) in enumerate(zip(ours.token_ids, reference.token_ids)) if a != b), None)
+        num_identical += parted_at is None
+        agreed = MAX_TOKENS if parted_at is None else parted_at
+        for position in range(agreed):
+            token_id = reference.token_ids[position]
+            drift = abs(ours.logprobs[position][token_id].logprob - reference.logprobs[position][token_id].logprob)
+            assert drift <= MAX_LOGPROB_DRIFT_NATS, (index, position, drift)
+        if parted_at is not None:
+            top_two = sorted((lp.logprob for lp in reference.logprobs[parted_at].values()), reverse=True)[:2]
+            gap = top_two[0] - top_two[1]
+            print(f"\n{dtype}: prompt {index} parts at token {parted_at}, top-two gap {gap:.3f} nats")
+            assert gap <= NEAR_TIE_NATS, f"prompt {index} parts at token {parted_at} with a clear winner ({gap:.2f} nats)"
+    print(f"\n{dtype} ({llm.core.weight_format}): {num_identical} of {len(PROMPTS)} prompts identical")

@@ -60,10 +60,9 @@ def load_engine(args: argparse.Namespace, err: TextIO = sys.stderr):
     """EngineCore for the model flags; reports where the model came from and how long it took."""
     from tokios.config import CacheConfig, EngineConfig, LoadConfig, parse_size
 
-    # Validate every flag before paying for torch and the model.
+    # Validate the flags before paying for torch and the model (callers validate sampling first).
     load = LoadConfig(model=args.model, dtype=args.dtype, num_threads=args.threads)
     cache = CacheConfig(kv_cache_memory_bytes=parse_size(args.kv_cache_memory, field_name="kv_cache_memory"))
-    sampling_params_from_args(args)
     started = time.perf_counter()
     from tokios.engine import EngineCore
 

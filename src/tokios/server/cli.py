@@ -35,6 +35,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     engine.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     engine.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    spec = parser.add_argument_group("speculative decoding (docs/speculative.md)")
+    spec.add_argument("--speculative-method", default=None, choices=["none", "ngram", "self_draft", "draft_model"],
+                      help="default method for requests that do not choose (default: none)")
+    spec.add_argument("--num-speculative-tokens", type=int, default=4,
+                      help="proposed tokens per verification, the most a request may ask (default 4)")
+    spec.add_argument("--draft-model", default=None, help="draft model file or directory (tokenizer must match)")
+    spec.add_argument("--self-draft-layers", type=int, default=6,
+                      help="target layers the self-draft runs before exiting (default 6)")
     server = parser.add_argument_group("server")
     server.add_argument("--served-model-name", action="append", default=None,
                         help="name(s) clients use in `model` (default: the model's name); repeatable")
@@ -56,6 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _engine_config(args: argparse.Namespace):
     from tokios.config import CacheConfig, EngineConfig, LoadConfig, SchedulerConfig, parse_size
+    from tokios.speculative.config import SpeculativeConfig
 
     return EngineConfig(
         load=LoadConfig(model=args.model, dtype=args.dtype),
@@ -64,6 +73,10 @@ def _engine_config(args: argparse.Namespace):
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_model_len=args.max_model_len),
+        speculative=SpeculativeConfig(method=args.speculative_method,
+                                      num_speculative_tokens=args.num_speculative_tokens,
+                                      draft_model=args.draft_model, draft_dtype=args.dtype,
+                                      self_draft_num_layers=args.self_draft_layers),
     )
 
 

@@ -52,6 +52,17 @@ class EngineStatsCollector(Collector):
                                   value=stats.prefix_cache_hits)
         yield CounterMetricFamily("tokios:num_preemptions", "Requests preempted for lack of KV blocks.",
                                   value=stats.num_preemptions)
+        yield CounterMetricFamily("tokios:spec_decode_num_drafts", "Speculative verifications with proposed tokens.",
+                                  value=stats.spec_num_drafts)
+        yield CounterMetricFamily("tokios:spec_decode_num_draft_tokens", "Proposed (draft) tokens verified.",
+                                  value=stats.spec_num_draft_tokens)
+        yield CounterMetricFamily("tokios:spec_decode_num_accepted_tokens", "Proposed tokens accepted.",
+                                  value=stats.spec_num_accepted_tokens)
+        per_position = CounterMetricFamily("tokios:spec_decode_num_accepted_tokens_per_pos",
+                                           "Proposed tokens accepted, by position in the draft.", labels=["position"])
+        for position, count in enumerate(stats.spec_accepted_per_position or ()):
+            per_position.add_metric([str(position)], count)
+        yield per_position
 
 
 class ServerMetrics:

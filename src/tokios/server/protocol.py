@@ -56,7 +56,7 @@ class SamplingFields(_Body):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # Passed through untouched to the engine for speculative decoding settings (later work).
+    # Speculative decoding for this request: {"method": ..., "num_tokens": ...}, validated by SamplingParams.
     speculative: Any = None
 
     @field_validator("stop")

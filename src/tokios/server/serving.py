@@ -49,8 +49,8 @@ def make_sampling_params(kwargs: dict[str, Any]):
     from tokios.sampling_params import SamplingParams
 
     field_names = {field.name for field in dataclasses.fields(SamplingParams)}
-    # `speculative` is a performance hint carried for the engine's later use; dropped while
-    # SamplingParams has no such field (the answer is the same with or without it).
+    # `speculative` ({method, num_tokens}) is a SamplingParams field; the filter only matters for
+    # an older SamplingParams without it (the answer is the same with or without speculation).
     kwargs = {name: value for name, value in kwargs.items() if name in field_names or name != "speculative"}
     try:
         return SamplingParams(**kwargs)

@@ -69,11 +69,14 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         output[:num_decode] = attended.squeeze(2).to(output.dtype)
     for span in metadata.spans:
         rows = slice(span.query_start, span.query_start + span.query_len)
-        keys = key_cache[span.slot_indices].transpose(0, 1)  # [kv_heads, context_len, head_dim]
-        values = value_cache[span.slot_indices].transpose(0, 1)
-        span_query = query[rows].transpose(0, 1).to(keys.dtype)  # [heads, query_len, head_dim]
+        # 4-D [1, heads, length, head_dim]: PyTorch's CPU SDPA only takes its fused (flash) kernel
+        # for 4-D inputs; 3-D ones fall back to the math path, measured 2.6x slower on a
+        # 512-token prefill (53 ms vs 20 ms per layer, one thread).
+        keys = key_cache[span.slot_indices].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, context_len, head_dim]
+        values = value_cache[span.slot_indices].transpose(0, 1).unsqueeze(0)
+        span_query = query[rows].transpose(0, 1).unsqueeze(0).to(keys.dtype)  # [1, heads, query_len, head_dim]
         attended = F.scaled_dot_product_attention(span_query, keys, values, attn_mask=span.attn_mask,
                                                   is_causal=span.attn_mask is None, scale=scale,
                                                   enable_gqa=True)
-        output[rows] = attended.transpose(0, 1).to(output.dtype)
+        output[rows] = attended.squeeze(0).transpose(0, 1).to(output.dtype)
     return output

@@ -45,21 +45,42 @@ class EngineDeadError(TokiosError):
 class AsyncEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.core = EngineCore(config)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopping = False
+        self._ids = itertools.count()
+        # The engine thread loads the model itself and then steps it: all of torch's parallel work
+        # then happens in one thread. Loading in the caller's thread and stepping in another gives
+        # each thread its own OpenMP team, whose idle workers spin against each other (measured:
+        # 13.9-14.8 ms per decode step instead of 7.3 ms).
+        self._loaded = threading.Event()
+        self._load_error: BaseException | None = None
+        self._thread: threading.Thread | None = threading.Thread(target=self._load_and_run, name="tokios-engine",
+                                                                 daemon=True)
+        self._thread.start()
+        self._loaded.wait()
+        if self._load_error is not None:
+            raise self._load_error
         self.tokenizer = self.core.tokenizer
         self.model_config = self.core.model_config
         self.max_model_len = self.core.max_model_len
         self.model_name = served_model_name(self.core.model_path)
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._thread: threading.Thread | None = None
-        self._stopping = False
-        self._ids = itertools.count()
+
+    def _load_and_run(self) -> None:
+        try:
+            self.core = EngineCore(self.config)
+            self.output_processor = OutputProcessor(self.core.tokenizer)
+        except BaseException as exc:  # reported by __init__ in the caller's thread
+            self._load_error = exc
+            return
+        finally:
+            self._loaded.set()
+        self._run()
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
+        """Idempotent: the step loop runs from construction; after shutdown() this starts it again."""
         if self._thread is not None and self._thread.is_alive():
             return
         self._stopping = False

@@ -451,18 +451,24 @@ bool has_vnni() { return TOKIOS_VNNI; }
 
 }  // namespace
 
+// Every op releases the GIL: the engine steps in a background thread, and a kernel holding the
+// GIL would make the server's event loop wait out Python's 5 ms switch interval on every token
+// (measured: AsyncEngine TPOT 11.4 ms vs 6.6 ms for the same step run offline).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.def("quant_linear", &quant_linear, "y = x W^T (+ bias) with W in Q4_1 or Q8_0 blocks");
-  module.def("rms_norm", &rms_norm, "RMSNorm over the last dimension (float32)");
-  module.def("silu_mul", &silu_mul, "silu(gate) * up from a fused [rows, 2 * intermediate] tensor");
-  module.def("rope_write_kv", &rope_write_kv, "rotate q and k of a fused qkv tensor in place; write k, v to the cache");
-  module.def("decode_attention", &decode_attention, "one query token per request over its paged KV context");
-  module.def("dequantize_bf16", &dequantize_bf16, "Q4_1 / Q8_0 blocks -> dense bfloat16");
+  using release_gil = pybind11::call_guard<pybind11::gil_scoped_release>;
+  module.def("quant_linear", &quant_linear, "y = x W^T (+ bias) with W in Q4_1 or Q8_0 blocks", release_gil());
+  module.def("rms_norm", &rms_norm, "RMSNorm over the last dimension (float32)", release_gil());
+  module.def("silu_mul", &silu_mul, "silu(gate) * up from a fused [rows, 2 * intermediate] tensor", release_gil());
+  module.def("rope_write_kv", &rope_write_kv, "rotate q and k of a fused qkv tensor in place; write k, v to the cache",
+             release_gil());
+  module.def("decode_attention", &decode_attention, "one query token per request over its paged KV context",
+             release_gil());
+  module.def("dequantize_bf16", &dequantize_bf16, "Q4_1 / Q8_0 blocks -> dense bfloat16", release_gil());
   module.def("has_vnni", &has_vnni, "whether the AVX-512 VNNI path was compiled");
   pybind11::class_<FusedDecoder>(module, "FusedDecoder")
       .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                           std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                           std::vector<torch::Tensor>, int64_t, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                           torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, int64_t, int64_t, double>())
-      .def("forward", &FusedDecoder::forward);
+      .def("forward", &FusedDecoder::forward, release_gil());
 }

@@ -99,65 +99,96 @@ inline float horizontal_sum(__m256 v) {
 }
 #endif
 
-float dot_q4_1(const uint8_t* row, const ActivationBlock* a, int64_t num_blocks) {
+// Dot products of one weight row with R activation rows (R <= kMaxRows), written to out[r].
+// The weight block is unpacked once and reused for every row; each row keeps its own
+// accumulator and adds its blocks in the same order whatever R is, so a row's result is the same
+// alone or in a batch (one implementation serves both: R = 1 is the single-row case).
+constexpr int kMaxRows = 8;
+
+template <int R>
+void dot_q4_1_rows(const uint8_t* row, const ActivationBlock* const* a, int64_t num_blocks, float* out) {
 #if TOKIOS_VNNI
-  __m256 acc = _mm256_setzero_ps();
-  float acc_min = 0.f;
+  __m256 acc[R];
+  float acc_min[R];
+  for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); acc_min[r] = 0.f; }
   const __m128i low_mask = _mm_set1_epi8(0x0f);
   for (int64_t b = 0; b < num_blocks; ++b) {
     const uint8_t* block = row + b * kQ4_1Bytes;
     const float d = _cvtsh_ss(load_u16(block));
     const float m = _cvtsh_ss(load_u16(block + 2));
     const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
-    const __m128i low = _mm_and_si128(packed, low_mask);
-    const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), low_mask);
-    const __m256i q = _mm256_set_m128i(high, low);
-    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[b].qs));
-    const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, x);
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * a[b].scale), acc);
-    acc_min += m * a[b].scale * static_cast<float>(a[b].sum);
-  }
-  return horizontal_sum(acc) + acc_min;
-#else
-  float total = 0.f;
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    const uint8_t* block = row + b * kQ4_1Bytes;
-    const float d = half_to_float(load_u16(block)), m = half_to_float(load_u16(block + 2));
-    int32_t dot = 0;
-    for (int j = 0; j < 16; ++j) {
-      dot += (block[4 + j] & 0x0f) * a[b].qs[j] + (block[4 + j] >> 4) * a[b].qs[j + 16];
+    const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), low_mask),
+                                       _mm_and_si128(packed, low_mask));
+    for (int r = 0; r < R; ++r) {
+      const ActivationBlock& x = a[r][b];
+      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.qs));
+      const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, xq);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * x.scale), acc[r]);
+      acc_min[r] += m * x.scale * static_cast<float>(x.sum);
     }
-    total += d * a[b].scale * dot + m * a[b].scale * a[b].sum;
   }
-  return total;
+  for (int r = 0; r < R; ++r) out[r] = horizontal_sum(acc[r]) + acc_min[r];
+#else
+  for (int r = 0; r < R; ++r) {
+    float total = 0.f;
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const uint8_t* block = row + b * kQ4_1Bytes;
+      const float d = half_to_float(load_u16(block)), m = half_to_float(load_u16(block + 2));
+      const ActivationBlock& x = a[r][b];
+      int32_t dot = 0;
+      for (int j = 0; j < 16; ++j) dot += (block[4 + j] & 0x0f) * x.qs[j] + (block[4 + j] >> 4) * x.qs[j + 16];
+      total += d * x.scale * dot + m * x.scale * x.sum;
+    }
+    out[r] = total;
+  }
 #endif
 }
 
-float dot_q8_0(const uint8_t* row, const ActivationBlock* a, int64_t num_blocks) {
+template <int R>
+void dot_q8_0_rows(const uint8_t* row, const ActivationBlock* const* a, int64_t num_blocks, float* out) {
 #if TOKIOS_VNNI
-  __m256 acc = _mm256_setzero_ps();
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < num_blocks; ++b) {
     const uint8_t* block = row + b * kQ8_0Bytes;
     const float d = _cvtsh_ss(load_u16(block));
     const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
-    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[b].qs));
-    // vpdpbusd multiplies unsigned by signed: move w's sign onto x.
-    const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * a[b].scale), acc);
+    const __m256i w_abs = _mm256_abs_epi8(w);  // vpdpbusd multiplies unsigned by signed:
+    for (int r = 0; r < R; ++r) {               // move w's sign onto x.
+      const ActivationBlock& x = a[r][b];
+      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.qs));
+      const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w_abs, _mm256_sign_epi8(xq, w));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * x.scale), acc[r]);
+    }
   }
-  return horizontal_sum(acc);
+  for (int r = 0; r < R; ++r) out[r] = horizontal_sum(acc[r]);
 #else
-  float total = 0.f;
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    const uint8_t* block = row + b * kQ8_0Bytes;
-    const int8_t* w = reinterpret_cast<const int8_t*>(block + 2);
-    int32_t dot = 0;
-    for (int j = 0; j < kBlock; ++j) dot += w[j] * a[b].qs[j];
-    total += half_to_float(load_u16(block)) * a[b].scale * dot;
+  for (int r = 0; r < R; ++r) {
+    float total = 0.f;
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const uint8_t* block = row + b * kQ8_0Bytes;
+      const int8_t* w = reinterpret_cast<const int8_t*>(block + 2);
+      int32_t dot = 0;
+      for (int j = 0; j < kBlock; ++j) dot += w[j] * a[r][b].qs[j];
+      total += half_to_float(load_u16(block)) * a[r][b].scale * dot;
+    }
+    out[r] = total;
   }
-  return total;
 #endif
 }
+
+template <int R>
+void dot_rows(int64_t format, const uint8_t* row, const ActivationBlock* const* a, int64_t num_blocks, float* out) {
+  if (format == 0) {
+    dot_q4_1_rows<R>(row, a, num_blocks, out);
+  } else {
+    dot_q8_0_rows<R>(row, a, num_blocks, out);
+  }
+}
+
+using DotRowsFunction = void (*)(int64_t, const uint8_t*, const ActivationBlock* const*, int64_t, float*);
+constexpr DotRowsFunction kDotRows[kMaxRows + 1] = {nullptr, dot_rows<1>, dot_rows<2>, dot_rows<3>, dot_rows<4>,
+                                                    dot_rows<5>, dot_rows<6>, dot_rows<7>, dot_rows<8>};
 
 // y[M, N] = x[M, K] . W^T (+ bias), W in Q4_1 (format 0) or Q8_0 (format 1) blocks.
 // Each output element is one dot product computed the same way whatever M is, so a row's
@@ -172,18 +203,17 @@ void quant_matmul(const float* x, int64_t M, int64_t K, const uint8_t* weight, i
   });
   const ActivationBlock* a_data = activations.data();
   const int64_t row_bytes = num_blocks * block_bytes;
-  // Tiles of activation rows stay in L1/L2 while weight rows stream from memory.
-  constexpr int64_t kRowTile = 64;
+  // Each weight row is read once per tile of up to kMaxRows activation rows (L1-resident).
   at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t m0 = 0; m0 < M; m0 += kRowTile) {
-      const int64_t m1 = std::min(M, m0 + kRowTile);
+    const ActivationBlock* rows[kMaxRows];
+    float results[kMaxRows];
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+      const int tile = static_cast<int>(std::min<int64_t>(kMaxRows, M - m0));
+      for (int r = 0; r < tile; ++r) rows[r] = a_data + (m0 + r) * num_blocks;
       for (int64_t n = begin; n < end; ++n) {
-        const uint8_t* row = weight + n * row_bytes;
+        kDotRows[tile](format, weight + n * row_bytes, rows, num_blocks, results);
         const float b = bias ? bias[n] : 0.f;
-        for (int64_t m = m0; m < m1; ++m) {
-          const ActivationBlock* a = a_data + m * num_blocks;
-          out[m * N + n] = (format == 0 ? dot_q4_1(row, a, num_blocks) : dot_q8_0(row, a, num_blocks)) + b;
-        }
+        for (int r = 0; r < tile; ++r) out[(m0 + r) * N + n] = results[r] + b;
       }
     }
   });

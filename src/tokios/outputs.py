@@ -3,6 +3,10 @@
 Shaped like vLLM's RequestOutput / CompletionOutput so that code written against vLLM reads the
 same: `output.outputs[0].text`, `.token_ids`, `.finish_reason`. Streaming callers also get the
 `*_delta` fields: what is new since the previous output of the same request.
+
+While a request runs, `token_ids` and `logprobs` of successive outputs are the same growing
+lists (copying them every step would cost O(length) per token); read the deltas when streaming,
+or copy the list to keep a snapshot. The final output's lists no longer change.
 """
 
 from __future__ import annotations

@@ -128,26 +128,28 @@ class OutputProcessor:
             output.token_ids_delta.append(token_id)
             if sequence.wants_logprobs and engine_output.new_logprobs:
                 self._append_logprobs(output, engine_output.new_logprobs[position])
-            text = sequence.detokenizer.add_tokens([token_id])
-            if sequence.stop_matcher is not None:
-                text, matched = sequence.stop_matcher.feed(text)
-                if matched is not None:
-                    self._emit(output, text)
-                    output.finish_reason, output.stop_reason = "stop", matched
-                    return True
-            self._emit(output, text)
+            if self._emit_until_stop(sequence, sequence.detokenizer.add_tokens([token_id])):
+                return True
         if engine_output.finish_reason is not None:
-            tail = sequence.detokenizer.flush()
+            if self._emit_until_stop(sequence, sequence.detokenizer.flush()):
+                return False  # the core has finished it already: nothing to abort
             if sequence.stop_matcher is not None:
-                tail, matched = sequence.stop_matcher.feed(tail)
-                if matched is not None:
-                    self._emit(output, tail)
-                    output.finish_reason, output.stop_reason = "stop", matched
-                    return False
-                tail += sequence.stop_matcher.flush()
-            self._emit(output, tail)
+                self._emit(output, sequence.stop_matcher.flush())  # held text that never became a stop
             output.finish_reason = engine_output.finish_reason
             output.stop_reason = engine_output.stop_reason
+        return False
+
+    def _emit_until_stop(self, sequence: _SequenceState, text: str) -> bool:
+        """Emit text through the stop matcher; True (and the sequence finished) when a stop
+        string completed in it."""
+        output = sequence.output
+        if sequence.stop_matcher is not None:
+            text, matched = sequence.stop_matcher.feed(text)
+            if matched is not None:
+                self._emit(output, text)
+                output.finish_reason, output.stop_reason = "stop", matched
+                return True
+        self._emit(output, text)
         return False
 
     @staticmethod

@@ -464,9 +464,13 @@ def _default_model_path() -> str:
 
 
 def test_real_tokios_serve_through_gateway_equals_direct(cluster, tmp_path):
-    """The same comparison as the stand-in's, against the real server and the default model."""
+    """The same comparison as the stand-in's, against the real server and the default model,
+    connected by its own `tokios serve --connect` (no separate connector process)."""
     port = free_port()
-    server = cluster.start("tokios-serve", [*TOKIOS, "serve", "--port", str(port), "--model", _default_model_path()])
+    _, gateway_url = cluster.gateway()
+    server = cluster.start("tokios-serve", [*TOKIOS, "serve", "--port", str(port), "--model", _default_model_path(),
+                                            "--connect", gateway_url, "--backend-id", "real-serve"],
+                           env={"TOKIOS_CONNECTOR_TOKEN": cluster.connector_token})
     backend_url = f"http://127.0.0.1:{port}"
 
     def is_ready() -> bool:
@@ -476,8 +480,6 @@ def test_real_tokios_serve_through_gateway_equals_direct(cluster, tmp_path):
 
     wait_until(is_ready, 240, f"tokios serve\n{server.log()[-2000:]}", 0.5)
     model = httpx.get(backend_url + "/v1/models").json()["data"][0]["id"]
-    _, gateway_url = cluster.gateway()
-    cluster.connector(gateway_url, backend_url, "real-serve")
     cluster.wait_registered(gateway_url, ["real-serve"])
     direct = openai_client(backend_url, "unused")
     gateway = openai_client(gateway_url, cluster.client_key)
@@ -501,3 +503,7 @@ def test_real_tokios_serve_through_gateway_equals_direct(cluster, tmp_path):
     texts = [c.completions.create(model=model, prompt="The sky is", max_tokens=8, temperature=0).choices[0].text
              for c in (direct, gateway)]
     assert texts[0] == texts[1]
+
+    # SIGTERM on the server drains its connector too: the gateway stops routing to it.
+    server.popen.send_signal(signal.SIGTERM)
+    wait_until(lambda: "real-serve" not in cluster.backend_ids(gateway_url), 60, "the draining backend to leave")

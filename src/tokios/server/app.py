@@ -55,6 +55,11 @@ class ServerState:
         self.on_load_failure: Callable[[], None] = lambda: None
         self.metrics = ServerMetrics(self.engine_stats)
         self.admission = Admission(settings.max_num_seqs, settings.max_queued_requests, settings.retry_after_s)
+        # Tasks that run beside the server once the model is ready (e.g. the gateway connector of
+        # `tokios serve --connect`), and what each wants done when draining starts.
+        self.companions: list[Callable[["ServerState"], Any]] = []
+        self.companion_tasks: list[asyncio.Task] = []
+        self.on_drain: list[Callable[[], None]] = []
 
     def engine_stats(self) -> Any | None:
         return self.serving.engine.stats() if self.serving else None
@@ -76,10 +81,13 @@ class ServerState:
         self.engine.start()
         self.serving = Serving(self.engine, self.settings, self.metrics, self.admission)
         logger.info("model %s ready (max_model_len %d)", self.engine.model_name, self.engine.max_model_len)
+        self.companion_tasks = [asyncio.create_task(companion(self)) for companion in self.companions]
 
     async def drain(self) -> None:
         """Stops admitting work, waits for in-flight requests (up to the timeout), aborts the rest."""
         self.admission.start_draining()
+        for hook in self.on_drain:
+            hook()
         timeout_s = self.settings.shutdown_timeout_s
         logger.info("draining: %d requests in flight, waiting up to %.1f s", self.admission.num_in_flight, timeout_s)
         if await self.admission.wait_idle(timeout_s):
@@ -168,6 +176,9 @@ def create_app(settings: ServerSettings, *, engine: Any | None = None,
         yield
         if not start_task.done():
             await asyncio.gather(start_task, return_exceptions=True)
+        for task in state.companion_tasks:
+            task.cancel()
+        await asyncio.gather(*state.companion_tasks, return_exceptions=True)
         if state.engine is not None and state.serving is not None:
             await state.engine.shutdown()
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import socket
 import sys
 
@@ -26,6 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net = parser.add_argument_group("network")
     net.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     net.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default 8000)")
+    net.add_argument("--connect", metavar="GATEWAY_URL", default=None,
+                     help="also connect this server to a tokios gateway (ws:// or wss://), as `tokios connect` does; "
+                          "the connector token comes from $TOKIOS_CONNECTOR_TOKEN")
+    net.add_argument("--backend-id", default="", help="stable backend id to register with --connect")
     engine = parser.add_argument_group("engine")
     engine.add_argument("--model", default=None, help="GGUF file or model directory (default: SmolLM2-135M-Instruct)")
     engine.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, int8 or int4 (default auto)")
@@ -127,6 +132,8 @@ def run(args: argparse.Namespace) -> int:
     state = app.state.tokios
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
+    if args.connect:
+        _attach_connector(state, args, port)
     display_host = f"[{host}]" if ":" in host else host
     print(f"tokios serve: listening on http://{display_host}:{port}"
           f"{' (API key required)' if api_keys.is_enabled else ''}", file=sys.stderr, flush=True)
@@ -141,6 +148,31 @@ def run(args: argparse.Namespace) -> int:
         print(f"tokios serve: error: {getattr(error, 'message', error)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _attach_connector(state, args: argparse.Namespace, port: int) -> None:
+    """`--connect`: once the model is ready, dial the gateway and carry its requests to this
+    server over loopback; on SIGTERM tell the gateway to send no more work."""
+    from tokios.gateway.connector import Connector, ConnectorConfig
+
+    token = os.environ.get("TOKIOS_CONNECTOR_TOKEN", "")
+    if not token:
+        raise InvalidRequestError("--connect needs a connector token in $TOKIOS_CONNECTOR_TOKEN "
+                                  "(create one with `tokios keys create --kind connector`)", param="connect")
+    backend_api_key = args.api_key[0] if args.api_key else None
+    config = ConnectorConfig(gateway_url=args.connect, token=token, backend_url=f"http://127.0.0.1:{port}",
+                             backend_id=args.backend_id, backend_api_key=backend_api_key,
+                             drain_grace_s=args.shutdown_timeout)
+    connector = Connector(config)
+
+    async def run_connector(_state) -> None:
+        try:
+            await connector.run()
+        except Exception as exc:  # the server keeps serving locally; the log says why
+            logging.getLogger("tokios.server").error("gateway connector stopped: %s", getattr(exc, "message", exc))
+
+    state.companions.append(run_connector)
+    state.on_drain.append(connector.request_drain)
 
 
 class DrainingServer(uvicorn.Server):

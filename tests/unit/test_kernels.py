@@ -117,7 +117,6 @@ def test_rope_write_and_decode_attention_match_torch_path():
     positions = context_lens - 1
     metadata = AttentionMetadata(slot_mapping=torch.tensor([21, 44]), num_decode_tokens=2,
                                  decode_slot_indices=slot_table,
-                                 decode_mask=(torch.arange(9)[None, :] < context_lens[:, None])[:, None, None, :],
                                  decode_context_lens=context_lens)
     expected = torch_ops.attention(qkv.clone(), positions, *caches[0], metadata, torch_ops.rope_tables(positions))
     actual = kernel_ops.attention(qkv.clone(), positions, *caches[1], metadata, None)

@@ -35,9 +35,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] long: cache slot written by each new token
     num_decode_tokens: int
     # [num_decode_tokens, max_context_len] long: cache slot of every context position of each
-    # decode request, padded with slot 0 (masked out by decode_mask).
+    # decode request, padded with slot 0 (masked out: positions past decode_context_lens).
     decode_slot_indices: torch.Tensor | None = None
-    decode_mask: torch.Tensor | None = None  # [num_decode_tokens, 1, 1, max_context_len] bool
     decode_context_lens: torch.Tensor | None = None  # [num_decode_tokens] long
     spans: list[MultiTokenSpan] = field(default_factory=list)
 
@@ -64,7 +63,10 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         keys = key_cache[metadata.decode_slot_indices].transpose(1, 2)  # [D, kv_heads, L, head_dim]
         values = value_cache[metadata.decode_slot_indices].transpose(1, 2)
         decode_query = query[:num_decode].unsqueeze(2).to(keys.dtype)  # [D, heads, 1, head_dim]
-        attended = F.scaled_dot_product_attention(decode_query, keys, values, attn_mask=metadata.decode_mask,
+        # Padding mask [D, 1, 1, L], derived here: the C++ decode path needs only the lengths.
+        positions = torch.arange(keys.shape[2], device=keys.device)
+        padding_mask = (positions[None, :] < metadata.decode_context_lens[:, None])[:, None, None, :]
+        attended = F.scaled_dot_product_attention(decode_query, keys, values, attn_mask=padding_mask,
                                                   scale=scale, enable_gqa=True)
         output[:num_decode] = attended.squeeze(2).to(output.dtype)
     for span in metadata.spans:

@@ -165,12 +165,9 @@ class ModelRunner:
         if decode_slots:
             max_len = max(len(s) for s in decode_slots)
             padded = np.zeros((len(decode_slots), max_len), dtype=np.int64)
-            valid = np.zeros((len(decode_slots), max_len), dtype=bool)
             for i, slots in enumerate(decode_slots):
                 padded[i, :len(slots)] = slots
-                valid[i, :len(slots)] = True
             metadata.decode_slot_indices = torch.from_numpy(padded).to(self.device)
-            metadata.decode_mask = torch.from_numpy(valid).to(self.device)[:, None, None, :]
             metadata.decode_context_lens = torch.tensor([len(s) for s in decode_slots], device=self.device)
         return Batch(input_ids, positions, metadata, entry_rows)
 

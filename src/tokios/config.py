@@ -15,6 +15,7 @@ from tokios.errors import InvalidRequestError
 from tokios.speculative.config import SpeculativeConfig
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "int8", "int4")
+SUPPORTED_KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 # What "auto" resolves to on each device; chosen by measurement (docs/benchmarks.md).
 AUTO_DTYPE_BY_DEVICE = {"cpu": "int4", "cuda": "bfloat16"}
 
@@ -82,8 +83,12 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory_bytes: int = 512 * 1024**2
     enable_prefix_caching: bool = True
+    # auto: float32 for float32 weights, bfloat16 otherwise (model/llama.py kv_cache_dtype)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        _require(self.kv_cache_dtype in SUPPORTED_KV_CACHE_DTYPES, "kv_cache_dtype",
+                 f"must be one of {SUPPORTED_KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size",
                  f"must be a power of two from 1 to 128, got {self.block_size}")
         _require(self.kv_cache_memory_bytes >= 1024**2, "kv_cache_memory",

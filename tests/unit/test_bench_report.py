@@ -85,8 +85,10 @@ def test_compare_commands_give_both_servers_the_same_slots_and_context():
     llama = bench_compare.llama_server_command(Args, "/bin/llama-server", model, 9001, 4)
     assert tokios[tokios.index("--max-num-seqs") + 1] == "4" and tokios[-2:] == ["--seed", "3"]
     assert tokios[tokios.index("--max-model-len") + 1] == "1024"
-    # SmolLM2-135M: 2 x 30 layers x 3 KV heads x 64 x 4 bytes per token, for 4 slots of 1024.
-    assert tokios[tokios.index("--kv-cache-memory") + 1] == str(4 * 1024 * 2 * 30 * 3 * 64 * 4)
+    # SmolLM2-135M: 2 x 30 layers x 3 KV heads x 64 x 2 bytes (bfloat16, as llama.cpp's f16) per
+    # token, for 4 slots of 1024.
+    assert tokios[tokios.index("--kv-cache-memory") + 1] == str(4 * 1024 * 2 * 30 * 3 * 64 * 2)
+    assert tokios[tokios.index("--kv-cache-dtype") + 1] == "bfloat16"
     assert llama[llama.index("--parallel") + 1] == "4" and llama[llama.index("-c") + 1] == "4096"
     assert llama[-1] == "--mlock" and llama[llama.index("-t") + 1] == "2"
 

@@ -20,7 +20,7 @@ from tokios.config import AUTO_DTYPE_BY_DEVICE, EngineConfig
 from tokios.engine.output_processor import EngineOutput, sequence_ids
 from tokios.errors import ContextLengthExceededError, InvalidRequestError
 from tokios.kv_cache.manager import KVCacheManager
-from tokios.model.llama import ACTIVATION_DTYPE
+from tokios.model.llama import kv_cache_dtype
 from tokios.model.loader import load_model
 from tokios.model_files import default_model_path
 from tokios.request import Request, RequestStatus
@@ -100,7 +100,8 @@ class EngineCore:
         self.max_model_len = min(config.scheduler.max_model_len or self.model_config.max_model_len,
                                  self.model_config.max_model_len)
 
-        kv_dtype = ACTIVATION_DTYPE[self.weight_format]
+        kv_dtype = kv_cache_dtype(self.weight_format, config.cache.kv_cache_dtype)
+        self.kv_dtype = kv_dtype
         block_size = config.cache.block_size
         element_size = torch.tensor([], dtype=kv_dtype).element_size()
         self.kv_bytes_per_token = self.model_config.kv_bytes_per_token(element_size)
@@ -109,8 +110,9 @@ class EngineCore:
             raise InvalidRequestError(
                 f"kv_cache_memory {config.cache.kv_cache_memory_bytes} bytes holds no block of {block_size} tokens "
                 f"({self.kv_bytes_per_token * block_size} bytes)", param="kv_cache_memory")
-        logger.info("KV cache: %d bytes per token, %d blocks of %d tokens, capacity %d tokens",
-                    self.kv_bytes_per_token, num_blocks, block_size, num_blocks * block_size)
+        logger.info("KV cache: %s, %d bytes per token, %d blocks of %d tokens, capacity %d tokens",
+                    str(kv_dtype).removeprefix("torch."), self.kv_bytes_per_token, num_blocks, block_size,
+                    num_blocks * block_size)
         self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
                                  cache_salt=f"{path}|{self.weight_format}|{self.tokenizer.chat_template_fingerprint}")
         self.scheduler = Scheduler(self.kv, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,

@@ -56,13 +56,16 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     cached prefix and to itself through the same gather.
     """
     output = torch.empty_like(query)
+    # A bfloat16 cache under float32 activations is widened, not the query narrowed.
+    compute_dtype = torch.promote_types(query.dtype, key_cache.dtype)
     num_decode = metadata.num_decode_tokens
     if num_decode:
         # Decode: gather only each request's own slots (not a whole padded cache copy per
         # request), then one batched SDPA over [num_decode, heads, 1, max_context_len].
         keys = key_cache[metadata.decode_slot_indices].transpose(1, 2)  # [D, kv_heads, L, head_dim]
         values = value_cache[metadata.decode_slot_indices].transpose(1, 2)
-        decode_query = query[:num_decode].unsqueeze(2).to(keys.dtype)  # [D, heads, 1, head_dim]
+        keys, values = keys.to(compute_dtype), values.to(compute_dtype)
+        decode_query = query[:num_decode].unsqueeze(2).to(compute_dtype)  # [D, heads, 1, head_dim]
         # Padding mask [D, 1, 1, L], derived here: the C++ decode path needs only the lengths.
         positions = torch.arange(keys.shape[2], device=keys.device)
         padding_mask = (positions[None, :] < metadata.decode_context_lens[:, None])[:, None, None, :]
@@ -76,7 +79,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         # 512-token prefill (53 ms vs 20 ms per layer, one thread).
         keys = key_cache[span.slot_indices].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, context_len, head_dim]
         values = value_cache[span.slot_indices].transpose(0, 1).unsqueeze(0)
-        span_query = query[rows].transpose(0, 1).unsqueeze(0).to(keys.dtype)  # [1, heads, query_len, head_dim]
+        keys, values = keys.to(compute_dtype), values.to(compute_dtype)
+        span_query = query[rows].transpose(0, 1).unsqueeze(0).to(compute_dtype)  # [1, heads, query_len, head_dim]
         attended = F.scaled_dot_product_attention(span_query, keys, values, attn_mask=span.attn_mask,
                                                   is_causal=span.attn_mask is None, scale=scale,
                                                   enable_gqa=True)

@@ -35,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--model", default=None, help="GGUF file or model directory (default: SmolLM2-135M-Instruct)")
     engine.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, int8 or int4 (default auto)")
     engine.add_argument("--kv-cache-memory", default="512MiB", help="memory for the KV cache, e.g. 512MiB, 2GiB")
+    engine.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="KV cache element type; auto = float32 for float32 weights, else bfloat16")
     engine.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once (default 64)")
     engine.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step (default 512)")
     engine.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
@@ -75,7 +77,7 @@ def _engine_config(args: argparse.Namespace):
         load=LoadConfig(model=args.model, dtype=args.dtype),
         cache=CacheConfig(block_size=args.block_size,
                           kv_cache_memory_bytes=parse_size(args.kv_cache_memory, field_name="kv_cache_memory"),
-                          enable_prefix_caching=not args.no_prefix_caching),
+                          enable_prefix_caching=not args.no_prefix_caching, kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_model_len=args.max_model_len),
         speculative=SpeculativeConfig(method=args.speculative_method,

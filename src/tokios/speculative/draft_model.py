@@ -16,7 +16,7 @@ import torch
 
 from tokios.config import AUTO_DTYPE_BY_DEVICE
 from tokios.errors import InvalidRequestError
-from tokios.model.llama import ACTIVATION_DTYPE
+from tokios.model.llama import kv_cache_dtype
 from tokios.model.loader import load_model
 from tokios.speculative.config import SpeculativeConfig
 from tokios.speculative.proposers import ModelDraftProposer, check_tokenizers_compatible
@@ -41,7 +41,7 @@ def load_draft_proposer(spec: SpeculativeConfig, core, num_blocks: int, block_si
     check_tokenizers_compatible(core.tokenizer, tokenizer, core.model_config.vocab_size, loaded.config.vocab_size,
                                 str(spec.draft_model))
     config = loaded.config
-    kv_dtype = ACTIVATION_DTYPE[weight_format]
+    kv_dtype = kv_cache_dtype(weight_format, core.config.cache.kv_cache_dtype)
     shape = (num_blocks * block_size, config.num_kv_heads, config.head_dim)
     kv_caches = [(torch.zeros(shape, dtype=kv_dtype, device=core.device),
                   torch.zeros(shape, dtype=kv_dtype, device=core.device)) for _ in range(config.num_layers)]

@@ -42,10 +42,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def tokios_command(args: argparse.Namespace, model_path: str, port: int, num_slots: int) -> list[str]:
-    kv_cache_bytes = num_slots * args.ctx_per_slot * kv_bytes_per_token(model_path, bytes_per_element=4)
+    # The same context capacity as llama-server's 16-bit cache: a bfloat16 cache of the same size.
+    kv_cache_bytes = num_slots * args.ctx_per_slot * kv_bytes_per_token(model_path, bytes_per_element=2)
     return [sys.executable, "-m", "tokios.cli", "serve", "--model", model_path, "--host", "127.0.0.1",
             "--port", str(port), "--dtype", args.dtype, "--max-num-seqs", str(num_slots),
             "--max-model-len", str(args.ctx_per_slot), "--kv-cache-memory", str(kv_cache_bytes),
+            "--kv-cache-dtype", "bfloat16",
             *shlex.split(args.tokios_args)]
 
 

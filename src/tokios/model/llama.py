@@ -28,7 +28,8 @@ def kv_cache_dtype(weight_format: str, requested: str = "auto") -> torch.dtype:
     """The KV cache's element type. auto: float32 only for float32 weights (the exact reference);
     bfloat16 otherwise, which halves the cache (the quantized formats keep float32 activations,
     and the C++ attention widens bf16 keys and values exactly on load). Measured on the default
-    model in int4: perplexity 29.640 -> see docs/benchmarks.md for the bf16-cache figure."""
+    model in int4: perplexity 29.640 with a float32 cache, 29.622 with bfloat16 (transformers
+    float32: 29.655)."""
     if requested != "auto":
         return {"float32": torch.float32, "bfloat16": torch.bfloat16}[requested]
     return torch.float32 if weight_format == "float32" else torch.bfloat16

@@ -185,13 +185,12 @@ inline WeightPair load_q4_1_pair(const uint8_t* row, int64_t p, int64_t num_bloc
 constexpr int kMaxRows = 16;
 constexpr int64_t kMaxSumsStride = 4096;  // blocks per row: in_features up to 131072
 
+// `minimums`: scratch of a.sums_stride floats, zero past 2 * a.num_pairs (the caller zeroes it once).
 template <int R>
-void dot_q4_1_rows(const uint8_t* row, const QuantizedActivations& a, int64_t r0, float* out) {
+void dot_q4_1_rows(const uint8_t* row, const QuantizedActivations& a, int64_t r0, float* minimums, float* out) {
 #if TOKIOS_VNNI
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  alignas(64) float minimums[kMaxSumsStride];  // filled by load_q4_1_pair; the padding zeroed here
-  for (int64_t b = 2 * a.num_pairs; b < a.sums_stride; ++b) minimums[b] = 0.f;
   for (int64_t p = 0; p < a.num_pairs; ++p) {
     const WeightPair w = load_q4_1_pair(row, p, a.num_blocks, minimums);
     for (int r = 0; r < R; ++r) {
@@ -230,7 +229,7 @@ void dot_q4_1_rows(const uint8_t* row, const QuantizedActivations& a, int64_t r0
 // than the two-block form above (its weights are signed, so the pair form needs an offset and a
 // correction; this form moves the weights' sign onto the activations instead).
 template <int R>
-void dot_q8_0_rows(const uint8_t* row, const QuantizedActivations& a, int64_t r0, float* out) {
+void dot_q8_0_rows(const uint8_t* row, const QuantizedActivations& a, int64_t r0, float*, float* out) {
 #if TOKIOS_VNNI
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -264,15 +263,16 @@ void dot_q8_0_rows(const uint8_t* row, const QuantizedActivations& a, int64_t r0
 }
 
 template <int R>
-void dot_rows(int64_t format, const uint8_t* row, const QuantizedActivations& a, int64_t r0, float* out) {
+void dot_rows(int64_t format, const uint8_t* row, const QuantizedActivations& a, int64_t r0, float* scratch,
+              float* out) {
   if (format == 0) {
-    dot_q4_1_rows<R>(row, a, r0, out);
+    dot_q4_1_rows<R>(row, a, r0, scratch, out);
   } else {
-    dot_q8_0_rows<R>(row, a, r0, out);
+    dot_q8_0_rows<R>(row, a, r0, scratch, out);
   }
 }
 
-using DotRowsFunction = void (*)(int64_t, const uint8_t*, const QuantizedActivations&, int64_t, float*);
+using DotRowsFunction = void (*)(int64_t, const uint8_t*, const QuantizedActivations&, int64_t, float*, float*);
 
 template <size_t... Rs>
 constexpr std::array<DotRowsFunction, sizeof...(Rs) + 1> dot_rows_table(std::index_sequence<Rs...>) {
@@ -296,10 +296,12 @@ void quant_matmul(const float* x, int64_t M, int64_t K, const uint8_t* weight, i
   // Each weight row is read once per tile of up to kMaxRows activation rows (L1-resident).
   at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
     float results[kMaxRows];
+    alignas(64) float minimums[kMaxSumsStride];
+    std::fill(minimums, minimums + activations.sums_stride, 0.f);
     for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
       const int tile = static_cast<int>(std::min<int64_t>(kMaxRows, M - m0));
       for (int64_t n = begin; n < end; ++n) {
-        kDotRows[tile](format, weight + n * row_bytes, activations, m0, results);
+        kDotRows[tile](format, weight + n * row_bytes, activations, m0, minimums, results);
         const float b = bias ? bias[n] : 0.f;
         for (int r = 0; r < tile; ++r) out[(m0 + r) * N + n] = results[r] + b;
       }

@@ -6,6 +6,7 @@
   runs) and in float32.
 - A chaos proposer that proposes the true continuation corrupted at random positions, under
   concurrent load with a KV cache small enough to preempt: outputs equal, KV invariant holds.
+- Penalties, min_tokens and logprobs: the same tokens and logprobs with and without speculation.
 - Draft = target in float32: every proposal is accepted under greedy.
 - A draft whose tokenizer differs is refused with a clear error.
 
@@ -90,6 +91,41 @@ def test_greedy_with_speculation_equals_greedy_without(engine, method):
     llm.check_invariants()
 
 
+def test_penalties_min_tokens_and_logprobs_speculate_with_plain_decoding_results(engine):
+    # An oracle proposes the true penalized continuation. Verify row j must count the proposals
+    # before j (penalties, output length for min_tokens): then every proposal is accepted and the
+    # tokens and logprobs equal plain decoding; with the counts wrong, strong penalties move the
+    # argmax of later rows and proposals get rejected.
+    llm, prompts, _, _ = engine
+
+    def params(method: str) -> SamplingParams:
+        return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, repetition_penalty=1.5, frequency_penalty=1.0,
+                              presence_penalty=0.5, min_tokens=MAX_TOKENS, logprobs=3,
+                              speculative={"method": method})
+
+    plain = llm.generate(prompts, params("none"))
+    ngram = llm.core.speculator.proposers["ngram"]
+    llm.core.speculator.proposers["ngram"] = ChaosProposer(
+        {tuple(p): output.outputs[0].token_ids for p, output in zip(prompts, plain)}, seed=0, corruption=0.0)
+    try:
+        before = llm.stats()
+        speculated = llm.generate(prompts, params("ngram"))
+        after = llm.stats()
+    finally:
+        llm.core.speculator.proposers["ngram"] = ngram
+    drafted = after.spec_num_draft_tokens - before.spec_num_draft_tokens
+    assert drafted > 0 and after.spec_num_accepted_tokens - before.spec_num_accepted_tokens == drafted
+    for a, b in zip(plain, speculated):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert len(b.outputs[0].logprobs) == len(a.outputs[0].logprobs) == MAX_TOKENS
+        for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert step_a.keys() == step_b.keys()
+            for token_id in step_a:
+                assert step_b[token_id].rank == step_a[token_id].rank
+                assert step_b[token_id].logprob == pytest.approx(step_a[token_id].logprob, abs=1e-4)
+    llm.check_invariants()
+
+
 def test_draft_equal_to_target_in_float32_accepts_everything(engine):
     llm, prompts, plain_single, _ = engine
     if llm.core.weight_format != "float32":
@@ -108,9 +144,10 @@ class ChaosProposer:
 
     method = "ngram"
 
-    def __init__(self, prompt_to_expected: dict[tuple, list[int]], seed: int):
+    def __init__(self, prompt_to_expected: dict[tuple, list[int]], seed: int, corruption: float = 0.3):
         self.prompt_to_expected = prompt_to_expected
         self.random = random.Random(seed)
+        self.corruption = corruption
 
     def propose(self, requests, num_tokens, block_ids):
         proposals = []
@@ -119,7 +156,7 @@ class ChaosProposer:
             done = request.num_output_tokens
             proposal = list(expected[done:done + k])
             for index in range(len(proposal)):
-                if self.random.random() < 0.3:
+                if self.random.random() < self.corruption:
                     proposal[index] = self.random.randrange(1000, 40000)
             proposals.append(proposal)
         return proposals

@@ -163,12 +163,14 @@ def test_requests_choose_their_method_and_k_within_the_server_limits():
         SamplingParams(speculative={"k": 3})
 
 
-def test_penalties_and_logprobs_keep_a_request_off_speculation():
+def test_requests_with_penalties_and_logprobs_speculate_too():
+    # Verify rows count the earlier proposals for penalties and report logprobs
+    # (tests/model/test_speculative.py checks the results against plain decoding).
     speculator = Speculator(SpeculativeConfig(method="ngram"), {"ngram": NgramProposer()})
     for params in (SamplingParams(presence_penalty=0.5), SamplingParams(logprobs=2)):
         request = Request("x", [1, 2], params, 8)
         speculator.admit(request)
-        assert request.num_speculative_tokens == 0
+        assert request.num_speculative_tokens == 4
 
 
 class FakeScheduled:

@@ -279,3 +279,20 @@ def test_fused_truncation_equals_top_k_then_top_p_then_min_p(initial_num_candida
     assert torch.equal(ops.apply_truncation(logits, top_k, max_top_k, None, None, 1), ops.apply_top_k(logits, top_k, max_top_k))
     assert torch.equal(ops.apply_truncation(logits, None, VOCAB_SIZE, None, min_p, 1), ops.apply_min_p(logits, min_p))
     assert torch.equal(ops.apply_truncation(logits, None, VOCAB_SIZE, top_p, None, initial_num_candidates), ops.apply_top_p(logits, top_p))
+
+
+def test_pending_tokens_count_on_their_row_only_and_never_persist():
+    # Speculative verify rows: row j sees the request's output plus the proposals before j.
+    store = SamplingStateStore(VOCAB_SIZE, "cpu")
+    params = SamplingParams(frequency_penalty=1.0, min_tokens=3)
+    state = store.add(params, [1, 2], frozenset({EOS_ID}))
+    output = [5]
+    pending = [[], [7], [7, 7]]
+    metadata = SamplingMetadata.from_states(store, [state] * 3, [output] * 3, pending)
+    counts = metadata.output_token_counts
+    assert counts[:, 5].tolist() == [1, 1, 1]
+    assert counts[:, 7].tolist() == [0, 1, 2]
+    # min_tokens = 3: rows with output length 1 and 2 suppress EOS, the row at length 3 does not.
+    assert sorted(set(metadata.suppressed_rows.tolist())) == [0, 1]
+    assert store.output_token_counts[state.penalty_row, 7].item() == 0  # the store counts the output only
+    assert store.output_token_counts[state.penalty_row, 5].item() == 1

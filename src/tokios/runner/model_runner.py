@@ -18,6 +18,7 @@ import torch
 from tokios.config import ModelConfig
 from tokios.model.attention import AttentionMetadata, MultiTokenSpan
 from tokios.request import Request
+from tokios.sampler import ops
 from tokios.sampler.metadata import SamplingMetadata
 from tokios.sampler.sampler import Sampler
 from tokios.sampler.state import RequestSamplingState, SamplingStateStore
@@ -197,30 +198,61 @@ class ModelRunner:
 
     def _verify(self, verify: list[tuple[ScheduledRequest, list[int]]], hidden: torch.Tensor):
         """Score every verify row and apply the rejection rule (speculative/rejection_sampler.py).
-        Each row gets the request's settings with the output as it would be at that position
-        (min_tokens suppression counts per position). Requests with penalties or logprobs do not
-        speculate (the speculator keeps them off), so no penalty table is involved."""
+        Row j of a request sees the output as it would be at that position: its proposals before
+        j count for penalties and min_tokens (SamplingMetadata pending tokens). Logprobs, when
+        asked, are read from each row's raw distribution for whichever token that row emits."""
         requests = [s.request for s, _ in verify]
-        row_states, row_outputs, rows = [], [], []
+        row_states, row_outputs, row_pending, rows = [], [], [], []
         for request, (_, request_rows) in zip(requests, verify):
             state = self._state(request)
-            output_ids = request.output_token_ids
             for j, row in enumerate(request_rows):
                 row_states.append(state)
-                row_outputs.append(output_ids + request.spec_token_ids[:j])
+                row_outputs.append(request.output_token_ids)
+                row_pending.append(request.spec_token_ids[:j])
                 rows.append(row)
         logits = self.model.compute_logits(hidden[rows])  # [num_verify_rows, vocab] float32
-        metadata = SamplingMetadata.from_states(self.state_store, row_states, row_outputs)
+        metadata = SamplingMetadata.from_states(self.state_store, row_states, row_outputs, row_pending)
         proposed = [r.spec_token_ids for r in requests]
         result = self.rejection_sampler(logits, metadata, proposed)
+        logprobs = None
+        if metadata.max_num_logprobs is not None:
+            # A row emits its proposal if accepted, else its candidate: gather both, pick after sync.
+            raw_logprobs = logits.float().log_softmax(dim=-1)
+            proposal_per_row = result.candidate_token_ids.clone()  # the bonus row keeps its candidate
+            proposal_rows, proposal_ids, row = [], [], 0
+            for request in requests:  # a request's rows: one per proposal, then the bonus row
+                proposal_rows.extend(range(row, row + len(request.spec_token_ids)))
+                proposal_ids.extend(request.spec_token_ids)
+                row += len(request.spec_token_ids) + 1
+            proposal_per_row[proposal_rows] = torch.tensor(proposal_ids, dtype=torch.long, device=logits.device)
+            candidate = ops.gather_logprobs(raw_logprobs, result.candidate_token_ids, metadata.max_num_logprobs)
+            proposal = ops.gather_logprobs(raw_logprobs, proposal_per_row, 1)
+            logprobs = (candidate, proposal[:2])
         flat = torch.cat([result.is_accepted.long(), result.candidate_token_ids])
-        return flat, requests, proposed, result.is_accepted.shape[0]
+        return flat, requests, proposed, result.is_accepted.shape[0], logprobs
 
     def _finish_verify(self, pending, flat: list[int], output: RunnerOutput) -> None:
-        _, requests, proposed, num_proposed = pending
+        _, requests, proposed, num_proposed, logprobs = pending
         token_ids = resolve_token_ids(proposed, [bool(x) for x in flat[:num_proposed]], flat[num_proposed:])
+        if logprobs is not None:
+            (candidate_logprobs, candidate_ranks, top_ids, top_values), (proposal_logprobs, proposal_ranks) = logprobs
+            candidate_logprobs, candidate_ranks = candidate_logprobs.tolist(), candidate_ranks.tolist()
+            proposal_logprobs, proposal_ranks = proposal_logprobs.tolist(), proposal_ranks.tolist()
+            top_ids, top_values = top_ids.tolist(), top_values.tolist()
+        row = 0
         for request, new_token_ids in zip(requests, token_ids):
             output.sampled_token_ids[request.request_id] = new_token_ids
+            num_top = request.sampling_params.logprobs
+            if logprobs is not None and num_top is not None:
+                entries = []
+                for j, token_id in enumerate(new_token_ids):
+                    is_proposal = j < len(new_token_ids) - 1  # the last emitted token is the candidate
+                    chosen = (proposal_logprobs if is_proposal else candidate_logprobs)[row + j]
+                    rank = (proposal_ranks if is_proposal else candidate_ranks)[row + j]
+                    entries.append((token_id, chosen, rank, list(zip(top_ids[row + j][:num_top],
+                                                                     top_values[row + j][:num_top]))))
+                output.logprobs[request.request_id] = entries
+            row += len(request.spec_token_ids) + 1
 
     def _prompt_logprobs(self, scheduled: ScheduledRequest, hidden: torch.Tensor, output: RunnerOutput) -> None:
         request = scheduled.request

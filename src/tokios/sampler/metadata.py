@@ -78,9 +78,13 @@ class SamplingMetadata:
         store: SamplingStateStore,
         states: list[RequestSamplingState],
         output_token_ids: list[list[int]],
+        pending_token_ids: list[list[int]] | None = None,
     ) -> SamplingMetadata:
         """Metadata for a batch whose rows are `states`, in logits row order. `output_token_ids[i]`
-        is row i's generated tokens so far (the list the engine keeps; only its new tail is read)."""
+        is row i's generated tokens so far (the list the engine keeps; only its new tail is read).
+        `pending_token_ids[i]`: tokens row i sees after its output that are not part of it yet (a
+        speculative verify row's proposals before its position): they count for penalties and
+        min_tokens on that row only, and never enter the store's persistent counts."""
         if len(states) != len(output_token_ids):
             raise ValueError(f"got {len(states)} states but {len(output_token_ids)} output token lists")
         device = store.device
@@ -139,10 +143,18 @@ class SamplingMetadata:
             penalty_rows = next(ints)
             store.fold_new_output_tokens(states, output_token_ids)
             output_token_counts = store.output_token_counts.index_select(0, penalty_rows)
+            if pending_token_ids is not None and any(pending_token_ids):
+                rows = [row for row, pending in enumerate(pending_token_ids) for _ in pending]
+                index = torch.tensor([rows, [t for pending in pending_token_ids for t in pending]],
+                                     dtype=torch.long).to(device)
+                output_token_counts.index_put_((index[0], index[1]), torch.ones(len(rows), dtype=output_token_counts.dtype,
+                                                                                device=device), accumulate=True)
             if has_repetition:
                 prompt_token_mask = store.prompt_token_mask.index_select(0, penalty_rows)
 
-        suppressed = _flat_suppressions(states, output_token_ids)
+        lengths = [len(output) + (len(pending_token_ids[i]) if pending_token_ids else 0)
+                   for i, output in enumerate(output_token_ids)]
+        suppressed = _flat_suppressions(states, lengths)
         suppressed_rows, suppressed_token_ids = _to_device(suppressed, torch.long, device) if suppressed[0] else (None, None)
         bias_rows = bias_token_ids = bias_values = None
         if any(state.logit_bias_token_ids for state in states):
@@ -213,11 +225,11 @@ def _to_device(rows: list[list], dtype: torch.dtype, device: torch.device) -> li
     return list(packed.unbind(0))
 
 
-def _flat_suppressions(states: list[RequestSamplingState], output_token_ids: list[list[int]]) -> list[list[int]]:
+def _flat_suppressions(states: list[RequestSamplingState], output_lengths: list[int]) -> list[list[int]]:
     rows: list[int] = []
     token_ids: list[int] = []
-    for row, (state, output) in enumerate(zip(states, output_token_ids)):
-        if len(output) < state.params.min_tokens and state.sorted_stop_suppression_token_ids:
+    for row, (state, output_length) in enumerate(zip(states, output_lengths)):
+        if output_length < state.params.min_tokens and state.sorted_stop_suppression_token_ids:
             rows.extend([row] * len(state.sorted_stop_suppression_token_ids))
             token_ids.extend(state.sorted_stop_suppression_token_ids)
     return [rows, token_ids]

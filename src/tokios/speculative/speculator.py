@@ -15,8 +15,8 @@ tokens / positions tried, with a weak prior). k is chosen to maximize the expect
 step's measured seconds + the configured cost of a verify row. When even the best k is below
 1 (break-even) after a few verifications, speculation is switched off for that request.
 
-Requests with penalties or logprobs do not speculate (their per-position penalty counts and
-per-token logprobs are not computed on verify rows; see docs/speculative.md).
+Every request may speculate: verify rows apply penalties and min_tokens with the proposals before
+their position counted, and report logprobs for whichever token each row emits.
 
 Talks to: Request (num_speculative_tokens, spec_token_ids, spec_state), ScheduledRequest,
 the proposers, EngineCore (stats).
@@ -113,7 +113,7 @@ class Speculator:
         """Decide at arrival whether the request speculates, and with which method and k."""
         params = request.sampling_params
         method, num_tokens = self.resolve(params)
-        if method is None or params.has_penalties or params.logprobs is not None:
+        if method is None:
             return
         request.spec_state = RequestSpecState(method, num_tokens)
         request.num_speculative_tokens = num_tokens

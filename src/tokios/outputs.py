@@ -52,6 +52,11 @@ class RequestMetrics:
     finished_time: float | None = None
     num_preemptions: int = 0
     num_cached_prompt_tokens: int = 0
+    # Speculative decoding, summed over the request's samples: verifications with proposals,
+    # proposed tokens, accepted tokens.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
 
 @dataclass

@@ -220,3 +220,20 @@ def test_metrics_and_request_log(tokios_server, client, model):
     assert re.search(r"request_id=cmpl-\w+-0 prompt_tokens=\d+ completion_tokens=3 ttft_s=[\d.]+ tpot_s=[\d.]+ "
                      r"finish_reason=length params=", lines[-1])
     assert secret_prompt not in log
+
+
+def test_speculation_figures_reach_metrics_and_the_request_log(tokios_server, client, model):
+    repetitive = "Copy exactly: one two three four five six, one two three four five six, one two three"
+    client.completions.create(model=model, prompt=repetitive, max_tokens=24, temperature=0,
+                              extra_body={"ignore_eos": True, "speculative": {"method": "ngram", "num_tokens": 4}})
+    with tokios_server.client() as http:
+        text = http.get("/metrics").text
+    drafts = float(re.search(r"^tokios:spec_decode_num_drafts_total (\S+)$", text, re.M).group(1))
+    drafted = float(re.search(r"^tokios:spec_decode_num_draft_tokens_total (\S+)$", text, re.M).group(1))
+    assert drafts >= 1 and drafted >= drafts
+    lines = [line for line in tokios_server.log_text().splitlines()
+             if "tokios.requests" in line and "completion_tokens=24 " in line and "spec_drafts=" in line]
+    assert lines
+    match = re.search(r"spec_drafts=(\d+) spec_draft_tokens=(\d+) spec_accepted_tokens=(\d+)", lines[-1])
+    assert int(match.group(1)) >= 1 and int(match.group(2)) >= int(match.group(1)) >= 1
+    assert int(match.group(3)) <= int(match.group(2))

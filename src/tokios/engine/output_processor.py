@@ -29,6 +29,7 @@ class EngineOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    spec_counts: tuple[int, int, int] = (0, 0, 0)  # so far: drafts, draft tokens, accepted tokens
 
 
 @dataclass
@@ -37,6 +38,7 @@ class _SequenceState:
     detokenizer: IncrementalDetokenizer
     stop_matcher: StopStringMatcher | None
     wants_logprobs: bool
+    spec_counts: tuple[int, int, int] = (0, 0, 0)
 
 
 @dataclass
@@ -113,6 +115,10 @@ class OutputProcessor:
                 state.metrics.last_token_time = now
             state.metrics.num_cached_prompt_tokens = engine_output.num_cached_tokens
             state.metrics.num_preemptions = max(state.metrics.num_preemptions, engine_output.num_preemptions)
+            sequence.spec_counts = engine_output.spec_counts
+            (state.metrics.spec_num_drafts, state.metrics.spec_num_draft_tokens,
+             state.metrics.spec_num_accepted_tokens) = (sum(counts) for counts in
+                                                        zip(*(s.spec_counts for s in state.sequences)))
             if self._append(sequence, engine_output):
                 sequences_to_abort.append(engine_output.sequence_id)
             if sequence.output.finished:

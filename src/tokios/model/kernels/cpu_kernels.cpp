@@ -636,6 +636,34 @@ torch::Tensor dequantize_bf16(const torch::Tensor& weight, int64_t format, int64
       for (int64_t b = 0; b < num_blocks; ++b) {
         const uint8_t* block = w + (n * num_blocks + b) * block_bytes;
         at::BFloat16* dst = o + n * in_features + b * kBlock;
+#if TOKIOS_VNNI
+        {  // 32 weights per block in two 16-lane halves; d * q + m as a separate product and sum
+        // (not fused), rounded to nearest even: the values torch's dequantize-then-cast gives.
+        // Profile: the scalar loop took 41 ms per prefill step (every weight, every step).
+        const __m512 d = _mm512_set1_ps(_cvtsh_ss(load_u16(block)));
+        __m512 halves[2];
+        if (format == 0) {
+          const __m512 m = _mm512_set1_ps(_cvtsh_ss(load_u16(block + 2)));
+          const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
+          const __m128i low = _mm_and_si128(packed, _mm_set1_epi8(0x0f));
+          const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(0x0f));
+          halves[0] = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(low)), d), m);
+          halves[1] = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(high)), d), m);
+        } else {
+          const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
+          halves[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), d);
+          halves[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))), d);
+        }
+        for (int h = 0; h < 2; ++h) {
+          // Round to nearest even by hand (AVX-512 F only): add 0x7fff plus the kept lowest bit.
+          const __m512i bits = _mm512_castps_si512(halves[h]);
+          const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+          const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * h), _mm512_cvtepi32_epi16(rounded));
+        }
+        continue;
+        }
+#endif
         const float d = half_to_float(load_u16(block));
         if (format == 0) {
           const float m = half_to_float(load_u16(block + 2));

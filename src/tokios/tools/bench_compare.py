@@ -16,7 +16,7 @@ import sys
 
 from tokios.errors import InvalidRequestError
 from tokios.tools import bench_report
-from tokios.tools.bench_offline import NOISE_NOTE, machine_line
+from tokios.tools.bench_offline import machine_line, noise_note
 from tokios.tools.bench_report import fmt, fmt_ratio, markdown_table
 from tokios.tools.bench_serve import add_load_arguments, build_requests, load_from_args, resolve_concurrencies, run_sweep
 from tokios.tools.bench_stats import ServeSummary, ratio
@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         for path in bench_report.plot_serve(name_to_summaries, args.plot_dir):
             print(f"wrote {path}", file=sys.stderr)
     if args.write_docs:
-        body = (f"Command: `{bench_report.command_line()}`\n\nMeasured {machine_line()}. {NOISE_NOTE}\n\n"
+        body = (f"Command: `{bench_report.command_line()}`\n\nMeasured {machine_line()}. {noise_note()}\n\n"
                 f"Both servers serve the same GGUF with {num_slots} slots of {args.ctx_per_slot} tokens "
                 f"(llama-server `--parallel {num_slots} -t {args.threads}`), one after the other, never at the "
                 f"same time. Load: {args.num_prompts} streamed {args.endpoint} requests per level, "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import platform
 import random
 import sys
@@ -27,8 +28,16 @@ SYSTEM_NAMES = ("tokios", "llama.cpp", "transformers")
 SINGLE_STREAM_SECTION = "Offline: single stream"
 THROUGHPUT_SECTION = "Offline: throughput"
 DECODE_PROMPT_TOKENS = 16
-NOISE_NOTE = ("Figures taken during development, while other engineers shared the same 2 CPU cores: "
-              "absolute numbers are noisy; the ratios come from one run, so they are the figures to compare.")
+
+
+def noise_note() -> str:
+    """What the machine was doing, measured when the report is written (not assumed)."""
+    try:
+        load = f"load average {os.getloadavg()[0]:.1f} when the report was written"
+    except OSError:
+        load = "load average unknown"
+    return (f"Machine {load}. Absolute numbers move with other work on the machine; the ratios come "
+            "from one run with both systems taking turns, so they are the figures to compare.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -217,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
 
 def write_docs(args: argparse.Namespace, path: str, single: str, load_lines: str, throughput: dict) -> None:
     command = bench_report.command_line()
-    header = f"Command: `{command}`\n\nMeasured {machine_line()}. {NOISE_NOTE}\n\n"
+    header = f"Command: `{command}`\n\nMeasured {machine_line()}. {noise_note()}\n\n"
     bench_report.update_docs_section(path, SINGLE_STREAM_SECTION, header + (
         f"Decode: {args.decode_tokens} greedy tokens after a {DECODE_PROMPT_TOKENS}-token prompt, EOS ignored, "
         f"tok/s = (tokens - 1) / (last token time - first token time). Prefill: a {args.prefill_tokens}-token "

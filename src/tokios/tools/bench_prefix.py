@@ -16,7 +16,7 @@ import sys
 
 from tokios.errors import InvalidRequestError
 from tokios.tools import bench_report
-from tokios.tools.bench_offline import NOISE_NOTE, machine_line
+from tokios.tools.bench_offline import machine_line, noise_note
 from tokios.tools.bench_prompts import make_token_ids
 from tokios.tools.bench_report import fmt, fmt_ratio, markdown_table
 from tokios.tools.bench_stats import RepeatedFigure, ratio
@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def write_docs(args: argparse.Namespace, path: str, text: str, verdict: str) -> None:
-    body = (f"Command: `{bench_report.command_line()}`\n\nMeasured {machine_line()}. {NOISE_NOTE}\n\n"
+    body = (f"Command: `{bench_report.command_line()}`\n\nMeasured {machine_line()}. {noise_note()}\n\n"
             f"Each rep: a fresh {args.system_prompt_tokens}-token system prompt with a "
             f"{args.question_tokens}-token question (cold: nothing cached), then the same system prompt "
             f"with another question (warm). TTFT = time to the first token of a 1-token generation; median "

@@ -7,7 +7,7 @@ The speedup is checked against the formula (1 - a^(k+1)) / (1 - a) / (1 + k c), 
 verify cost per proposed token, c, is measured here: a verify step of k + 1 rows against a
 plain one-row step.
 
-    python benchmarks/speculative_speed.py [--reps 3] [--num-speculative-tokens 4]
+    python benchmarks/speculative_speed.py [--reps 3] [--num-speculative-tokens 4] [--methods ngram,self_draft]
 """
 import argparse
 import statistics
@@ -17,6 +17,7 @@ import torch
 
 from tokios.engine import LLM
 from tokios.model.attention import AttentionMetadata
+from tokios.model_files import default_model_path
 from tokios.sampling_params import SamplingParams
 from tokios.speculative.config import SpeculativeConfig
 
@@ -48,16 +49,22 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--methods", default="ngram",
+                        help="comma-separated: ngram, self_draft, draft_model (the default model drafting for itself)")
+    parser.add_argument("--self-draft-layers", type=int, default=6)
     args = parser.parse_args()
     k = args.num_speculative_tokens
+    methods = args.methods.split(",")
+    draft = str(default_model_path()) if "draft_model" in methods else None
     llm = LLM(enable_prefix_caching=False,
-              speculative_config=SpeculativeConfig(num_speculative_tokens=k, enable_adaptive=False))
+              speculative_config=SpeculativeConfig(num_speculative_tokens=k, enable_adaptive=False, draft_model=draft,
+                                                   self_draft_num_layers=args.self_draft_layers))
     one_row, verify = decode_rows_cost(llm, 1), decode_rows_cost(llm, k + 1)
     c = (verify / one_row - 1) / k
     print(f"verify step of {k + 1} rows: {verify * 1e3:.2f} ms vs one row {one_row * 1e3:.2f} ms "
           f"-> c = {c:.3f} per proposed token")
     for task, messages in TASKS.items():
-        runs: dict[str, list] = {"none": [], "ngram": []}
+        runs: dict[str, list] = {"none": [], **{method: [] for method in methods}}
         for _ in range(args.reps):
             for method in runs:
                 params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True,
@@ -75,23 +82,24 @@ def main() -> None:
                     "accepted": after.spec_num_accepted_tokens - before.spec_num_accepted_tokens,
                     "drafts": after.spec_num_drafts - before.spec_num_drafts})
         base = statistics.median(r["decode"] for r in runs["none"])
-        spec = statistics.median(r["decode"] for r in runs["ngram"])
         base_e2e = statistics.median(r["e2e"] for r in runs["none"])
-        spec_e2e = statistics.median(r["e2e"] for r in runs["ngram"])
-        identical = all(r["tokens"] == runs["none"][0]["tokens"] for r in runs["none"] + runs["ngram"])
-        drafted = sum(r["drafted"] for r in runs["ngram"])
-        accepted = sum(r["accepted"] for r in runs["ngram"])
-        drafts = sum(r["drafts"] for r in runs["ngram"])
-        a = accepted / drafted if drafted else 0.0
-        per_verify = 1 + accepted / max(drafts, 1)  # tokens a verify step yields, measured
-        geometric = (1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1  # tokens per verify if i.i.d.
-        print(f"{task}: decode none {base:.1f} tok/s, ngram {spec:.1f} tok/s, speedup {spec / base:.2f}x; "
-              f"end-to-end {base_e2e:.1f} -> {spec_e2e:.1f} tok/s ({spec_e2e / base_e2e:.2f}x); "
-              f"identical={identical}; acceptance {a:.2f}, tokens per verify {per_verify:.2f} "
-              f"(geometric in a: {geometric:.2f})")
-        print(f"    formula (1 - a^(k+1)) / (1 - a) / (1 + k c) = {geometric / (1 + k * c):.2f}x; "
-              f"with the measured tokens per verify in place of the geometric sum: "
-              f"{per_verify / (1 + k * c):.2f}x")
+        print(f"{task}: plain decode {base:.1f} tok/s, end-to-end {base_e2e:.1f} tok/s")
+        for method in methods:
+            spec = statistics.median(r["decode"] for r in runs[method])
+            spec_e2e = statistics.median(r["e2e"] for r in runs[method])
+            identical = all(r["tokens"] == runs["none"][0]["tokens"] for r in runs["none"] + runs[method])
+            drafted = sum(r["drafted"] for r in runs[method])
+            accepted = sum(r["accepted"] for r in runs[method])
+            drafts = sum(r["drafts"] for r in runs[method])
+            a = accepted / drafted if drafted else 0.0
+            per_verify = 1 + accepted / max(drafts, 1)  # tokens a verify step yields, measured
+            geometric = (1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1  # tokens per verify if i.i.d.
+            print(f"  {method}: decode {spec:.1f} tok/s, speedup {spec / base:.2f}x; end-to-end {spec_e2e:.1f} tok/s "
+                  f"({spec_e2e / base_e2e:.2f}x); identical={identical}; acceptance {a:.2f}, tokens per verify "
+                  f"{per_verify:.2f} (geometric in a: {geometric:.2f})")
+            print(f"    formula (1 - a^(k+1)) / (1 - a) / (1 + k c) = {geometric / (1 + k * c):.2f}x; with the "
+                  f"measured tokens per verify in place of the geometric sum: {per_verify / (1 + k * c):.2f}x "
+                  f"(c = the verify rows only; a draft model's own steps come on top)")
 
 
 if __name__ == "__main__":

@@ -147,8 +147,8 @@ class SamplingMetadata:
                 rows = [row for row, pending in enumerate(pending_token_ids) for _ in pending]
                 index = torch.tensor([rows, [t for pending in pending_token_ids for t in pending]],
                                      dtype=torch.long).to(device)
-                output_token_counts.index_put_((index[0], index[1]), torch.ones(len(rows), dtype=output_token_counts.dtype,
-                                                                                device=device), accumulate=True)
+                ones = torch.ones(len(rows), dtype=output_token_counts.dtype, device=device)
+                output_token_counts.index_put_((index[0], index[1]), ones, accumulate=True)
             if has_repetition:
                 prompt_token_mask = store.prompt_token_mask.index_select(0, penalty_rows)
 

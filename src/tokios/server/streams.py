@@ -160,8 +160,9 @@ class EngineStream:
             tpot_s = (self._last_token_time - self._first_token_time) / (num_tokens_per_choice - 1)
         spec = ""
         if engine_metrics is not None and engine_metrics.spec_num_drafts:
-            spec = (f" spec_drafts={engine_metrics.spec_num_drafts} spec_draft_tokens="
-                    f"{engine_metrics.spec_num_draft_tokens} spec_accepted_tokens={engine_metrics.spec_num_accepted_tokens}")
+            spec = (f" spec_drafts={engine_metrics.spec_num_drafts}"
+                    f" spec_draft_tokens={engine_metrics.spec_num_draft_tokens}"
+                    f" spec_accepted_tokens={engine_metrics.spec_num_accepted_tokens}")
         request_logger.info(
             "request_id=%s prompt_tokens=%d completion_tokens=%d ttft_s=%s tpot_s=%s finish_reason=%s%s params=%s",
             self.request_id, len(self.prompt_ids), num_completion_tokens, _seconds(ttft_s), _seconds(tpot_s),

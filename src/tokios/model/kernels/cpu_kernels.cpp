@@ -10,9 +10,11 @@
 // summed in groups of 4 into int32 lanes). Why: decode reads every weight once per step, so
 // bytes per weight set the single-stream speed; 4-bit blocks read ~5 bits per weight instead of
 // 32 (float32). With a batch of decodes the same weights serve many rows and the step becomes
-// compute-bound, so the kernel works on two blocks per 512-bit instruction and a tile of up to
-// 16 activation rows per unpacked weight pair (profile: the per-block scalar scale arithmetic of
-// a one-block-per-ymm kernel made 16 rows cost 3.4x one row; see docs/benchmarks.md).
+// compute-bound: a weight row is unpacked once for a tile of up to 16 activation rows, and the
+// Q4_1 kernel works on two blocks per 512-bit instruction with its minimum term as a separate
+// dot product over 16 blocks (the profile had a one-block kernel busy with per-block scalar
+// work; docs/benchmarks.md). Even so 16 rows cost about 8x one row: per row and pair of blocks
+// the kernel still issues vpdpbusd, a conversion, the scale product and an FMA.
 //
 // The KV cache is float32 or bfloat16 (half the memory; the attention converts on load).
 //
@@ -22,9 +24,9 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <array>
 #include <cmath>
 #include <cstdint>
-#include <array>
 #include <cstring>
 #include <utility>
 

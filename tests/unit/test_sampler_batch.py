@@ -148,10 +148,15 @@ def test_logprobs_are_log_softmax_of_the_raw_logits():
 def test_sampled_logprob_without_top_logprobs():
     torch.manual_seed(4)
     logits = torch.randn(4, VOCAB_SIZE)
-    output = Sampler()(logits, build([SamplingParams(temperature=0.8)] * 4))
-    assert output.top_logprobs is None and output.sampled_token_ranks is None
+    output = Sampler()(logits, build([SamplingParams(temperature=0.8, logprobs=0)] * 4))
+    assert output.top_logprobs.shape == (4, 0)
     expected = torch.log_softmax(logits.double(), dim=-1).gather(1, output.sampled_token_ids.unsqueeze(1)).squeeze(1)
     torch.testing.assert_close(output.sampled_logprobs.double(), expected, atol=1e-5, rtol=0)
+
+
+def test_no_logprobs_are_computed_when_no_row_asks():
+    output = Sampler()(torch.randn(4, VOCAB_SIZE), build([SamplingParams(temperature=0.8)] * 4))
+    assert output.sampled_logprobs is None and output.top_logprobs is None
 
 
 def test_min_tokens_holds_back_eos_and_stop_tokens_until_reached():

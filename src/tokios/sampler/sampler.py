@@ -32,7 +32,9 @@ from tokios.sampler.metadata import SamplingMetadata
 @dataclass
 class SamplerOutput:
     sampled_token_ids: torch.Tensor  # [num_requests] long
-    sampled_logprobs: torch.Tensor  # [num_requests] float32, under the raw distribution
+    # [num_requests] float32, under the raw distribution; None when no row asked for logprobs (a
+    # log-sum-exp over the vocabulary per row, 2% of a 16-row decode step, that nobody would read).
+    sampled_logprobs: torch.Tensor | None
     # Only when some row asked for logprobs; K = the largest `logprobs` in the batch (rows that
     # asked for fewer slice their prefix). Ranks: 1 = the most likely token.
     top_logprob_ids: torch.Tensor | None = None  # [num_requests, K] long
@@ -129,10 +131,7 @@ class Sampler:
         raw_logits: torch.Tensor, sampled_token_ids: torch.Tensor, metadata: SamplingMetadata
     ) -> SamplerOutput:
         if metadata.max_num_logprobs is None:
-            # Only the sampled token's logprob: one gather and one logsumexp, no [rows, vocab] temp.
-            sampled_logits = raw_logits.gather(1, sampled_token_ids.unsqueeze(1)).squeeze(1)
-            sampled_logprobs = sampled_logits - raw_logits.logsumexp(dim=-1)
-            return SamplerOutput(sampled_token_ids, sampled_logprobs)
+            return SamplerOutput(sampled_token_ids, None)
         raw_logprobs = raw_logits.log_softmax(dim=-1)
         sampled_logprobs, ranks, top_ids, top_logprobs = ops.gather_logprobs(
             raw_logprobs, sampled_token_ids, metadata.max_num_logprobs

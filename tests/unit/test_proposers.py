@@ -4,6 +4,8 @@ break-even switch-off, and request / config validation."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from tokios.errors import InvalidRequestError
@@ -12,13 +14,44 @@ from tokios.request import Request
 from tokios.sampling_params import SamplingParams
 from tokios.scheduler.scheduler import Scheduler
 from tokios.speculative.config import SpeculativeConfig
-from tokios.speculative.proposers import NgramProposer
+from tokios.speculative.proposers import NgramIndex, NgramProposer
 from tokios.speculative.speculator import Speculator, expected_speedup
 
 BLOCK_SIZE = 4
 
 
 # ---- n-gram lookup ------------------------------------------------------------------------------
+def scan_lookup(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """The definition, as a backwards scan: the latest earlier occurrence of the longest suffix."""
+    for n in range(min(max_n, len(token_ids) - 1), min_n - 1, -1):
+        suffix = token_ids[len(token_ids) - n:]
+        for end in range(len(token_ids) - 2, n - 2, -1):
+            if token_ids[end - n + 1:end + 1] == suffix:
+                return token_ids[end + 1:end + 1 + k]
+    return []
+
+
+def test_incremental_index_matches_the_scan_as_a_request_grows():
+    rng = random.Random(5)
+    for trial in range(30):
+        min_n, max_n = rng.choice([(1, 4), (2, 3), (1, 1)])
+        index = NgramIndex(min_n, max_n)
+        token_ids = [rng.randrange(6) for _ in range(rng.randrange(1, 5))]
+        for _ in range(60):
+            k = rng.randrange(1, 6)
+            assert index.lookup(token_ids, k) == scan_lookup(token_ids, k, min_n, max_n), (trial, token_ids)
+            token_ids = token_ids + [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
+
+
+def test_proposer_keeps_one_index_per_request_and_drops_it():
+    proposer = NgramProposer(min_n=1, max_n=2)
+    request = Request("r", [1, 2, 3, 1, 2], SamplingParams(), 8)
+    assert proposer.propose([request], [2], [[0]]) == [[3, 1]]
+    assert "r" in proposer.request_to_index
+    proposer.drop("r")
+    assert proposer.request_to_index == {}
+
+
 def test_ngram_proposes_what_followed_the_latest_match_of_the_longest_suffix():
     proposer = NgramProposer(min_n=1, max_n=3)
     #            0  1  2  3  4  5  6  7  8  9

@@ -458,12 +458,41 @@ void decode_attention_rows(const float* q, int64_t q_stride, const KV* key_cache
   });
 }
 
+#if TOKIOS_VNNI
+// exp on 16 lanes (Cephes' single-precision polynomial, about 1 ulp): std::exp one element at a
+// time was 8% of a 128-token prefill and 3% of a 16-row decode step inside SiLU.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-88.3762626647949f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
 void silu_mul_rows(const float* gate_up, int64_t rows, int64_t intermediate, float* out) {
-  at::parallel_for(0, rows * intermediate, 2048, [&](int64_t begin, int64_t end) {
-    for (int64_t index = begin; index < end; ++index) {
-      const int64_t r = index / intermediate, j = index % intermediate;
-      const float gate = gate_up[r * 2 * intermediate + j], up = gate_up[r * 2 * intermediate + intermediate + j];
-      out[index] = gate / (1.f + std::exp(-gate)) * up;
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* gate = gate_up + r * 2 * intermediate;
+      const float* up = gate + intermediate;
+      float* o = out + r * intermediate;
+      int64_t j = 0;
+#if TOKIOS_VNNI
+      for (; j + 16 <= intermediate; j += 16) {
+        const __m512 g = _mm512_loadu_ps(gate + j);
+        const __m512 sigmoid_denominator = _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+        _mm512_storeu_ps(o + j, _mm512_mul_ps(_mm512_div_ps(g, sigmoid_denominator), _mm512_loadu_ps(up + j)));
+      }
+#endif
+      for (; j < intermediate; ++j) o[j] = gate[j] / (1.f + std::exp(-gate[j])) * up[j];
     }
   });
 }

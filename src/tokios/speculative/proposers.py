@@ -5,7 +5,8 @@ three implementations:
 
 - NgramProposer (prompt lookup): match the last n tokens (n from max_n down to min_n) against
   the request's earlier tokens (prompt and output) and propose what followed the latest match.
-  Pure Python on ints, no model; strong when the output copies its input (edits, summaries,
+  No model: a per-request index from each n-gram to its latest end position, extended with the
+  new tokens each step (NgramIndex). Strong when the output copies its input (edits, summaries,
   code rewrites), silent otherwise.
 - ModelDraftProposer with the target itself (self-draft, early exit): the target's first
   num_layers layers + its final norm + its lm head, greedy. It shares the target's KV cache for

@@ -30,7 +30,7 @@ from tokios.scheduler.scheduler import Scheduler
 from tokios.speculative.draft_model import load_draft_proposer
 from tokios.speculative.proposers import ModelDraftProposer, NgramProposer
 from tokios.speculative.speculator import Speculator
-from tokios.tokenizer import Tokenizer
+from tokios.tokenizer import tokenizer_for_loaded_model
 
 logger = logging.getLogger("tokios.engine")
 
@@ -93,18 +93,14 @@ class EngineCore:
         self.model = loaded.model
         self.model_config = loaded.config
         self.load_seconds = loaded.load_seconds
-        if isinstance(loaded.tokenizer_source, dict):
-            self.tokenizer = Tokenizer.from_gguf_metadata(loaded.tokenizer_source, source=path)
-        else:
-            self.tokenizer = Tokenizer.from_hf_dir(loaded.tokenizer_source)
+        self.tokenizer = tokenizer_for_loaded_model(loaded.tokenizer_source, path)
         self.max_model_len = min(config.scheduler.max_model_len or self.model_config.max_model_len,
                                  self.model_config.max_model_len)
 
         kv_dtype = kv_cache_dtype(self.weight_format, config.cache.kv_cache_dtype)
         self.kv_dtype = kv_dtype
         block_size = config.cache.block_size
-        element_size = torch.tensor([], dtype=kv_dtype).element_size()
-        self.kv_bytes_per_token = self.model_config.kv_bytes_per_token(element_size)
+        self.kv_bytes_per_token = self.model_config.kv_bytes_per_token(kv_dtype.itemsize)
         num_blocks = config.cache.kv_cache_memory_bytes // (self.kv_bytes_per_token * block_size)
         if num_blocks < 1:
             raise InvalidRequestError(

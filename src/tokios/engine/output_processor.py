@@ -115,10 +115,11 @@ class OutputProcessor:
                 state.metrics.last_token_time = now
             state.metrics.num_cached_prompt_tokens = engine_output.num_cached_tokens
             state.metrics.num_preemptions = max(state.metrics.num_preemptions, engine_output.num_preemptions)
-            sequence.spec_counts = engine_output.spec_counts
-            (state.metrics.spec_num_drafts, state.metrics.spec_num_draft_tokens,
-             state.metrics.spec_num_accepted_tokens) = (sum(counts) for counts in
-                                                        zip(*(s.spec_counts for s in state.sequences)))
+            if engine_output.spec_counts != sequence.spec_counts:  # only speculating requests pay
+                sequence.spec_counts = engine_output.spec_counts
+                metrics = state.metrics
+                metrics.spec_num_drafts, metrics.spec_num_draft_tokens, metrics.spec_num_accepted_tokens = (
+                    sum(counts) for counts in zip(*(s.spec_counts for s in state.sequences)))
             if self._append(sequence, engine_output):
                 sequences_to_abort.append(engine_output.sequence_id)
             if sequence.output.finished:

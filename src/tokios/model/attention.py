@@ -41,6 +41,14 @@ class AttentionMetadata:
     spans: list[MultiTokenSpan] = field(default_factory=list)
 
 
+def allocate_kv_caches(config, num_slots: int, dtype: torch.dtype,
+                       device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One zeroed (key, value) pair per layer of `config` (a ModelConfig), num_slots slots each."""
+    shape = (num_slots, config.num_kv_heads, config.head_dim)
+    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(config.num_layers)]
+
+
 def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     # key/value: [num_tokens, num_kv_heads, head_dim]

@@ -16,14 +16,14 @@ import numpy as np
 import torch
 
 from tokios.config import ModelConfig
-from tokios.model.attention import AttentionMetadata, MultiTokenSpan
+from tokios.model.attention import AttentionMetadata, MultiTokenSpan, allocate_kv_caches
 from tokios.request import Request
 from tokios.sampler import ops
 from tokios.sampler.metadata import SamplingMetadata
 from tokios.sampler.sampler import Sampler
 from tokios.sampler.state import RequestSamplingState, SamplingStateStore
 from tokios.scheduler.scheduler import ScheduledRequest, SchedulerOutput
-from tokios.speculative.rejection_sampler import RejectionSampler, resolve_token_ids
+from tokios.speculative.rejection_sampler import RejectionSampler, VerifyLayout, resolve_token_ids
 
 # (token id, logprob, rank) of the sampled token, then the top alternatives as (token id, logprob).
 SampleLogprobs = tuple[int, float, int | None, list[tuple[int, float]]]
@@ -53,12 +53,8 @@ class ModelRunner:
         self.config = model_config
         self.block_size = block_size
         self.device = device
-        num_slots = num_blocks * block_size
-        shape = (num_slots, model_config.num_kv_heads, model_config.head_dim)
         # One (key, value) pair per layer: [num_slots, kv_heads, head_dim].
-        self.kv_caches = [(torch.zeros(shape, dtype=kv_dtype, device=device),
-                           torch.zeros(shape, dtype=kv_dtype, device=device))
-                          for _ in range(model_config.num_layers)]
+        self.kv_caches = allocate_kv_caches(model_config, num_blocks * block_size, kv_dtype, device)
         self.state_store = SamplingStateStore(model_config.vocab_size, device)
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
         self.rejection_sampler = RejectionSampler(self.sampler.shared_generator)
@@ -214,33 +210,30 @@ class ModelRunner:
         metadata = SamplingMetadata.from_states(self.state_store, row_states, row_outputs, row_pending)
         proposed = [r.spec_token_ids for r in requests]
         result = self.rejection_sampler(logits, metadata, proposed)
+        layout = VerifyLayout.of(proposed)
         logprobs = None
         if metadata.max_num_logprobs is not None:
             # A row emits its proposal if accepted, else its candidate: gather both, pick after sync.
             raw_logprobs = logits.float().log_softmax(dim=-1)
             proposal_per_row = result.candidate_token_ids.clone()  # the bonus row keeps its candidate
-            proposal_rows, proposal_ids, row = [], [], 0
-            for request in requests:  # a request's rows: one per proposal, then the bonus row
-                proposal_rows.extend(range(row, row + len(request.spec_token_ids)))
-                proposal_ids.extend(request.spec_token_ids)
-                row += len(request.spec_token_ids) + 1
-            proposal_per_row[proposal_rows] = torch.tensor(proposal_ids, dtype=torch.long, device=logits.device)
+            proposal_per_row[layout.proposal_rows] = torch.tensor(layout.proposal_token_ids, dtype=torch.long,
+                                                                  device=logits.device)
             candidate = ops.gather_logprobs(raw_logprobs, result.candidate_token_ids, metadata.max_num_logprobs)
             proposal = ops.gather_logprobs(raw_logprobs, proposal_per_row, 1)
             logprobs = (candidate, proposal[:2])
         flat = torch.cat([result.is_accepted.long(), result.candidate_token_ids])
-        return flat, requests, proposed, result.is_accepted.shape[0], logprobs
+        return flat, requests, proposed, layout, logprobs
 
     def _finish_verify(self, pending, flat: list[int], output: RunnerOutput) -> None:
-        _, requests, proposed, num_proposed, logprobs = pending
+        _, requests, proposed, layout, logprobs = pending
+        num_proposed = len(layout.proposal_rows)
         token_ids = resolve_token_ids(proposed, [bool(x) for x in flat[:num_proposed]], flat[num_proposed:])
         if logprobs is not None:
             (candidate_logprobs, candidate_ranks, top_ids, top_values), (proposal_logprobs, proposal_ranks) = logprobs
             candidate_logprobs, candidate_ranks = candidate_logprobs.tolist(), candidate_ranks.tolist()
             proposal_logprobs, proposal_ranks = proposal_logprobs.tolist(), proposal_ranks.tolist()
             top_ids, top_values = top_ids.tolist(), top_values.tolist()
-        row = 0
-        for request, new_token_ids in zip(requests, token_ids):
+        for request, new_token_ids, row in zip(requests, token_ids, layout.request_first_rows):
             output.sampled_token_ids[request.request_id] = new_token_ids
             num_top = request.sampling_params.logprobs
             if logprobs is not None and num_top is not None:
@@ -252,7 +245,6 @@ class ModelRunner:
                     entries.append((token_id, chosen, rank, list(zip(top_ids[row + j][:num_top],
                                                                      top_values[row + j][:num_top]))))
                 output.logprobs[request.request_id] = entries
-            row += len(request.spec_token_ids) + 1
 
     def _prompt_logprobs(self, scheduled: ScheduledRequest, hidden: torch.Tensor, output: RunnerOutput) -> None:
         request = scheduled.request

@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
 from tokios.config import AUTO_DTYPE_BY_DEVICE
 from tokios.errors import InvalidRequestError
+from tokios.model.attention import allocate_kv_caches
 from tokios.model.llama import kv_cache_dtype
 from tokios.model.loader import load_model
 from tokios.speculative.config import SpeculativeConfig
 from tokios.speculative.proposers import ModelDraftProposer, check_tokenizers_compatible
-from tokios.tokenizer import Tokenizer
+from tokios.tokenizer import tokenizer_for_loaded_model
 
 logger = logging.getLogger("tokios.speculative")
 
@@ -34,19 +33,14 @@ def load_draft_proposer(spec: SpeculativeConfig, core, num_blocks: int, block_si
         loaded = load_model(str(spec.draft_model), weight_format, core.device)
     except FileNotFoundError as exc:
         raise InvalidRequestError(f"draft model {spec.draft_model} not found: {exc}", param="draft_model") from exc
-    if isinstance(loaded.tokenizer_source, dict):
-        tokenizer = Tokenizer.from_gguf_metadata(loaded.tokenizer_source, source=str(spec.draft_model))
-    else:
-        tokenizer = Tokenizer.from_hf_dir(loaded.tokenizer_source)
+    tokenizer = tokenizer_for_loaded_model(loaded.tokenizer_source, str(spec.draft_model))
     check_tokenizers_compatible(core.tokenizer, tokenizer, core.model_config.vocab_size, loaded.config.vocab_size,
                                 str(spec.draft_model))
     config = loaded.config
     kv_dtype = kv_cache_dtype(weight_format, core.config.cache.kv_cache_dtype)
-    shape = (num_blocks * block_size, config.num_kv_heads, config.head_dim)
-    kv_caches = [(torch.zeros(shape, dtype=kv_dtype, device=core.device),
-                  torch.zeros(shape, dtype=kv_dtype, device=core.device)) for _ in range(config.num_layers)]
+    kv_caches = allocate_kv_caches(config, num_blocks * block_size, kv_dtype, core.device)
     logger.info("draft model %s (%s, %d layers) loaded in %.1f s; its KV cache: %d bytes per token",
                 spec.draft_model, weight_format, config.num_layers, loaded.load_seconds,
-                config.kv_bytes_per_token(torch.tensor([], dtype=kv_dtype).element_size()))
+                config.kv_bytes_per_token(kv_dtype.itemsize))
     return ModelDraftProposer("draft_model", loaded.model, kv_caches, None, core.runner.build_batch, block_size,
                               shares_target_cache=False)

@@ -67,6 +67,26 @@ def verify_probs(target_probs: torch.Tensor, proposed_rows: torch.Tensor, propos
     return VerifyOutput(is_accepted, candidates)
 
 
+@dataclass
+class VerifyLayout:
+    """Where each request's rows sit in a verify batch: its proposals' rows, then its bonus row."""
+
+    proposal_rows: list[int]  # the row scoring each proposed token, request order
+    proposal_token_ids: list[int]  # the proposed tokens, flattened in the same order
+    request_first_rows: list[int]  # each request's first row
+    num_rows: int
+
+    @classmethod
+    def of(cls, proposed_token_ids: list[list[int]]) -> "VerifyLayout":
+        proposal_rows, flat, first_rows, row = [], [], [], 0
+        for proposed in proposed_token_ids:
+            first_rows.append(row)
+            proposal_rows.extend(range(row, row + len(proposed)))
+            flat.extend(proposed)
+            row += len(proposed) + 1
+        return cls(proposal_rows, flat, first_rows, row)
+
+
 def resolve_token_ids(proposed_token_ids: list[list[int]], is_accepted: list[bool],
                       candidate_token_ids: list[int]) -> list[list[int]]:
     """Host side: per request, the accepted prefix of its proposals plus the candidate at the row
@@ -97,15 +117,12 @@ class RejectionSampler:
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata, proposed_token_ids: list[list[int]],
                  draft_probs: torch.Tensor | None = None) -> VerifyOutput:
         device = logits.device
-        proposed_rows, flat_proposed, row = [], [], 0
-        for proposed in proposed_token_ids:
-            proposed_rows.extend(range(row, row + len(proposed)))
-            flat_proposed.extend(proposed)
-            row += len(proposed) + 1
-        if row != logits.shape[0]:
-            raise ValueError(f"logits have {logits.shape[0]} rows but the proposals need {row}")
+        layout = VerifyLayout.of(proposed_token_ids)
+        if layout.num_rows != logits.shape[0]:
+            raise ValueError(f"logits have {logits.shape[0]} rows but the proposals need {layout.num_rows}")
+        proposed_rows = layout.proposal_rows
         proposed_rows_t = torch.tensor(proposed_rows, dtype=torch.long, device=device)
-        proposed_ids_t = torch.tensor(flat_proposed, dtype=torch.long, device=device)
+        proposed_ids_t = torch.tensor(layout.proposal_token_ids, dtype=torch.long, device=device)
         if metadata.is_plain_greedy:
             # Greedy, nothing edits the logits: accept while the argmax matches.
             argmax = logits.argmax(dim=-1)

@@ -8,6 +8,7 @@ end (engine output processor, server); the engine core sees token ids.
 from tokios.tokenizer.detokenizer import IncrementalDetokenizer
 from tokios.tokenizer.gguf_metadata import read_gguf_metadata
 from tokios.tokenizer.stop import StopStringMatcher
-from tokios.tokenizer.tokenizer import Tokenizer, load_tokenizer
+from tokios.tokenizer.tokenizer import Tokenizer, load_tokenizer, tokenizer_for_loaded_model
 
-__all__ = ["IncrementalDetokenizer", "StopStringMatcher", "Tokenizer", "load_tokenizer", "read_gguf_metadata"]
+__all__ = ["IncrementalDetokenizer", "StopStringMatcher", "Tokenizer", "load_tokenizer", "read_gguf_metadata",
+           "tokenizer_for_loaded_model"]

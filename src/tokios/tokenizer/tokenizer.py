@@ -271,6 +271,14 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     raise ModelLoadError(f"expected a .gguf file or a directory with tokenizer.json: {path}")
 
 
+def tokenizer_for_loaded_model(source: Mapping[str, Any] | str | Path, path: str) -> Tokenizer:
+    """The tokenizer of a model the loader read: `source` is the GGUF metadata it already parsed
+    (no second read of the file), or the Hugging Face directory. `path` names the model in errors."""
+    if isinstance(source, Mapping):
+        return Tokenizer.from_gguf_metadata(source, source=path)
+    return Tokenizer.from_hf_dir(source)
+
+
 def _starts_with_gguf_magic(path: Path) -> bool:
     with open(path, "rb") as file:
         return file.read(4) == GGUF_MAGIC

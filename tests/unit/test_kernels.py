@@ -11,11 +11,16 @@ extension = load_extension()
 needs_extension = pytest.mark.skipif(extension is None, reason="C++ kernel could not be built on this machine")
 
 
-def reference_quant_linear(x: torch.Tensor, blocks: torch.Tensor, block_format: int, in_features: int) -> torch.Tensor:
-    """What the kernel computes: activations rounded to 8-bit blocks of 32, then exact sums."""
+def reference_quant_linear(x: torch.Tensor, blocks: torch.Tensor, block_format: int, in_features: int,
+                           precise: bool = False) -> torch.Tensor:
+    """What the kernel computes: activations rounded to 8-bit blocks of 32 (precise: plus a second
+    8-bit plane for the residual, at 1/128 of a step), then exact sums."""
     rows = x.double().reshape(x.shape[0], -1, BLOCK)
     scale = rows.abs().amax(-1, keepdim=True).float().double() / 127.0
-    quantized = torch.round(torch.where(scale > 0, rows / scale, torch.zeros_like(rows)))
+    scaled = torch.where(scale > 0, rows / scale, torch.zeros_like(rows))
+    quantized = torch.round(scaled)
+    if precise:
+        quantized = quantized + torch.round((scaled - quantized) * 128) / 128
     activations = (quantized * scale).reshape(x.shape)
     return activations @ dequantize_blocks(blocks, block_format, in_features).double().T
 
@@ -45,45 +50,60 @@ def test_q4_1_requantization_of_q4_1_values_is_exact():
 @needs_extension
 @pytest.mark.parametrize("block_format", [Q4_1, Q8_0])
 @pytest.mark.parametrize("num_rows", [1, 3, 17, 130])
-@pytest.mark.parametrize("in_features", [256, 96])  # 96: an odd number of blocks (the kernel pairs them)
-def test_quant_linear_matches_reference(block_format, num_rows, in_features):
+@pytest.mark.parametrize("in_features", [256, 96])
+@pytest.mark.parametrize("precise", [False, True])
+def test_quant_linear_matches_reference(block_format, num_rows, in_features, precise):
     torch.manual_seed(num_rows)
-    linear = QuantizedLinear(torch.randn(200, in_features), torch.randn(200), block_format)
+    weight = torch.randn(200, in_features)  # 200 features: the last group of 16 is partial
+    linear = QuantizedLinear(weight, torch.randn(200), block_format, precise_activations=precise)
     x = torch.randn(num_rows, in_features)
-    expected = reference_quant_linear(x, linear.blocks, block_format, in_features) + linear.bias.double()
+    blocks = (quantize_q4_1 if block_format == Q4_1 else quantize_q8_0)(weight)
+    expected = reference_quant_linear(x, blocks, block_format, in_features, precise) + linear.bias.double()
     out = linear(x)
     assert out.dtype == torch.float32 and out.shape == (num_rows, 200)
     torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-3)
 
 
 @needs_extension
-def test_decode_rows_do_not_depend_on_the_batch():
+@pytest.mark.parametrize("precise", [False, True])
+def test_rows_do_not_depend_on_the_batch(precise):
     torch.manual_seed(3)
-    linear = QuantizedLinear(torch.randn(128, 192), None, Q4_1)
-    rows = torch.randn(9, 192)
-    alone = torch.cat([linear(rows[i:i + 1]) for i in range(9)])
+    linear = QuantizedLinear(torch.randn(128, 192), None, Q4_1, precise_activations=precise)
+    rows = torch.randn(70, 192)  # 70: tiles of 8 and a chunk boundary at 64
+    alone = torch.cat([linear(rows[i:i + 1]) for i in range(70)])
     assert torch.equal(linear(rows), alone)
 
 
 @needs_extension
-def test_prefill_rows_take_the_bf16_path_close_to_dense():
-    torch.manual_seed(4)
-    linear = QuantizedLinear(torch.randn(96, 128), None, Q8_0)
-    x = torch.randn(40, 128)
-    dense = x @ dequantize_blocks(linear.blocks, Q8_0, 128).T
-    mixed = linear(x, num_decode_rows=4)
-    torch.testing.assert_close(mixed[:4], linear(x[:4]))  # decode rows: the 8-bit kernel
-    # bf16 product: relative error of bf16 rounding (2^-8), not of 8-bit activations.
-    assert ((mixed[4:] - dense[4:]).norm() / dense[4:].norm()).item() < 5e-3
+def test_precise_activations_are_closer_to_float():
+    torch.manual_seed(8)
+    weight, x = torch.randn(64, 256), torch.randn(12, 256)
+    exact = x.double() @ dequantize_blocks(quantize_q4_1(weight), Q4_1, 256).double().T
+    errors = [(QuantizedLinear(weight, None, Q4_1, precise_activations=p)(x).double() - exact).norm() / exact.norm()
+              for p in (False, True)]
+    assert errors[1] < errors[0] / 50
 
 
 @needs_extension
-def test_dequantize_bf16_matches_torch():
-    torch.manual_seed(5)
-    for block_format, quantize in ((Q4_1, quantize_q4_1), (Q8_0, quantize_q8_0)):
-        blocks = quantize(torch.randn(48, 96))
-        expected = dequantize_blocks(blocks, block_format, 96).to(torch.bfloat16)
-        assert torch.equal(extension.dequantize_bf16(blocks, block_format, 96), expected)
+def test_q8_0_extreme_weights_are_exact():
+    """Q8_0 is packed as q + 128 (unsigned, as vpdpbusd wants) and 128 * sum(x) is subtracted
+    again; at q = -127 and 127 and a full-scale activation that must still be exact."""
+    weight = torch.full((16, 64), 1.0)
+    weight[::2] = -1.0
+    linear = QuantizedLinear(weight, None, Q8_0)
+    x = torch.ones(3, 64)
+    x[1] = -1.0
+    expected = reference_quant_linear(x, quantize_q8_0(weight), Q8_0, 64)  # fp16 scales: 1/127 is not exact
+    torch.testing.assert_close(linear(x).double(), expected, rtol=1e-6, atol=0)
+
+
+@needs_extension
+def test_packed_weight_is_checked():
+    linear = QuantizedLinear(torch.randn(40, 64), None, Q4_1)
+    with pytest.raises(RuntimeError, match="packed by pack_weight"):
+        extension.quant_linear(torch.randn(2, 64), linear.packed, Q4_1, 200, False, None)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        extension.quant_linear(torch.randn(2, 64), linear.packed, Q4_1, 40, False, torch.randn(3))
 
 
 @needs_extension

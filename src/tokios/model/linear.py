@@ -22,9 +22,7 @@ class DenseLinear:
         self.bias = None if bias is None else bias.to(dtype)
         self.out_features, self.in_features = self.weight.shape
 
-    def __call__(self, x: torch.Tensor, num_decode_rows: int | None = None) -> torch.Tensor:
-        # Dense weights compute every row the same way; the decode/prefill split is for
-        # quantized formats (model/kernels).
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
 
     def num_bytes(self) -> int:
@@ -32,13 +30,14 @@ class DenseLinear:
 
 
 def make_linear(weight: "torch.Tensor | PackedWeight", bias: torch.Tensor | None, weight_format: str,
-                device: torch.device):
-    """weight: [out_features, in_features] float32 on the CPU, or still packed as in the file."""
+                device: torch.device, precise_activations: bool = False):
+    """weight: [out_features, in_features] float32 on the CPU, or still packed as in the file.
+    precise_activations: for quantized formats, the model's activation precision (model/kernels)."""
     bias = None if bias is None else bias.to(device)
     if weight_format in ("int8", "int4"):
         from tokios.model.kernels import make_quantized_linear
 
-        return make_quantized_linear(weight, bias, weight_format, device)
+        return make_quantized_linear(weight, bias, weight_format, device, precise_activations)
     weight = as_dense(weight).to(device)
     if weight_format == "float32":
         return DenseLinear(weight, bias, torch.float32)

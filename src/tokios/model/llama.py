@@ -13,7 +13,7 @@ import torch
 
 from tokios.config import ModelConfig
 from tokios.model.attention import AttentionMetadata
-from tokios.model.kernels import load_extension
+from tokios.model.kernels import load_extension, precise_activations
 from tokios.model.linear import make_linear
 from tokios.model.ops import CpuKernelOps, TorchOps
 from tokios.model.quant import as_dense, concat_rows
@@ -45,17 +45,18 @@ class LlamaLayer:
             return weights.pop(f"{prefix}.{name}", None)
 
         dtype = ACTIVATION_DTYPE[weight_format]
+        precise = precise_activations(weight_format)
         self.input_norm = as_dense(weight("input_layernorm.weight")).to(device=device, dtype=dtype)
         self.post_attention_norm = as_dense(weight("post_attention_layernorm.weight")).to(device=device, dtype=dtype)
         qkv_weight = concat_rows([weight("self_attn.q_proj.weight"), weight("self_attn.k_proj.weight"),
                                   weight("self_attn.v_proj.weight")])
         qkv_biases = [bias(f"self_attn.{n}_proj.bias") for n in "qkv"]
         qkv_bias = torch.cat([as_dense(b) for b in qkv_biases]) if all(b is not None for b in qkv_biases) else None
-        self.qkv = make_linear(qkv_weight, qkv_bias, weight_format, device)
-        self.o_proj = make_linear(weight("self_attn.o_proj.weight"), None, weight_format, device)
+        self.qkv = make_linear(qkv_weight, qkv_bias, weight_format, device, precise)
+        self.o_proj = make_linear(weight("self_attn.o_proj.weight"), None, weight_format, device, precise)
         gate_up = concat_rows([weight("mlp.gate_proj.weight"), weight("mlp.up_proj.weight")])
-        self.gate_up = make_linear(gate_up, None, weight_format, device)
-        self.down = make_linear(weight("mlp.down_proj.weight"), None, weight_format, device)
+        self.gate_up = make_linear(gate_up, None, weight_format, device, precise)
+        self.down = make_linear(weight("mlp.down_proj.weight"), None, weight_format, device, precise)
 
 
 class LlamaModel:
@@ -72,7 +73,8 @@ class LlamaModel:
         # The output projection decides every token's ranking; 4-bit blocks there cost more
         # accuracy than anywhere else, so int4 keeps it at 8 bits (as llama.cpp's Q4 files do).
         head_format = "int8" if weight_format == "int4" else weight_format
-        self.lm_head = make_linear(embed if lm_head is None else lm_head, None, head_format, device)
+        self.lm_head = make_linear(embed if lm_head is None else lm_head, None, head_format, device,
+                                   precise_activations(weight_format))
         self.norm = as_dense(weights.pop("model.norm.weight")).to(device=device, dtype=self.dtype)
         self.layers = [LlamaLayer(config, weights, f"model.layers.{i}", weight_format, device)
                        for i in range(config.num_layers)]
@@ -99,19 +101,17 @@ class LlamaModel:
                                    metadata.decode_context_lens)
             return ops.rms_norm(hidden, self.norm)
         rope_tables = ops.rope_tables(positions)
-        num_decode = metadata.num_decode_tokens
         for layer, (key_cache, value_cache) in zip(self.layers[:num_layers], kv_caches):
-            qkv = layer.qkv(ops.rms_norm(hidden, layer.input_norm), num_decode)
+            qkv = layer.qkv(ops.rms_norm(hidden, layer.input_norm))
             attended = ops.attention(qkv, positions, key_cache, value_cache, metadata, rope_tables)
-            hidden = hidden + layer.o_proj(attended.to(self.dtype), num_decode).to(self.dtype)
-            gate_up = layer.gate_up(ops.rms_norm(hidden, layer.post_attention_norm), num_decode)
-            hidden = hidden + layer.down(ops.silu_mul(gate_up), num_decode).to(self.dtype)
+            hidden = hidden + layer.o_proj(attended.to(self.dtype)).to(self.dtype)
+            gate_up = layer.gate_up(ops.rms_norm(hidden, layer.post_attention_norm))
+            hidden = hidden + layer.down(ops.silu_mul(gate_up)).to(self.dtype)
         return ops.rms_norm(hidden, self.norm)
 
-    def compute_logits(self, hidden: torch.Tensor, is_prompt: bool = False) -> torch.Tensor:
-        """hidden [num_rows, hidden] -> float32 logits [num_rows, vocab]. Sampled rows take the
-        decode kernel (batch-invariant); prompt-logprob rows, many at once, the prefill path."""
-        return self.lm_head(hidden, 0 if is_prompt else None).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [num_rows, hidden] -> float32 logits [num_rows, vocab]."""
+        return self.lm_head(hidden).float()
 
     def weight_bytes(self) -> int:
         linears = [self.lm_head] + [lin for layer in self.layers

@@ -249,7 +249,7 @@ class ModelRunner:
     def _prompt_logprobs(self, scheduled: ScheduledRequest, hidden: torch.Tensor, output: RunnerOutput) -> None:
         request = scheduled.request
         start = request.num_computed_tokens
-        logprobs = torch.log_softmax(self.model.compute_logits(hidden, is_prompt=True), dim=-1)
+        logprobs = torch.log_softmax(self.model.compute_logits(hidden), dim=-1)
         next_ids = request.all_token_ids[start + 1:start + 1 + hidden.shape[0]]
         chosen = logprobs.gather(1, torch.tensor(next_ids, device=self.device)[:, None]).squeeze(1).tolist()
         num_top = request.sampling_params.prompt_logprobs

@@ -1,20 +1,18 @@
 // Weight-only quantized linear layers for the CPU: y[M, N] = x[M, K] . W[N, K]^T (+ bias), and
 // the decode step around them (RMSNorm, rotary embedding, paged decode attention, SiLU).
 //
-// Weights are stored in GGML's block formats, one row of blocks per output feature:
+// Weights come from GGML's block formats, one row of blocks per output feature:
 //   Q4_1 (20 bytes / 32 weights): fp16 scale d, fp16 minimum m, 16 bytes of nibbles;
 //        w[j] = d * q[j] + m, element j in the low nibble of byte j, element j+16 in the high.
 //   Q8_0 (34 bytes / 32 weights): fp16 scale d, 32 signed bytes; w[j] = d * q[j].
-// Activations are quantized per row to 8-bit blocks of 32 (one scale per block), as llama.cpp
-// does, so a block's dot product is integer arithmetic on VNNI (vpdpbusd: u8 x s8 products
-// summed in groups of 4 into int32 lanes). Why: decode reads every weight once per step, so
-// bytes per weight set the single-stream speed; 4-bit blocks read ~5 bits per weight instead of
-// 32 (float32). With a batch of decodes the same weights serve many rows and the step becomes
-// compute-bound: a weight row is unpacked once for a tile of up to 16 activation rows, and the
-// Q4_1 kernel works on two blocks per 512-bit instruction with its minimum term as a separate
-// dot product over 16 blocks (the profile had a one-block kernel busy with per-block scalar
-// work; docs/benchmarks.md). Even so 16 rows cost about 8x one row: per row and pair of blocks
-// the kernel still issues vpdpbusd, a conversion, the scale product and an FMA.
+// and are regrouped once at load into an interleaved layout (pack_weight, below) with the same
+// bytes per weight. Activations are quantized per row to 8-bit blocks of 32 (one scale per
+// block), as llama.cpp does, so a block's dot product is integer arithmetic on VNNI (vpdpbusd:
+// u8 x s8 products summed in groups of 4 into int32 lanes). Why: decode reads every weight once
+// per step, so bytes per weight set the single-stream speed (4-bit blocks read ~5 bits per
+// weight instead of 32); with a batch of decodes, or a prefill chunk, the same weights serve many
+// rows and the product becomes compute-bound, which the layout is built for (see GroupLayout).
+// Every row takes the same kernel, decode or prefill, so results do not depend on the batch.
 //
 // The KV cache is float32 or bfloat16 (half the memory; the attention converts on load).
 //
@@ -75,237 +73,326 @@ inline uint16_t load_u16(const uint8_t* p) {
   return v;
 }
 
-// Activation rows quantized for the dot kernel: int8 blocks of 32 with one float scale each.
-// Rows are padded to whole pairs of blocks (zeros), because the kernel reads two blocks at a time.
-// Per pair of blocks the kernel also needs the scales spread over the lanes of its 512-bit
-// accumulator (lanes 0-7: first block, 8-15: second). Q4_1's minimum term, m * scale * sum(q)
-// per block, is a separate dot product over blocks (16 per instruction), so each row keeps the
-// scaled sums, zero-padded to a multiple of 16 blocks.
-struct QuantizedActivations {
-  int64_t num_blocks = 0, num_pairs = 0, row_stride = 0;  // row_stride = bytes of qs per row
-  int64_t sums_stride = 0;       // num_blocks rounded up to 16
-  std::vector<int8_t> qs;            // [rows][row_stride]
-  std::vector<float> scale_lanes;    // [rows][num_pairs][16]
-  std::vector<float> scales;         // [rows][num_blocks] (scalar path)
-  std::vector<float> scaled_sums;    // [rows][sums_stride]
+// ---- the interleaved layout ---------------------------------------------------------------------
+// At load the file's blocks are regrouped so that 16 output features share one 512-bit vector:
+// 32-bit lane j holds 4 consecutive weights of output feature j. One vpdpbusd then multiplies
+// 4 activations (broadcast) by 4 weights of each of 16 features, and the 8 instructions of a
+// block accumulate in int32, so the float work (conversion, scale, FMA) is paid once per
+// block for 16 features instead of once per pair of blocks for one. The profile of the
+// row-major kernel had 16 rows costing about 8x one row for exactly that per-row float work.
+//
+// Per group of 16 features (rows past N are zero) and block b, as one row of the packed tensor:
+//   values  [num_blocks][V]: Q4_1 V = 256: vector t (0..3), lane j = bytes 4t..4t+3 of feature
+//                            j's nibbles; low nibbles pair with x[4t..], high with x[16+4t..].
+//                            Q8_0 V = 512: vector t (0..7), lane j = q[4t..4t+3] + 128 (unsigned,
+//                            as vpdpbusd wants; the 128 * sum(x) it adds is subtracted exactly).
+//   halves  [num_blocks][S]: 16 fp16 scales d, then (Q4_1) 16 fp16 minimums m.
+// The row is padded to 64 bytes. Same bytes per weight as the file (Q4_1 5, Q8_0 8.5 bits).
+constexpr int64_t kGroup = 16;
+
+struct GroupLayout {
+  int64_t num_blocks, value_bytes, halves_per_block, row_bytes;
+  GroupLayout(int64_t format, int64_t in_features)
+      : num_blocks(in_features / kBlock), value_bytes(format == 0 ? 256 : 512),
+        halves_per_block(format == 0 ? 32 : 16),
+        row_bytes((num_blocks * (value_bytes + 2 * halves_per_block) + 63) / 64 * 64) {}
+  const uint16_t* halves(const uint8_t* group_row) const {
+    return reinterpret_cast<const uint16_t*>(group_row + num_blocks * value_bytes);
+  }
 };
 
-void quantize_row(const float* x, int64_t num_blocks, int8_t* qs, float* scales, float* scaled_sums) {
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    const float* xb = x + b * kBlock;
-    float amax = 0.f;
-    for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
-    const float scale = amax / 127.f;
-    const float inverse = scale > 0.f ? 1.f / scale : 0.f;
-    int32_t sum = 0;
-    for (int64_t j = 0; j < kBlock; ++j) {
-      const int v = static_cast<int>(std::nearbyint(xb[j] * inverse));
-      qs[b * kBlock + j] = static_cast<int8_t>(v);
-      sum += v;
-    }
-    scales[b] = scale;
-    scaled_sums[b] = scale * static_cast<float>(sum);
-  }
-}
-
-void quantize_activations(const float* x, int64_t M, int64_t K, QuantizedActivations& a) {
-  a.num_blocks = K / kBlock;
-  a.num_pairs = (a.num_blocks + 1) / 2;
-  a.row_stride = a.num_pairs * 2 * kBlock;
-  a.sums_stride = (a.num_blocks + 15) / 16 * 16;
-  // The buffers are reused from call to call (only grown), so every element is written below,
-  // padding included: zero-filling whole buffers per call measured 3% of a 16-row decode step.
-  a.qs.resize(std::max<size_t>(a.qs.size(), M * a.row_stride));
-  a.scales.resize(std::max<size_t>(a.scales.size(), M * a.num_blocks));
-  a.scaled_sums.resize(std::max<size_t>(a.scaled_sums.size(), M * a.sums_stride));
-  a.scale_lanes.resize(std::max<size_t>(a.scale_lanes.size(), M * a.num_pairs * 16));
-  at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
-      int8_t* qs = a.qs.data() + m * a.row_stride;
-      float* scales = a.scales.data() + m * a.num_blocks;
-      float* scaled_sums = a.scaled_sums.data() + m * a.sums_stride;
-      quantize_row(x + m * K, a.num_blocks, qs, scales, scaled_sums);
-      std::fill(qs + a.num_blocks * kBlock, qs + a.row_stride, 0);
-      std::fill(scaled_sums + a.num_blocks, scaled_sums + a.sums_stride, 0.f);
-      float* lanes = a.scale_lanes.data() + m * a.num_pairs * 16;
-      for (int64_t b = 0; b < 2 * a.num_pairs; ++b) {
-        std::fill(lanes + b * 8, lanes + b * 8 + 8, b < a.num_blocks ? scales[b] : 0.f);
+// GGML blocks [N, num_blocks * block_bytes] -> [ceil(N / 16), row_bytes], the layout above.
+void pack_groups(const uint8_t* blocks, int64_t N, int64_t format, const GroupLayout& layout, uint8_t* out) {
+  const int64_t block_bytes = format == 0 ? kQ4_1Bytes : kQ8_0Bytes, nb = layout.num_blocks;
+  const int64_t num_groups = (N + kGroup - 1) / kGroup;
+  at::parallel_for(0, num_groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      uint8_t* row = out + g * layout.row_bytes;
+      std::memset(row, 0, layout.row_bytes);
+      uint16_t* halves = reinterpret_cast<uint16_t*>(row + nb * layout.value_bytes);
+      for (int64_t j = 0; j < kGroup && g * kGroup + j < N; ++j) {
+        const uint8_t* feature = blocks + (g * kGroup + j) * nb * block_bytes;
+        for (int64_t b = 0; b < nb; ++b) {
+          const uint8_t* block = feature + b * block_bytes;
+          uint8_t* values = row + b * layout.value_bytes;
+          halves[b * layout.halves_per_block + j] = load_u16(block);
+          if (format == 0) {
+            halves[b * layout.halves_per_block + kGroup + j] = load_u16(block + 2);
+            for (int t = 0; t < 4; ++t) std::memcpy(values + 64 * t + 4 * j, block + 4 + 4 * t, 4);
+          } else {
+            for (int t = 0; t < 8; ++t) {
+              for (int i = 0; i < 4; ++i) values[64 * t + 4 * j + i] = block[2 + 4 * t + i] ^ 0x80;
+            }
+          }
+        }
       }
     }
   });
 }
 
-#if TOKIOS_VNNI
-inline float horizontal_sum(__m256 v) {
-  __m128 sum = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
-  sum = _mm_add_ss(sum, _mm_movehdup_ps(sum));
-  return _mm_cvtss_f32(sum);
-}
-
-// The weights of blocks 2p and 2p+1 as 64 bytes in the activation's element order, with their
-// fp16 scales spread over lanes 0-7 / 8-15. A missing second block is zero.
-struct WeightPair {
-  __m512i values;
-  __m512 scale;
+// Activation rows quantized for the dot kernel: int8 blocks of 32 with one float scale each,
+// and per block the two correction terms: Q4_1's minimum term needs scale * sum(q); Q8_0's
+// offset weights need 128 * sum(q) (integer, subtracted exactly).
+//
+// Two precisions. 8-bit: q = round(x / s), s = max |x| / 127 per block, as llama.cpp does.
+// Precise: a second plane carries the rounding residual, lo = round((x / s - q) * 128) in
+// [-64, 64], so x = s / 128 * (128 q + lo) to about 15 bits (finer than bfloat16); the kernel
+// runs vpdpbusd on both planes and combines the sums exactly in int32. It costs the integer work
+// twice. Measured on the default model (KL to float activations over the perplexity text, int4
+// weights): 8-bit 2.7e-3, spread evenly over the four products and the output projection.
+struct QuantizedActivations {
+  int64_t num_blocks = 0, in_features = 0, row_stride = 0;  // row_stride: K (8-bit) or 2K (precise)
+  std::vector<int8_t> qs;           // [rows][row_stride]: q, then (precise) lo
+  std::vector<float> scales;        // [rows][num_blocks]: s, or s / 128 when precise
+  std::vector<float> scaled_sums;   // [rows][num_blocks]: scale * sum of the combined values
+  std::vector<int32_t> offsets;     // [rows][num_blocks]: 128 * sum of the combined values
 };
 
-// Also stores the two blocks' minimums at minimums[2p], minimums[2p + 1].
-inline WeightPair load_q4_1_pair(const uint8_t* row, int64_t p, int64_t num_blocks, float* minimums) {
-  const uint8_t* first = row + 2 * p * kQ4_1Bytes;
-  const bool has_second = 2 * p + 1 < num_blocks;
-  const uint8_t* second = first + kQ4_1Bytes;
-  const __m128i nibbles0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(first + 4));
-  const __m128i nibbles1 = has_second ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(second + 4))
-                                      : _mm_setzero_si128();
-  // 128-bit lanes: [first, first, second, second]; the odd lanes take the high nibbles.
-  const __m512i packed = _mm512_inserti64x4(
-      _mm512_castsi256_si512(_mm256_set_m128i(nibbles0, nibbles0)), _mm256_set_m128i(nibbles1, nibbles1), 1);
-  const int four = 0x00040004;  // two 16-bit shift counts
-  const __m512i shifts = _mm512_set_epi32(four, four, four, four, 0, 0, 0, 0, four, four, four, four, 0, 0, 0, 0);
-  WeightPair pair;
-  pair.values = _mm512_and_si512(_mm512_srlv_epi16(packed, shifts), _mm512_set1_epi8(0x0f));
-  uint32_t header0, header1 = 0;  // fp16 d, fp16 m
-  std::memcpy(&header0, first, 4);
-  if (has_second) std::memcpy(&header1, second, 4);
-  const __m128 halves = _mm_cvtph_ps(_mm_set_epi32(0, 0, static_cast<int>(header1), static_cast<int>(header0)));
-  const __m512 wide = _mm512_castps128_ps512(halves);  // d0 m0 d1 m1
-  pair.scale = _mm512_permutexvar_ps(_mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0), wide);
-  alignas(16) float unpacked[4];
-  _mm_store_ps(unpacked, halves);
-  minimums[2 * p] = unpacked[1];
-  minimums[2 * p + 1] = unpacked[3];
-  return pair;
+template <bool PRECISE>
+void quantize_row(const float* x, int64_t num_blocks, int64_t in_features, int8_t* qs, float* scales,
+                  float* scaled_sums, int32_t* offsets) {
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const float* xb = x + b * kBlock;
+    int8_t* qb = qs + b * kBlock;
+    int8_t* lob = qs + in_features + b * kBlock;  // only written when PRECISE
+    int32_t sum = 0;
+    float scale;
+#if TOKIOS_VNNI
+    const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+    scale = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1))) / 127.f;
+    const __m512 inverse = _mm512_set1_ps(scale > 0.f ? 1.f / scale : 0.f);
+    __m512i total = _mm512_setzero_si512();
+    int h = 0;
+    for (const __m512 half : {x0, x1}) {
+      const __m512 scaled = _mm512_mul_ps(half, inverse);
+      const __m512i q = _mm512_cvt_roundps_epi32(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16 * h), _mm512_cvtepi32_epi8(q));
+      if constexpr (PRECISE) {
+        const __m512 residual = _mm512_mul_ps(_mm512_sub_ps(scaled, _mm512_cvtepi32_ps(q)), _mm512_set1_ps(128.f));
+        const __m512i lo = _mm512_cvt_roundps_epi32(residual, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(lob + 16 * h), _mm512_cvtepi32_epi8(lo));
+        total = _mm512_add_epi32(total, _mm512_add_epi32(_mm512_slli_epi32(q, 7), lo));
+      } else {
+        total = _mm512_add_epi32(total, q);
+      }
+      ++h;
+    }
+    sum = _mm512_reduce_add_epi32(total);
+#else
+    float amax = 0.f;
+    for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    scale = amax / 127.f;
+    const float inverse = scale > 0.f ? 1.f / scale : 0.f;
+    for (int64_t j = 0; j < kBlock; ++j) {
+      const float scaled = xb[j] * inverse;
+      const int q = static_cast<int>(std::nearbyint(scaled));
+      qb[j] = static_cast<int8_t>(q);
+      if constexpr (PRECISE) {
+        const int lo = static_cast<int>(std::nearbyint((scaled - static_cast<float>(q)) * 128.f));
+        lob[j] = static_cast<int8_t>(lo);
+        sum += 128 * q + lo;
+      } else {
+        sum += q;
+      }
+    }
+#endif
+    if constexpr (PRECISE) scale /= 128.f;
+    scales[b] = scale;
+    scaled_sums[b] = scale * static_cast<float>(sum);
+    offsets[b] = 128 * sum;
+  }
 }
 
-#endif
+void quantize_activations(const float* x, int64_t M, int64_t K, bool precise, QuantizedActivations& a) {
+  a.num_blocks = K / kBlock;
+  a.in_features = K;
+  a.row_stride = precise ? 2 * K : K;
+  // The buffers are reused from call to call (only grown): zero-filling or reallocating per call
+  // measured 3% of a 16-row decode step.
+  const size_t per_block = static_cast<size_t>(M * a.num_blocks);
+  a.qs.resize(std::max<size_t>(a.qs.size(), M * a.row_stride));
+  for (auto* v : {&a.scales, &a.scaled_sums}) v->resize(std::max(v->size(), per_block));
+  a.offsets.resize(std::max(a.offsets.size(), per_block));
+  const auto quantize = precise ? &quantize_row<true> : &quantize_row<false>;
+  at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const int64_t at = m * a.num_blocks;
+      quantize(x + m * K, a.num_blocks, K, a.qs.data() + m * a.row_stride, a.scales.data() + at,
+               a.scaled_sums.data() + at, a.offsets.data() + at);
+    }
+  });
+}
 
-// Dot products of one weight row with R activation rows starting at row r0, written to out[r].
-// The weight pair is unpacked once and reused for every row; each row keeps its own accumulator
-// and adds its pairs in the same order whatever R is, so a row's result is the same alone or in
-// a batch (one implementation serves both: R = 1 is the single-row case).
-constexpr int kMaxRows = 16;
-constexpr int64_t kMaxSumsStride = 4096;  // blocks per row: in_features up to 131072
+inline int32_t load_i32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
 
-// `minimums`: scratch of a.sums_stride floats, zero past 2 * a.num_pairs (the caller zeroes it once).
-template <int R>
-void dot_q4_1_rows(const uint8_t* row, const QuantizedActivations& a, int64_t r0, float* minimums, float* out) {
+// out[r][0..16) (row stride out_stride; only the `valid` first features are written) = the dot
+// products of one group of 16 features with activation rows r0..r0+R, plus bias. Each row keeps
+// its own accumulators and adds its blocks in the same order whatever R is, so a row's result is
+// the same alone or in a batch (R = 1 is the single-row case, not a separate kernel).
+constexpr int kTileRows = 8;  // measured: 12 was 10% slower, 16 spills registers
+
+template <int FORMAT, bool PRECISE, int R>
+void dot_group_rows(const uint8_t* group_row, const GroupLayout& layout, const QuantizedActivations& a, int64_t r0,
+                    const float* bias, int valid, float* out, int64_t out_stride) {
+  const int64_t nb = layout.num_blocks, K = a.in_features, stride = a.row_stride;
+  const uint16_t* halves = layout.halves(group_row);
+  const int8_t* x0 = a.qs.data() + r0 * stride;
 #if TOKIOS_VNNI
+  constexpr int P = PRECISE ? 2 : 1;  // activation planes: q, then the residual
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0f);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < a.num_pairs; ++p) {
-    const WeightPair w = load_q4_1_pair(row, p, a.num_blocks, minimums);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* values = group_row + b * layout.value_bytes;
+    const int8_t* xb = x0 + b * kBlock;
+    // With few rows the chain of dependent vpdpbusd (8 per block and plane) would bound the
+    // speed, so a row's block is split over C independent integer sums; integer addition is
+    // exact, so how many does not change any result (batch invariance holds).
+    constexpr int C = R * P == 1 ? 4 : (R * P <= 3 ? 2 : 1);
+    __m512i dot[R][P][C];
     for (int r = 0; r < R; ++r) {
-      const __m512i x = _mm512_loadu_si512(a.qs.data() + (r0 + r) * a.row_stride + p * 2 * kBlock);
-      const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w.values, x);
-      const __m512 scale =
-          _mm512_mul_ps(w.scale, _mm512_loadu_ps(a.scale_lanes.data() + ((r0 + r) * a.num_pairs + p) * 16));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r]);
+      for (int p = 0; p < P; ++p) {
+        for (int c = 0; c < C; ++c) dot[r][p][c] = _mm512_setzero_si512();
+      }
+    }
+    if constexpr (FORMAT == 0) {
+      for (int t = 0; t < 4; ++t) {
+        const __m512i packed = _mm512_loadu_si512(values + 64 * t);
+        const __m512i low = _mm512_and_si512(packed, low_nibbles);
+        const __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles);
+        for (int r = 0; r < R; ++r) {
+          for (int p = 0; p < P; ++p) {
+            const int8_t* x = xb + r * stride + p * K;
+            __m512i& first = dot[r][p][(2 * t) % C];
+            __m512i& second = dot[r][p][(2 * t + 1) % C];
+            first = _mm512_dpbusd_epi32(first, low, _mm512_set1_epi32(load_i32(x + 4 * t)));
+            second = _mm512_dpbusd_epi32(second, high, _mm512_set1_epi32(load_i32(x + 16 + 4 * t)));
+          }
+        }
+      }
+    } else {
+      for (int t = 0; t < 8; ++t) {
+        const __m512i w = _mm512_loadu_si512(values + 64 * t);
+        for (int r = 0; r < R; ++r) {
+          for (int p = 0; p < P; ++p) {
+            __m512i& sum = dot[r][p][t % C];
+            sum = _mm512_dpbusd_epi32(sum, w, _mm512_set1_epi32(load_i32(xb + r * stride + p * K + 4 * t)));
+          }
+        }
+      }
+    }
+    __m512i exact[R];  // the row's integer dot product with its (combined) activation values
+    for (int r = 0; r < R; ++r) {
+      for (int p = 0; p < P; ++p) {
+        for (int c = 1; c < C; ++c) dot[r][p][0] = _mm512_add_epi32(dot[r][p][0], dot[r][p][c]);
+      }
+      exact[r] = PRECISE ? _mm512_add_epi32(_mm512_slli_epi32(dot[r][0][0], 7), dot[r][P - 1][0]) : dot[r][0][0];
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves + b * layout.halves_per_block)));
+    const int64_t at = r0 * nb + b;
+    if constexpr (FORMAT == 0) {
+      const __m512 m = _mm512_cvtph_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves + b * layout.halves_per_block + kGroup)));
+      for (int r = 0; r < R; ++r) {
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact[r]), _mm512_mul_ps(d, _mm512_set1_ps(a.scales[at + r * nb])), acc[r]);
+        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.scaled_sums[at + r * nb]), acc[r]);
+      }
+    } else {
+      for (int r = 0; r < R; ++r) {
+        const __m512i centred = _mm512_sub_epi32(exact[r], _mm512_set1_epi32(a.offsets[at + r * nb]));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(centred), _mm512_mul_ps(d, _mm512_set1_ps(a.scales[at + r * nb])), acc[r]);
+      }
     }
   }
-  for (int64_t b = 0; b < a.sums_stride; b += 16) {  // the minimum term, 16 blocks at a time
-    const __m512 m = _mm512_load_ps(minimums + b);
-    for (int r = 0; r < R; ++r) {
-      acc[r] = _mm512_fmadd_ps(m, _mm512_loadu_ps(a.scaled_sums.data() + (r0 + r) * a.sums_stride + b), acc[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+  const __mmask16 lanes = static_cast<__mmask16>((1u << valid) - 1);
+  const __m512 b = bias ? _mm512_maskz_loadu_ps(lanes, bias) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * out_stride, lanes, _mm512_add_ps(acc[r], b));
 #else
   for (int r = 0; r < R; ++r) {
-    const int8_t* qs = a.qs.data() + (r0 + r) * a.row_stride;
-    float total = 0.f;
-    for (int64_t b = 0; b < a.num_blocks; ++b) {
-      const uint8_t* block = row + b * kQ4_1Bytes;
-      const float d = half_to_float(load_u16(block)), m = half_to_float(load_u16(block + 2));
-      const int8_t* x = qs + b * kBlock;
-      int32_t dot = 0;
-      for (int j = 0; j < 16; ++j) dot += (block[4 + j] & 0x0f) * x[j] + (block[4 + j] >> 4) * x[j + 16];
-      total += d * a.scales[(r0 + r) * a.num_blocks + b] * dot + m * a.scaled_sums[(r0 + r) * a.sums_stride + b];
+    float acc[kGroup] = {};
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* values = group_row + b * layout.value_bytes;
+      const int8_t* xb = x0 + r * stride + b * kBlock;
+      const int64_t at = (r0 + r) * nb + b;
+      for (int j = 0; j < kGroup; ++j) {
+        int32_t dot = 0;
+        for (int p = 0; p < (PRECISE ? 2 : 1); ++p) {
+          const int8_t* x = xb + p * K;
+          int32_t plane = 0;
+          for (int t = 0; t < (FORMAT == 0 ? 4 : 8); ++t) {
+            for (int i = 0; i < 4; ++i) {
+              const uint8_t byte = values[64 * t + 4 * j + i];
+              if (FORMAT == 0) {
+                plane += (byte & 0x0f) * x[4 * t + i] + (byte >> 4) * x[16 + 4 * t + i];
+              } else {
+                plane += byte * x[4 * t + i];
+              }
+            }
+          }
+          dot = PRECISE && p == 0 ? 128 * plane : dot + plane;
+        }
+        const float d = half_to_float(halves[b * layout.halves_per_block + j]);
+        if (FORMAT == 0) {
+          const float m = half_to_float(halves[b * layout.halves_per_block + kGroup + j]);
+          acc[j] += static_cast<float>(dot) * (d * a.scales[at]) + m * a.scaled_sums[at];
+        } else {
+          acc[j] += static_cast<float>(dot - a.offsets[at]) * (d * a.scales[at]);
+        }
+      }
     }
-    out[r] = total;
+    for (int j = 0; j < valid; ++j) out[r * out_stride + j] = acc[j] + (bias ? bias[j] : 0.f);
   }
 #endif
 }
 
-// Q8_0 (the LM head of int4, every layer of int8) one block per 256-bit step: measured faster here
-// than the two-block form above (its weights are signed, so the pair form needs an offset and a
-// correction; this form moves the weights' sign onto the activations instead).
-template <int R>
-void dot_q8_0_rows(const uint8_t* row, const QuantizedActivations& a, int64_t r0, float*, float* out) {
-#if TOKIOS_VNNI
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < a.num_blocks; ++b) {
-    const uint8_t* block = row + b * kQ8_0Bytes;
-    const float d = _cvtsh_ss(load_u16(block));
-    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
-    const __m256i w_abs = _mm256_abs_epi8(w);  // vpdpbusd multiplies unsigned by signed
-    for (int r = 0; r < R; ++r) {
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qs.data() + (r0 + r) * a.row_stride + b * kBlock));
-      const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w_abs, _mm256_sign_epi8(x, w));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * a.scales[(r0 + r) * a.num_blocks + b]),
-                               acc[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) out[r] = horizontal_sum(acc[r]);
-#else
-  for (int r = 0; r < R; ++r) {
-    const int8_t* x = a.qs.data() + (r0 + r) * a.row_stride;
-    float total = 0.f;
-    for (int64_t b = 0; b < a.num_blocks; ++b) {
-      const uint8_t* block = row + b * kQ8_0Bytes;
-      const int8_t* w = reinterpret_cast<const int8_t*>(block + 2);
-      int32_t dot = 0;
-      for (int j = 0; j < kBlock; ++j) dot += w[j] * x[b * kBlock + j];
-      total += half_to_float(load_u16(block)) * a.scales[(r0 + r) * a.num_blocks + b] * dot;
-    }
-    out[r] = total;
-  }
-#endif
+using DotGroupFunction = void (*)(const uint8_t*, const GroupLayout&, const QuantizedActivations&, int64_t,
+                                  const float*, int, float*, int64_t);
+using DotGroupTable = std::array<DotGroupFunction, kTileRows + 1>;  // by tile rows; [0] unused
+
+template <int FORMAT, bool PRECISE, size_t... Rs>
+constexpr DotGroupTable dot_group_table(std::index_sequence<Rs...>) {
+  return {nullptr, &dot_group_rows<FORMAT, PRECISE, static_cast<int>(Rs) + 1>...};
 }
+// [format][precise]
+constexpr std::array<std::array<DotGroupTable, 2>, 2> kDotGroup = {{
+    {dot_group_table<0, false>(std::make_index_sequence<kTileRows>()),
+     dot_group_table<0, true>(std::make_index_sequence<kTileRows>())},
+    {dot_group_table<1, false>(std::make_index_sequence<kTileRows>()),
+     dot_group_table<1, true>(std::make_index_sequence<kTileRows>())},
+}};
 
-template <int R>
-void dot_rows(int64_t format, const uint8_t* row, const QuantizedActivations& a, int64_t r0, float* scratch,
-              float* out) {
-  if (format == 0) {
-    dot_q4_1_rows<R>(row, a, r0, scratch, out);
-  } else {
-    dot_q8_0_rows<R>(row, a, r0, scratch, out);
-  }
-}
-
-using DotRowsFunction = void (*)(int64_t, const uint8_t*, const QuantizedActivations&, int64_t, float*, float*);
-
-template <size_t... Rs>
-constexpr std::array<DotRowsFunction, sizeof...(Rs) + 1> dot_rows_table(std::index_sequence<Rs...>) {
-  return {nullptr, &dot_rows<static_cast<int>(Rs) + 1>...};
-}
-constexpr auto kDotRows = dot_rows_table(std::make_index_sequence<kMaxRows>());
-
-// y[M, N] = x[M, K] . W^T (+ bias), W in Q4_1 (format 0) or Q8_0 (format 1) blocks.
-// Each output element is one dot product computed the same way whatever M is, so a row's
-// result does not depend on what else is in the batch.
+// y[M, N] = x[M, K] . W^T (+ bias), W packed by pack_groups from Q4_1 (format 0) or Q8_0 (format 1),
+// activations 8-bit or precise (see QuantizedActivations). Each output element is one dot product
+// computed the same way whatever M is, so a row's result does not depend on what else is in the
+// batch, decode or prefill.
 void quant_matmul(const float* x, int64_t M, int64_t K, const uint8_t* weight, int64_t N, int64_t format,
-                  const float* bias, float* out) {
-  const int64_t block_bytes = format == 0 ? kQ4_1Bytes : kQ8_0Bytes;
-  TORCH_CHECK(K <= kMaxSumsStride * kBlock, "in_features ", K, " exceeds the kernel's limit of ", kMaxSumsStride * kBlock);
+                  bool precise, const float* bias, float* out) {
+  const GroupLayout layout(format, K);
   // Reused from call to call. A thread_local named inside the lambdas below would be each worker
   // thread's own (empty) copy, so they use this reference to the calling thread's.
   thread_local QuantizedActivations buffer;
   QuantizedActivations& activations = buffer;
-  quantize_activations(x, M, K, activations);
-  const int64_t row_bytes = activations.num_blocks * block_bytes;
-  // Each weight row is read once per tile of up to kMaxRows activation rows (L1-resident).
-  at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
-    float results[kMaxRows];
-    alignas(64) float minimums[kMaxSumsStride];
-    std::fill(minimums, minimums + activations.sums_stride, 0.f);
-    for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
-      const int tile = static_cast<int>(std::min<int64_t>(kMaxRows, M - m0));
-      for (int64_t n = begin; n < end; ++n) {
-        kDotRows[tile](format, weight + n * row_bytes, activations, m0, minimums, results);
-        const float b = bias ? bias[n] : 0.f;
-        for (int r = 0; r < tile; ++r) out[(m0 + r) * N + n] = results[r] + b;
+  quantize_activations(x, M, K, precise, activations);
+  const DotGroupTable& kernels = kDotGroup[format][precise];
+  const int64_t num_groups = (N + kGroup - 1) / kGroup;
+  // A group's weights (at most a few KiB per 576 inputs) stay in L1 while tiles of rows pass over
+  // them; rows are taken 64 at a time so that their activations stay in L2 (long prefill chunks).
+  constexpr int64_t kRowChunk = 64;
+  at::parallel_for(0, num_groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
+      const int64_t m1 = std::min(M, m0 + kRowChunk);
+      for (int64_t g = begin; g < end; ++g) {
+        const int valid = static_cast<int>(std::min<int64_t>(kGroup, N - g * kGroup));
+        const float* group_bias = bias ? bias + g * kGroup : nullptr;
+        for (int64_t r0 = m0; r0 < m1; r0 += kTileRows) {
+          const int tile = static_cast<int>(std::min<int64_t>(kTileRows, m1 - r0));
+          kernels[tile](weight + g * layout.row_bytes, layout, activations, r0, group_bias, valid,
+                        out + r0 * N + g * kGroup, N);
+        }
       }
     }
   });
@@ -502,19 +589,36 @@ void check_f32(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous(), name, " must be contiguous float32");
 }
 
-torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& weight, int64_t format,
-                           const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kUInt8, "weight must be 2-D uint8 blocks");
+// GGML blocks [N, num_blocks * block_bytes] -> the kernel's packed groups [ceil(N / 16), row_bytes].
+torch::Tensor pack_weight(const torch::Tensor& blocks, int64_t format, int64_t in_features) {
   TORCH_CHECK(format == 0 || format == 1, "format must be 0 (Q4_1) or 1 (Q8_0)");
+  TORCH_CHECK(in_features % kBlock == 0, "in_features must be a multiple of 32");
   const int64_t block_bytes = format == 0 ? kQ4_1Bytes : kQ8_0Bytes;
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == torch::kUInt8 && blocks.size(1) == in_features / kBlock * block_bytes,
+              "blocks must be 2-D uint8 with in_features / 32 blocks per row");
+  const torch::Tensor source = blocks.contiguous();
+  const GroupLayout layout(format, in_features);
+  const int64_t N = source.size(0);
+  torch::Tensor out = torch::empty({(N + kGroup - 1) / kGroup, layout.row_bytes}, source.options());
+  pack_groups(source.data_ptr<uint8_t>(), N, format, layout, out.data_ptr<uint8_t>());
+  return out;
+}
+
+torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& weight, int64_t format, int64_t out_features,
+                           bool precise, const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
+  TORCH_CHECK(format == 0 || format == 1, "format must be 0 (Q4_1) or 1 (Q8_0)");
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
   TORCH_CHECK(K % kBlock == 0, "in_features must be a multiple of 32");
-  TORCH_CHECK(weight.size(1) == K / kBlock * block_bytes, "weight row size does not match in_features");
+  const GroupLayout layout(format, K);
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kUInt8 && weight.is_contiguous() &&
+                  weight.size(0) == (N + kGroup - 1) / kGroup && weight.size(1) == layout.row_bytes,
+              "weight must be packed by pack_weight for these in_features and out_features");
+  TORCH_CHECK(!bias.has_value() || (bias->numel() == N && bias->scalar_type() == torch::kFloat32 && bias->is_contiguous()),
+              "bias must be contiguous float32 with out_features elements");
   const torch::Tensor input = x.contiguous();
-  const torch::Tensor blocks = weight.contiguous();
   torch::Tensor out = torch::empty({M, N}, x.options());
-  quant_matmul(input.data_ptr<float>(), M, K, blocks.data_ptr<uint8_t>(), N, format,
+  quant_matmul(input.data_ptr<float>(), M, K, weight.data_ptr<uint8_t>(), N, format, precise,
                bias.has_value() ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>());
   return out;
 }
@@ -588,13 +692,13 @@ class FusedDecoder {
  public:
   FusedDecoder(std::vector<torch::Tensor> input_norms, std::vector<torch::Tensor> post_norms,
                std::vector<torch::Tensor> qkv, std::vector<torch::Tensor> qkv_bias, std::vector<torch::Tensor> o_proj,
-               std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down, int64_t format,
+               std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down, int64_t format, bool precise,
                std::vector<torch::Tensor> key_caches, std::vector<torch::Tensor> value_caches, torch::Tensor cos,
                torch::Tensor sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t hidden_size,
                int64_t intermediate_size, double eps)
       : input_norms_(std::move(input_norms)), post_norms_(std::move(post_norms)), qkv_(std::move(qkv)),
         qkv_bias_(std::move(qkv_bias)), o_proj_(std::move(o_proj)), gate_up_(std::move(gate_up)),
-        down_(std::move(down)), format_(format), key_caches_(std::move(key_caches)),
+        down_(std::move(down)), format_(format), precise_(precise), key_caches_(std::move(key_caches)),
         value_caches_(std::move(value_caches)), cos_(std::move(cos)), sin_(std::move(sin)),
         shape_{num_heads, num_kv_heads, head_dim}, hidden_size_(hidden_size),
         intermediate_size_(intermediate_size), eps_(static_cast<float>(eps)) {}
@@ -621,20 +725,20 @@ class FusedDecoder {
     for (size_t layer = 0; layer < qkv_.size(); ++layer) {
       rms_norm_rows(h, input_norms_[layer].data_ptr<float>(), normed.data(), D, H, eps_);
       const float* bias = qkv_bias_.empty() ? nullptr : qkv_bias_[layer].data_ptr<float>();
-      quant_matmul(normed.data(), D, H, qkv_[layer].data_ptr<uint8_t>(), qkv_size, format_, bias, qkv.data());
+      quant_matmul(normed.data(), D, H, qkv_[layer].data_ptr<uint8_t>(), qkv_size, format_, precise_, bias, qkv.data());
       with_kv_cache(key_caches_[layer], value_caches_[layer], [&](auto* keys, auto* values) {
         rope_and_write(qkv.data(), D, positions.data_ptr<int64_t>(), cos_.data_ptr<float>(), sin_.data_ptr<float>(),
                        keys, values, slot_mapping.data_ptr<int64_t>(), shape_);
         decode_attention_rows(qkv.data(), qkv_size, keys, values, slot_table.data_ptr<int64_t>(), slot_table.size(1),
                               context_lens.data_ptr<int64_t>(), D, shape_, scale, attended.data());
       });
-      quant_matmul(attended.data(), D, q_size, o_proj_[layer].data_ptr<uint8_t>(), H, format_, nullptr, projected.data());
+      quant_matmul(attended.data(), D, q_size, o_proj_[layer].data_ptr<uint8_t>(), H, format_, precise_, nullptr, projected.data());
       for (int64_t i = 0; i < D * H; ++i) h[i] += projected[i];
       rms_norm_rows(h, post_norms_[layer].data_ptr<float>(), normed.data(), D, H, eps_);
-      quant_matmul(normed.data(), D, H, gate_up_[layer].data_ptr<uint8_t>(), 2 * intermediate_size_, format_, nullptr,
+      quant_matmul(normed.data(), D, H, gate_up_[layer].data_ptr<uint8_t>(), 2 * intermediate_size_, format_, precise_, nullptr,
                    gate_up.data());
       silu_mul_rows(gate_up.data(), D, intermediate_size_, activated.data());
-      quant_matmul(activated.data(), D, intermediate_size_, down_[layer].data_ptr<uint8_t>(), H, format_, nullptr,
+      quant_matmul(activated.data(), D, intermediate_size_, down_[layer].data_ptr<uint8_t>(), H, format_, precise_, nullptr,
                    projected.data());
       for (int64_t i = 0; i < D * H; ++i) h[i] += projected[i];
     }
@@ -644,6 +748,7 @@ class FusedDecoder {
  private:
   std::vector<torch::Tensor> input_norms_, post_norms_, qkv_, qkv_bias_, o_proj_, gate_up_, down_;
   int64_t format_;
+  bool precise_;
   std::vector<torch::Tensor> key_caches_, value_caches_;
   torch::Tensor cos_, sin_;
   Shape shape_;
@@ -651,66 +756,6 @@ class FusedDecoder {
   float eps_;
   std::vector<float> normed_, qkv_out_, attended_, projected_, gate_up_out_, activated_;
 };
-
-// Blocks -> dense bfloat16 [N, K], for prefill chunks: a bf16 matrix product (oneDNN) beats the
-// 8-bit dot kernel once many rows share each weight, and the dequantization is paid once per
-// step, not per row.
-torch::Tensor dequantize_bf16(const torch::Tensor& weight, int64_t format, int64_t in_features) {
-  TORCH_CHECK(weight.scalar_type() == torch::kUInt8 && weight.is_contiguous(), "weight must be contiguous uint8");
-  const int64_t N = weight.size(0), num_blocks = in_features / kBlock;
-  const int64_t block_bytes = format == 0 ? kQ4_1Bytes : kQ8_0Bytes;
-  torch::Tensor out = torch::empty({N, in_features}, weight.options().dtype(torch::kBFloat16));
-  const uint8_t* w = weight.data_ptr<uint8_t>();
-  at::BFloat16* o = out.data_ptr<at::BFloat16>();
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      for (int64_t b = 0; b < num_blocks; ++b) {
-        const uint8_t* block = w + (n * num_blocks + b) * block_bytes;
-        at::BFloat16* dst = o + n * in_features + b * kBlock;
-#if TOKIOS_VNNI
-        {  // 32 weights per block in two 16-lane halves; d * q + m as a separate product and sum
-        // (not fused), rounded to nearest even: the values torch's dequantize-then-cast gives.
-        // Profile: the scalar loop took 41 ms per prefill step (every weight, every step).
-        const __m512 d = _mm512_set1_ps(_cvtsh_ss(load_u16(block)));
-        __m512 halves[2];
-        if (format == 0) {
-          const __m512 m = _mm512_set1_ps(_cvtsh_ss(load_u16(block + 2)));
-          const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
-          const __m128i low = _mm_and_si128(packed, _mm_set1_epi8(0x0f));
-          const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(0x0f));
-          halves[0] = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(low)), d), m);
-          halves[1] = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(high)), d), m);
-        } else {
-          const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
-          halves[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))), d);
-          halves[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))), d);
-        }
-        for (int h = 0; h < 2; ++h) {
-          // Round to nearest even by hand (AVX-512 F only): add 0x7fff plus the kept lowest bit.
-          const __m512i bits = _mm512_castps_si512(halves[h]);
-          const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-          const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * h), _mm512_cvtepi32_epi16(rounded));
-        }
-        continue;
-        }
-#endif
-        const float d = half_to_float(load_u16(block));
-        if (format == 0) {
-          const float m = half_to_float(load_u16(block + 2));
-          for (int j = 0; j < 16; ++j) {
-            dst[j] = at::BFloat16(d * (block[4 + j] & 0x0f) + m);
-            dst[j + 16] = at::BFloat16(d * (block[4 + j] >> 4) + m);
-          }
-        } else {
-          const int8_t* q = reinterpret_cast<const int8_t*>(block + 2);
-          for (int j = 0; j < kBlock; ++j) dst[j] = at::BFloat16(d * q[j]);
-        }
-      }
-    }
-  });
-  return out;
-}
 
 bool has_vnni() { return TOKIOS_VNNI; }
 
@@ -721,19 +766,20 @@ bool has_vnni() { return TOKIOS_VNNI; }
 // (measured: AsyncEngine TPOT 11.4 ms vs 6.6 ms for the same step run offline).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   using release_gil = pybind11::call_guard<pybind11::gil_scoped_release>;
-  module.def("quant_linear", &quant_linear, "y = x W^T (+ bias) with W in Q4_1 or Q8_0 blocks", release_gil());
+  module.def("pack_weight", &pack_weight, "Q4_1 / Q8_0 blocks -> the kernel's interleaved groups of 16 features",
+             release_gil());
+  module.def("quant_linear", &quant_linear, "y = x W^T (+ bias) with W packed by pack_weight", release_gil());
   module.def("rms_norm", &rms_norm, "RMSNorm over the last dimension (float32)", release_gil());
   module.def("silu_mul", &silu_mul, "silu(gate) * up from a fused [rows, 2 * intermediate] tensor", release_gil());
   module.def("rope_write_kv", &rope_write_kv, "rotate q and k of a fused qkv tensor in place; write k, v to the cache",
              release_gil());
   module.def("decode_attention", &decode_attention, "one query token per request over its paged KV context",
              release_gil());
-  module.def("dequantize_bf16", &dequantize_bf16, "Q4_1 / Q8_0 blocks -> dense bfloat16", release_gil());
   module.def("has_vnni", &has_vnni, "whether the AVX-512 VNNI path was compiled");
   pybind11::class_<FusedDecoder>(module, "FusedDecoder")
       .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                           std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
-                          std::vector<torch::Tensor>, int64_t, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
+                          std::vector<torch::Tensor>, int64_t, bool, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                           torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, int64_t, int64_t, double>())
       .def("forward", &FusedDecoder::forward, release_gil());
 }

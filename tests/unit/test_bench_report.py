@@ -95,3 +95,19 @@ def test_compare_commands_give_both_servers_the_same_slots_and_context():
 
 def test_command_line_quotes_arguments():
     assert command_line(["bench", "serve", "--input-len", "a b"]) == "tokios bench serve --input-len 'a b'"
+
+
+def test_compare_rounds_report_each_levels_median_round_and_every_ratio():
+    def level(label: str, duration_s: float):
+        record = RequestRecord(0.0, 1.0, is_success=True, chunk_times=[0.1, 1.0], num_prompt_tokens=4,
+                               num_output_tokens=10)
+        return summarize_serve(label, [record], duration_s)  # 10 output tokens / duration
+
+    # tokios: 10, 5, 20 tok/s at c=1 over three rounds; llama.cpp: 5 tok/s every round.
+    tokios_rounds = [[level("c=1", 1.0)], [level("c=1", 2.0)], [level("c=1", 0.5)]]
+    llama_rounds = [[level("c=1", 2.0)] for _ in range(3)]
+    (median,) = bench_compare.median_round(tokios_rounds)
+    assert median.output_throughput == 10.0
+    text = bench_compare.round_ratio_table(tokios_rounds, llama_rounds)
+    assert "| load | round 1 | round 2 | round 3 | median |" in text
+    assert "| c=1 | 2.00x | 1.00x | 4.00x | 2.00x |" in text

@@ -3,7 +3,10 @@
 Starts each server in turn on a free loopback port with the same GGUF, the same number of slots
 (llama-server --parallel; tokios --max-num-seqs) and the same context per slot, runs the
 bench_serve sweep against it, reads its peak resident memory, and tears it down before the next
-one starts, so the two never share the CPU. Prints both full tables and a ratio table; --json,
+one starts, so the two never share the CPU. With --repeats the servers alternate for that many
+rounds (this machine drifts by up to 30% over minutes, so one round can favour either side); the
+tables then show each level's median round, and a second table gives every round's ratio and
+their median. Prints both full tables and a ratio table; --json,
 --plot-dir and --write-docs as for the other bench commands. The llama-server binary comes from
 peers.find_llama_server (given, cached, on PATH, or built once from the llama-cpp-python sdist).
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import statistics
 import sys
 
 from tokios.errors import InvalidRequestError
@@ -36,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokios-args", default="", help="extra arguments for tokios serve (one string)")
     parser.add_argument("--llama-server-args", default="", help="extra arguments for llama-server (one string)")
     parser.add_argument("--servers", default="tokios,llama.cpp", help="which of tokios,llama.cpp to run")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds, the servers alternating; tables show each level's median round")
     parser.add_argument("--startup-timeout", type=float, default=300.0)
     parser.add_argument("--write-docs", nargs="?", const="docs/benchmarks.md", default=None, metavar="PATH")
     add_load_arguments(parser)
@@ -95,6 +101,20 @@ def ratio_table(tokios: list[ServeSummary], llama: list[ServeSummary]) -> str:
                            "TTFT p50 ms", "TPOT p50 ms", "TPOT p95 ms", "TPOT p95 ratio", "failed"], rows)
 
 
+def median_round(rounds: list[list[ServeSummary]]) -> list[ServeSummary]:
+    """Per level, the round with the median output throughput (the lower middle of an even count)."""
+    return [sorted(level, key=lambda s: s.output_throughput)[(len(level) - 1) // 2] for level in zip(*rounds)]
+
+
+def round_ratio_table(tokios_rounds: list[list[ServeSummary]], llama_rounds: list[list[ServeSummary]]) -> str:
+    """Every round's output throughput ratio per level, and their median."""
+    rows = []
+    for level, (ours, theirs) in enumerate(zip(zip(*tokios_rounds), zip(*llama_rounds))):
+        ratios = [ratio(a.output_throughput, b.output_throughput) for a, b in zip(ours, theirs)]
+        rows.append([ours[0].label, *(fmt_ratio(r) for r in ratios), fmt_ratio(statistics.median(ratios))])
+    return markdown_table(["load", *(f"round {i + 1}" for i in range(len(tokios_rounds))), "median"], rows)
+
+
 def run(args: argparse.Namespace) -> int:
     from tokios.tools.peers import ServerProcess, find_llama_server, free_port, load_prompt_codec, resolve_model_path
 
@@ -108,34 +128,42 @@ def run(args: argparse.Namespace) -> int:
     requests = build_requests(load_from_args(args, "http://127.0.0.1", None), load_prompt_codec(model_path))
     binary = find_llama_server(args.llama_server) if "llama.cpp" in servers else None
 
-    name_to_summaries: dict[str, list[ServeSummary]] = {}
-    name_to_peak_rss: dict[str, int] = {}
-    for name in servers:
-        port = free_port()
-        command = (tokios_command(args, model_path, port, num_slots) if name == "tokios"
-                   else llama_server_command(args, binary, model_path, port, num_slots))
-        print(f"starting {name}: {' '.join(command)}", file=sys.stderr)
-        with ServerProcess(name, command, port).start(timeout_s=args.startup_timeout) as server:
-            load = load_from_args(args, server.base_url, None)
-            name_to_summaries[name] = run_sweep(load, requests, concurrencies=concurrencies,
-                                                request_rate=args.request_rate, num_warmups=args.num_warmups,
-                                                show_progress=args.show_progress, label_prefix="")
-            name_to_peak_rss[name] = server.peak_rss_bytes()
+    if args.repeats < 1:
+        raise InvalidRequestError(f"repeats must be at least 1, got {args.repeats}", param="repeats")
+    name_to_rounds: dict[str, list[list[ServeSummary]]] = {name: [] for name in servers}
+    name_to_peak_rss: dict[str, int] = {name: 0 for name in servers}
+    for round_index in range(args.repeats):
+        for name in servers:
+            port = free_port()
+            command = (tokios_command(args, model_path, port, num_slots) if name == "tokios"
+                       else llama_server_command(args, binary, model_path, port, num_slots))
+            print(f"round {round_index + 1}/{args.repeats}, starting {name}: {' '.join(command)}", file=sys.stderr)
+            with ServerProcess(name, command, port).start(timeout_s=args.startup_timeout) as server:
+                load = load_from_args(args, server.base_url, None)
+                name_to_rounds[name].append(run_sweep(load, requests, concurrencies=concurrencies,
+                                                      request_rate=args.request_rate, num_warmups=args.num_warmups,
+                                                      show_progress=args.show_progress, label_prefix=""))
+                name_to_peak_rss[name] = max(name_to_peak_rss[name], server.peak_rss_bytes())
+    name_to_summaries = {name: median_round(rounds) for name, rounds in name_to_rounds.items()}
 
     parts = []
     for name, summaries in name_to_summaries.items():
         parts.append(bench_report.serve_table(summaries, title=f"{name} (peak RSS "
                                               f"{name_to_peak_rss[name] / 2**20:.0f} MiB)"))
     if len(name_to_summaries) == 2:
-        parts.append("**tokios / llama.cpp**\n\n" + ratio_table(name_to_summaries["tokios"],
-                                                              name_to_summaries["llama.cpp"]))
+        title = "**tokios / llama.cpp**" + (" (each level's median round)" if args.repeats > 1 else "")
+        parts.append(title + "\n\n" + ratio_table(name_to_summaries["tokios"], name_to_summaries["llama.cpp"]))
+        if args.repeats > 1:
+            parts.append("**Output throughput ratio, every round**\n\n"
+                         + round_ratio_table(name_to_rounds["tokios"], name_to_rounds["llama.cpp"]))
     text = "\n\n".join(parts)
     print(text)
     if args.json_path:
         bench_report.write_json(args.json_path, {
             "command": bench_report.command_line(), "machine": machine_line(), "num_slots": num_slots,
             "peak_rss_bytes": name_to_peak_rss,
-            "servers": {n: [s.to_dict() for s in ss] for n, ss in name_to_summaries.items()}})
+            "servers": {n: [s.to_dict() for s in ss] for n, ss in name_to_summaries.items()},
+            "rounds": {n: [[s.to_dict() for s in ss] for ss in rounds] for n, rounds in name_to_rounds.items()}})
     if args.plot_dir:
         for path in bench_report.plot_serve(name_to_summaries, args.plot_dir):
             print(f"wrote {path}", file=sys.stderr)
@@ -143,9 +171,9 @@ def run(args: argparse.Namespace) -> int:
         body = (f"Command: `{bench_report.command_line()}`\n\nMeasured {machine_line()}. {noise_note()}\n\n"
                 f"Both servers serve the same GGUF with {num_slots} slots of {args.ctx_per_slot} tokens "
                 f"(llama-server `--parallel {num_slots} -t {args.threads}`), one after the other, never at the "
-                f"same time. Load: {args.num_prompts} streamed {args.endpoint} requests per level, "
+                f"same time, alternating for {args.repeats} round(s). Load: {args.num_prompts} streamed {args.endpoint} requests per level, "
                 f"prompts {args.input_len} tokens, outputs {args.output_len} tokens (EOS ignored), "
                 f"temperature 0. TTFT/TPOT as `vllm bench serve` defines them.\n\n{text}")
         bench_report.update_docs_section(args.write_docs, SECTION, body)
         print(f"updated {args.write_docs}", file=sys.stderr)
-    return 0 if all(s.num_failed == 0 for ss in name_to_summaries.values() for s in ss) else 1
+    return 0 if all(s.num_failed == 0 for rounds in name_to_rounds.values() for ss in rounds for s in ss) else 1

@@ -149,3 +149,26 @@ def test_rope_write_and_decode_attention_match_torch_path(head_dim, cache_dtype)
     key_tolerance = 1e-6 if cache_dtype == torch.float32 else 2 ** -8
     torch.testing.assert_close(caches[1][0], caches[0][0], rtol=key_tolerance, atol=key_tolerance)
     torch.testing.assert_close(caches[1][1], caches[0][1], rtol=0, atol=0)  # values are copied, not computed
+
+
+@needs_extension
+@pytest.mark.skipif(not extension.has_vnni() if extension else True, reason="the VNNI path is the reference here")
+def test_portable_scalar_path_matches_the_vnni_path():
+    """Machines without AVX-512 VNNI compile the scalar loops; build them here (x86-64-v2, cached
+    like the main build) and check the same packed weights give the same products."""
+    from tokios.model.kernels import compile_kernels
+
+    portable = compile_kernels("tokios_cpu_kernels_portable", march="x86-64-v2")
+    assert not portable.has_vnni()
+    torch.manual_seed(9)
+    for block_format, quantize in ((Q4_1, quantize_q4_1), (Q8_0, quantize_q8_0)):
+        weight, bias, x = torch.randn(200, 96), torch.randn(200), torch.randn(11, 96)
+        packed = extension.pack_weight(quantize(weight), block_format, 96)
+        assert torch.equal(portable.pack_weight(quantize(weight), block_format, 96), packed)
+        for precise in (False, True):
+            torch.testing.assert_close(portable.quant_linear(x, packed, block_format, 200, precise, bias),
+                                       extension.quant_linear(x, packed, block_format, 200, precise, bias),
+                                       rtol=1e-5, atol=1e-4)
+    gate_up, weight = torch.randn(5, 96), torch.randn(96)
+    torch.testing.assert_close(portable.silu_mul(gate_up), extension.silu_mul(gate_up))
+    torch.testing.assert_close(portable.rms_norm(gate_up, weight, 1e-5), extension.rms_norm(gate_up, weight, 1e-5))

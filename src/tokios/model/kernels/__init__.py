@@ -34,10 +34,21 @@ _extension = None
 _extension_error: str | None = None
 
 
-def _build_directory() -> Path:
-    digest = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
+def _build_directory(variant: str = "") -> Path:
+    digest = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode() + variant.encode()).hexdigest()[:16]
     root = Path(os.environ.get("TOKIOS_CACHE_DIR", Path.home() / ".cache" / "tokios"))
     return root / "kernels" / digest
+
+
+def compile_kernels(name: str = "tokios_cpu_kernels", march: str = "native"):
+    """Build (or reuse the cached build of) the C++ kernels for -march=`march`. The engine uses
+    native; the tests also build a baseline x86-64-v2 one to check the portable scalar path."""
+    from torch.utils.cpp_extension import load
+
+    build_directory = _build_directory("" if march == "native" else march)
+    build_directory.mkdir(parents=True, exist_ok=True)
+    return load(name=name, sources=[str(_SOURCE)], build_directory=str(build_directory),
+                extra_cflags=["-O3", f"-march={march}", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def load_extension():
@@ -46,13 +57,7 @@ def load_extension():
     if _extension is not None or _extension_error is not None:
         return _extension
     try:
-        from torch.utils.cpp_extension import load
-
-        build_directory = _build_directory()
-        build_directory.mkdir(parents=True, exist_ok=True)
-        _extension = load(name="tokios_cpu_kernels", sources=[str(_SOURCE)], build_directory=str(build_directory),
-                          extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                          verbose=False)
+        _extension = compile_kernels()
     except Exception as exc:  # no compiler, no headers: fall back to torch, say so once
         _extension_error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         logger.warning("quantized CPU kernel unavailable (%s); using the slower torch path", _extension_error)

@@ -252,7 +252,7 @@ void dot_group_rows(const uint8_t* group_row, const GroupLayout& layout, const Q
     // With few rows the chain of dependent vpdpbusd (8 per block and plane) would bound the
     // speed, so a row's block is split over C independent integer sums; integer addition is
     // exact, so how many does not change any result (batch invariance holds).
-    constexpr int C = R * P == 1 ? 4 : (R * P <= 3 ? 2 : 1);
+    constexpr int C = R * P == 1 ? 8 : (R * P <= 3 ? 2 : 1);
     __m512i dot[R][P][C];
     for (int r = 0; r < R; ++r) {
       for (int p = 0; p < P; ++p) {

@@ -26,3 +26,33 @@ def test_fused_and_per_op_decode_agree_bit_for_bit(dtype):
         assert [{k: v.logprob for k, v in step.items()} for step in a.outputs[0].logprobs] == \
                [{k: v.logprob for k, v in step.items()} for step in b.outputs[0].logprobs]
     llm.check_invariants()
+
+
+def test_short_prompt_chunks_run_as_decode_rows_as_close_to_float32_as_spans(engine_float32):
+    """A short prompt chunk is laid out as one decode row per token (C++ decode attention, the
+    fused step when every row is such); a long one as a span (SDPA). The two differ in float
+    rounding, which 8-bit activation rounding can amplify (measured: up to 0.3 nats on one
+    position of 40, mean 0.04), so each is held to the float32 engine instead: both layouts
+    must be as close to it as int4 is (mean 0.05 nats here); a wrong context would be nats off."""
+    llm = LLM(dtype="int4", enable_prefix_caching=False)
+    runner = llm.core.runner
+    short, long = llm.core.make_requests("short", list(range(100, 140)), SamplingParams())[0], \
+        llm.core.make_requests("long", list(range(100, 400)), SamplingParams())[0]
+    batch = runner.build_batch([(short, 40, [0, 1, 2]), (long, 300, list(range(3, 22)))])
+    assert batch.metadata.num_decode_tokens == 40 and [s.query_len for s in batch.metadata.spans] == [300]
+    assert batch.entry_rows[0] == list(range(40))
+
+    prompt = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+
+    def prompt_logprobs(engine) -> list[float]:
+        (output,) = engine.generate([prompt], params)
+        return [next(iter(entry.values())).logprob for entry in output.prompt_logprobs[1:]]
+
+    reference = prompt_logprobs(engine_float32)
+    as_decode_rows = prompt_logprobs(llm)
+    runner.MAX_DECODE_ROW_PAIRS = 0  # every chunk a span
+    as_span = prompt_logprobs(llm)
+    for ours in (as_decode_rows, as_span):
+        assert sum(abs(a - b) for a, b in zip(ours, reference)) / len(reference) < 0.1
+    llm.check_invariants()

@@ -81,6 +81,9 @@ class LlamaModel:
         self.rotary = RotaryEmbedding(config, config.max_model_len, device, torch.float32)
         extension = load_extension() if weight_format in ("int4", "int8") and device.type == "cpu" else None
         self.ops = CpuKernelOps(config, self.rotary, extension) if extension is not None else TorchOps(config, self.rotary)
+        # The C++ decode attention makes one-query rows cheap (the runner lays short prompt
+        # chunks out so); the fused all-layer step serves steps of only such rows.
+        self.has_decode_attention_kernel = extension is not None
         self.can_fuse_decode = extension is not None
         # num_layers -> (fused decoder, the cache list it was built over)
         self._fused_by_num_layers: dict[int | None, tuple[object, list]] = {}

@@ -4,16 +4,17 @@ Starts each server in turn on a free loopback port with the same GGUF, the same 
 (llama-server --parallel; tokios --max-num-seqs) and the same context per slot, runs the
 bench_serve sweep against it, reads its peak resident memory, and tears it down before the next
 one starts, so the two never share the CPU. With --repeats the servers alternate for that many
-rounds (this machine drifts by up to 30% over minutes, so one round can favour either side); the
-tables then show each level's median round, and a second table gives every round's ratio and
-their median. Prints both full tables and a ratio table; --json,
---plot-dir and --write-docs as for the other bench commands. The llama-server binary comes from
+rounds, in ABBA order (this machine drifts by up to 30% over minutes, so one round can favour
+either side); the tables then show each level's median round, and a second table gives every
+round's ratio and their median. Prints both full tables and a ratio table; --json, --plot-dir
+and --write-docs as for the other bench commands. The llama-server binary comes from
 peers.find_llama_server (given, cached, on PATH, or built once from the llama-cpp-python sdist).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import shlex
 import statistics
 import sys
@@ -111,7 +112,9 @@ def round_ratio_table(tokios_rounds: list[list[ServeSummary]], llama_rounds: lis
     rows = []
     for level, (ours, theirs) in enumerate(zip(zip(*tokios_rounds), zip(*llama_rounds))):
         ratios = [ratio(a.output_throughput, b.output_throughput) for a, b in zip(ours, theirs)]
-        rows.append([ours[0].label, *(fmt_ratio(r) for r in ratios), fmt_ratio(statistics.median(ratios))])
+        measured = [r for r in ratios if not math.isnan(r)]  # NaN: a round where a side failed
+        rows.append([ours[0].label, *(fmt_ratio(r) for r in ratios),
+                     fmt_ratio(statistics.median(measured) if measured else math.nan)])
     return markdown_table(["load", *(f"round {i + 1}" for i in range(len(tokios_rounds))), "median"], rows)
 
 
@@ -122,18 +125,19 @@ def run(args: argparse.Namespace) -> int:
     if not servers or any(s not in ("tokios", "llama.cpp") for s in servers):
         raise InvalidRequestError(f"servers must be a subset of tokios,llama.cpp, got {args.servers!r}",
                                   param="servers")
+    if args.repeats < 1:
+        raise InvalidRequestError(f"repeats must be at least 1, got {args.repeats}", param="repeats")
     concurrencies = resolve_concurrencies(args.concurrency, args.request_rate)
     num_slots = args.parallel or max(c or args.num_prompts for c in concurrencies)
     model_path = resolve_model_path(args.model)
     requests = build_requests(load_from_args(args, "http://127.0.0.1", None), load_prompt_codec(model_path))
     binary = find_llama_server(args.llama_server) if "llama.cpp" in servers else None
 
-    if args.repeats < 1:
-        raise InvalidRequestError(f"repeats must be at least 1, got {args.repeats}", param="repeats")
     name_to_rounds: dict[str, list[list[ServeSummary]]] = {name: [] for name in servers}
     name_to_peak_rss: dict[str, int] = {name: 0 for name in servers}
     for round_index in range(args.repeats):
-        for name in servers:
+        # ABBA order: a drift of the machine over the run then weighs on both sides alike.
+        for name in (servers if round_index % 2 == 0 else servers[::-1]):
             port = free_port()
             command = (tokios_command(args, model_path, port, num_slots) if name == "tokios"
                        else llama_server_command(args, binary, model_path, port, num_slots))

@@ -117,13 +117,39 @@ def dequantize_blocks(blocks: torch.Tensor, block_format: int, in_features: int)
     return (values * scale + minimum).reshape(n, in_features)
 
 
+def dequantize_packed(packed: torch.Tensor, block_format: int, out_features: int, in_features: int) -> torch.Tensor:
+    """The kernel's packed groups (cpu_kernels.cpp, GroupLayout) -> [N, K] float32, the same
+    values dequantize_blocks gives for the blocks they were packed from."""
+    num_blocks = in_features // BLOCK
+    num_groups = packed.shape[0]
+    value_bytes, num_halves = (256, 32) if block_format == Q4_1 else (512, 16)
+    values = packed[:, :num_blocks * value_bytes].reshape(num_groups, num_blocks, value_bytes // 64, 16, 4)
+    halves = packed[:, num_blocks * value_bytes:num_blocks * (value_bytes + 2 * num_halves)].contiguous()
+    halves = halves.view(torch.float16).float().reshape(num_groups, num_blocks, num_halves // 16, 16)
+    scale = halves[:, :, 0].transpose(1, 2)[..., None]  # [groups, 16 features, blocks, 1]
+    lanes = values.permute(0, 3, 1, 2, 4)  # [groups, 16 features, blocks, vectors, 4]
+    if block_format == Q8_0:
+        weights = (lanes.reshape(num_groups, 16, num_blocks, BLOCK).to(torch.int16) - 128).float() * scale
+    else:
+        nibbles = lanes.reshape(num_groups, 16, num_blocks, 16)
+        weights = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).float() * scale
+        weights += halves[:, :, 1].transpose(1, 2)[..., None]
+    return weights.reshape(num_groups * 16, in_features)[:out_features]
+
+
 class QuantizedLinear:
     """y = x W^T + b with W in GGML blocks; activations and output float32.
 
     With the C++ kernel the blocks are regrouped once at load (pack_weight: 16 output features
-    interleaved per vector, same bytes) and every row, decode or prefill, takes the same 8-bit dot
-    kernel, so a row's result never depends on the batch or on whether it was part of a prompt.
-    Without it (no compiler, or off the CPU) the file's blocks are kept and dequantized per call."""
+    interleaved per vector, same bytes) and every row, decode or prefill, takes the same dot
+    kernel (8-bit activations, or two planes when precise), so a row's result never depends on
+    the batch or on whether it was part of a prompt. Where the kernel was built without AVX-512
+    VNNI its scalar loops serve decode, and chunks of many rows are dequantized and multiplied
+    with oneDNN in bfloat16 instead. Without the kernel (no compiler, or off the CPU) the file's
+    blocks are kept and dequantized per call."""
+
+    # Without VNNI, from this many rows on a dequantized bf16 product beats the scalar loops.
+    SCALAR_PATH_MAX_ROWS = 8
 
     def __init__(self, weight: "torch.Tensor | PackedWeight", bias: torch.Tensor | None, block_format: int,
                  device: torch.device = torch.device("cpu"), precise_activations: bool = False):
@@ -151,6 +177,10 @@ class QuantizedLinear:
         if self.extension is None:
             weight = dequantize_blocks(self.blocks, self.block_format, self.in_features)
             return F.linear(x, weight, self.bias)
+        if x.shape[0] > self.SCALAR_PATH_MAX_ROWS and not self.extension.has_vnni():
+            weight = dequantize_packed(self.packed, self.block_format, self.out_features, self.in_features)
+            out = F.linear(x.to(torch.bfloat16), weight.to(torch.bfloat16)).float()
+            return out if self.bias is None else out + self.bias
         return self.extension.quant_linear(x.contiguous(), self.packed, self.block_format, self.out_features,
                                            self.precise_activations, self.bias)
 

@@ -17,19 +17,20 @@
 // The KV cache is float32 or bfloat16 (half the memory; the attention converts on load).
 //
 // Threads: at::parallel_for, so torch.set_num_threads governs it.
-// A portable scalar path (same arithmetic) is compiled when AVX-512 VNNI is not available.
+// A portable scalar path (the same integer sums; float rounding may differ in the last bits) is
+// compiled when AVX-512 VNNI is not available.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <array>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <utility>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__) && \
-    defined(__F16C__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define TOKIOS_VNNI 1
 #else
@@ -42,11 +43,9 @@ constexpr int64_t kBlock = 32;
 constexpr int64_t kQ4_1Bytes = 20;
 constexpr int64_t kQ8_0Bytes = 34;
 
+#if !TOKIOS_VNNI
+// IEEE fp16 -> fp32 without F16C (the scalar path; the VNNI path converts 16 at a time).
 inline float half_to_float(uint16_t h) {
-#if TOKIOS_VNNI
-  return _cvtsh_ss(h);
-#else
-  // IEEE fp16 -> fp32 without F16C.
   uint32_t sign = (h & 0x8000u) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ffu, bits;
   if (exponent == 0) {
     if (mantissa == 0) {
@@ -64,8 +63,8 @@ inline float half_to_float(uint16_t h) {
   float out;
   std::memcpy(&out, &bits, 4);
   return out;
-#endif
 }
+#endif
 
 inline uint16_t load_u16(const uint8_t* p) {
   uint16_t v;
@@ -160,7 +159,8 @@ void quantize_row(const float* x, int64_t num_blocks, int64_t in_features, int8_
 #if TOKIOS_VNNI
     const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
     scale = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1))) / 127.f;
-    const __m512 inverse = _mm512_set1_ps(scale > 0.f ? 1.f / scale : 0.f);
+    // A scale below FLT_MIN would overflow its inverse: such a block is zero for every purpose.
+    const __m512 inverse = _mm512_set1_ps(scale >= FLT_MIN ? 1.f / scale : 0.f);
     __m512i total = _mm512_setzero_si512();
     int h = 0;
     for (const __m512 half : {x0, x1}) {
@@ -182,7 +182,7 @@ void quantize_row(const float* x, int64_t num_blocks, int64_t in_features, int8_
     float amax = 0.f;
     for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
     scale = amax / 127.f;
-    const float inverse = scale > 0.f ? 1.f / scale : 0.f;
+    const float inverse = scale >= FLT_MIN ? 1.f / scale : 0.f;
     for (int64_t j = 0; j < kBlock; ++j) {
       const float scaled = xb[j] * inverse;
       const int q = static_cast<int>(std::nearbyint(scaled));
@@ -594,6 +594,7 @@ torch::Tensor pack_weight(const torch::Tensor& blocks, int64_t format, int64_t i
   TORCH_CHECK(format == 0 || format == 1, "format must be 0 (Q4_1) or 1 (Q8_0)");
   TORCH_CHECK(in_features % kBlock == 0, "in_features must be a multiple of 32");
   const int64_t block_bytes = format == 0 ? kQ4_1Bytes : kQ8_0Bytes;
+  TORCH_CHECK(blocks.device().is_cpu(), "blocks must be on the CPU");
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == torch::kUInt8 && blocks.size(1) == in_features / kBlock * block_bytes,
               "blocks must be 2-D uint8 with in_features / 32 blocks per row");
   const torch::Tensor source = blocks.contiguous();
@@ -607,6 +608,7 @@ torch::Tensor pack_weight(const torch::Tensor& blocks, int64_t format, int64_t i
 torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& weight, int64_t format, int64_t out_features,
                            bool precise, const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "x and weight must be on the CPU");
   TORCH_CHECK(format == 0 || format == 1, "format must be 0 (Q4_1) or 1 (Q8_0)");
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
   TORCH_CHECK(K % kBlock == 0, "in_features must be a multiple of 32");

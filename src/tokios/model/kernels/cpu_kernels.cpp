@@ -234,6 +234,7 @@ inline int32_t load_i32(const int8_t* p) {
 // its own accumulators and adds its blocks in the same order whatever R is, so a row's result is
 // the same alone or in a batch (R = 1 is the single-row case, not a separate kernel).
 constexpr int kTileRows = 8;  // measured: 12 was 10% slower, 16 spills registers
+constexpr int64_t kPrefetchDistance = 16384;  // bytes; 4 KiB gained less (31 GB/s), 8 KiB 33
 
 template <int FORMAT, bool PRECISE, int R>
 void dot_group_rows(const uint8_t* group_row, const GroupLayout& layout, const QuantizedActivations& a, int64_t r0,
@@ -249,6 +250,17 @@ void dot_group_rows(const uint8_t* group_row, const GroupLayout& layout, const Q
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* values = group_row + b * layout.value_bytes;
     const int8_t* xb = x0 + b * kBlock;
+    if constexpr (R == 1) {
+      // One row is a pure stream of the weights, and the hardware prefetcher alone kept it at
+      // about 23 GB/s on the Q8_0 output projection (the row-major layout: 30-36). Asking for
+      // the bytes 16 KiB ahead into L2 brought it to 33. Past the end of the weight a prefetch
+      // is a no-op.
+      const int64_t bytes_per_block = layout.row_bytes / nb;
+      const uint8_t* ahead = group_row + kPrefetchDistance + b * bytes_per_block;
+      for (int64_t line = 0; line < bytes_per_block + 64; line += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T1);
+      }
+    }
     // With few rows the chain of dependent vpdpbusd (8 per block and plane) would bound the
     // speed, so a row's block is split over C independent integer sums; integer addition is
     // exact, so how many does not change any result (batch invariance holds).

@@ -44,10 +44,11 @@ class SpeculativeConfig:
     enable_adaptive: bool = True  # adapt k to the acceptance rate; switch off below break-even
     # Cost of one extra verify row, as a fraction of a plain decode step (the c of the break-even
     # formula adds the draft's measured cost to it). benchmarks/speculative_speed.py measures it:
-    # 0.17 for the fused kernels alone since the matrix kernel interleaves 16 features per vector
-    # (0.31-0.41 before). The default is set a little below it, as an estimate for whole engine
-    # steps, which also pay a fixed per-step cost that speculation amortizes (in the second
-    # session whole steps measured 0.26 against 0.31-0.41). Default model, int4, 2 cores.
+    # 0.18-0.25 for the fused kernels alone since the matrix kernel interleaves 16 features per
+    # vector and prefetches (0.31-0.41 before). The default is an estimate a little below that
+    # for whole engine steps, which also pay a fixed per-step cost that speculation amortizes
+    # (the second session measured 0.26 for whole steps against 0.31-0.41 for the kernels).
+    # Default model, int4, 2 cores.
     verify_token_cost: float = 0.15
 
     def __post_init__(self) -> None:

@@ -10,7 +10,7 @@ import torch
 
 from tokios.sampler import SamplingMetadata
 from tokios.sampling_params import SamplingParams
-from tokios.speculative.rejection_sampler import RejectionSampler, resolve_token_ids, verify_probs
+from tokios.speculative.rejection_sampler import RejectionSampler, VerifyLayout, resolve_token_ids, verify_probs
 
 P_VALUE_THRESHOLD = 0.001
 NUM_TRIALS = 20000
@@ -91,12 +91,12 @@ def test_greedy_accepts_while_the_argmax_matches_then_emits_the_argmax():
     metadata = SamplingMetadata.build(params, [[0]] * 4, [[]] * 4, [None] * 4, [frozenset()] * 4, vocab, "cpu")
     sampler = RejectionSampler(torch.Generator().manual_seed(0))
     # Request A: proposals [3, 5, 2] -> rows 0..3 argmax [3, 5, 1, 7]: 3, 5 accepted, 2 rejected -> 1.
-    result = sampler(logits, metadata, [[3, 5, 2]])
+    result = sampler(logits, metadata, VerifyLayout.of([[3, 5, 2]]))
     assert result.is_accepted.tolist() == [True, True, False]
     assert resolve_token_ids([[3, 5, 2]], result.is_accepted.tolist(),
                              result.candidate_token_ids.tolist()) == [[3, 5, 1]]
     # All accepted -> the bonus token from the last row.
-    result = sampler(logits, metadata, [[3, 5, 1]])
+    result = sampler(logits, metadata, VerifyLayout.of([[3, 5, 1]]))
     assert resolve_token_ids([[3, 5, 1]], result.is_accepted.tolist(),
                              result.candidate_token_ids.tolist()) == [[3, 5, 1, 7]]
 
@@ -108,7 +108,7 @@ def test_greedy_with_logit_edits_goes_through_the_processed_probabilities():
     logits[:, 4] = 1.0
     params = [SamplingParams(temperature=0.0, logit_bias={2: 5.0})] * 3
     metadata = SamplingMetadata.build(params, [[0]] * 3, [[]] * 3, [None] * 3, [frozenset()] * 3, vocab, "cpu")
-    result = RejectionSampler(torch.Generator().manual_seed(0))(logits, metadata, [[2, 4]])
+    result = RejectionSampler(torch.Generator().manual_seed(0))(logits, metadata, VerifyLayout.of([[2, 4]]))
     assert result.is_accepted.tolist() == [True, False]
     assert result.candidate_token_ids.tolist()[1] == 2
 

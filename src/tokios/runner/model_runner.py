@@ -227,8 +227,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[rows])  # [num_verify_rows, vocab] float32
         metadata = SamplingMetadata.from_states(self.state_store, row_states, row_outputs, row_pending)
         proposed = [r.spec_token_ids for r in requests]
-        result = self.rejection_sampler(logits, metadata, proposed)
         layout = VerifyLayout.of(proposed)
+        result = self.rejection_sampler(logits, metadata, layout)
         logprobs = None
         if metadata.max_num_logprobs is not None:
             # A row emits its proposal if accepted, else its candidate: gather both, pick after sync.

@@ -105,19 +105,19 @@ def resolve_token_ids(proposed_token_ids: list[list[int]], is_accepted: list[boo
 
 
 class RejectionSampler:
-    """Callable over model logits: `sampler(logits, metadata, proposed_token_ids) -> VerifyOutput`.
+    """Callable over model logits: `sampler(logits, metadata, layout) -> VerifyOutput`.
 
     logits [rows, vocab], one metadata row per logits row (the runner repeats a request's
-    settings over its verify rows); proposed_token_ids[i] = request i's proposals (possibly []).
+    settings over its verify rows); layout = VerifyLayout.of(proposals, request order), which
+    the caller builds once and also uses to read the rows back.
     """
 
     def __init__(self, shared_generator: torch.Generator | None = None):
         self.shared_generator = shared_generator
 
-    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata, proposed_token_ids: list[list[int]],
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata, layout: VerifyLayout,
                  draft_probs: torch.Tensor | None = None) -> VerifyOutput:
         device = logits.device
-        layout = VerifyLayout.of(proposed_token_ids)
         if layout.num_rows != logits.shape[0]:
             raise ValueError(f"logits have {logits.shape[0]} rows but the proposals need {layout.num_rows}")
         proposed_rows = layout.proposal_rows

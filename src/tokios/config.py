@@ -17,7 +17,9 @@ from tokios.speculative.config import SpeculativeConfig
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "int8", "int4")
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 # What "auto" resolves to on each device; chosen by measurement (docs/benchmarks.md).
-AUTO_DTYPE_BY_DEVICE = {"cpu": "int4", "cuda": "bfloat16"}
+# "stored": every tensor as the file holds it (GGUF blocks on the quantized kernels, dense
+# tensors in their own precision); conversions are only ever explicit.
+AUTO_DTYPE_BY_DEVICE = {"cpu": "stored", "cuda": "bfloat16"}
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
                "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}

@@ -1,129 +1,243 @@
-"""The C++ CPU kernels against the plain PyTorch path (model/kernels, model/ops)."""
+"""The C++ CPU kernels against plain PyTorch (model/kernels, model/ops), for every block type
+the kernels run: each product against its dequantized weights times the activations the kernel
+quantized, at many row counts, odd output sizes, extreme block values and in a batch."""
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType as T
 
-from gguf import GGMLQuantizationType
-
-from tokios.model.kernels import (BLOCK, Q4_1, Q8_0, QuantizedLinear, dequantize_blocks, dequantize_packed,
-                                  load_extension, quantize_q4_1, quantize_q8_0)
+from tokios.model.blocks import KERNEL_TYPES, quantize, quantize_ints, unpack
+from tokios.model.blocks.codec import pack
+from tokios.model.kernels import (BLOCK, FORMAT_BY_TYPE, QuantizedLinear, load_extension, quantize_q4_1,
+                                  quantize_q8_0)
 from tokios.model.quant import PackedWeight
 
 extension = load_extension()
 needs_extension = pytest.mark.skipif(extension is None, reason="C++ kernel could not be built on this machine")
+ALL_TYPES = sorted(KERNEL_TYPES, key=lambda t: t.value)
+K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K)
 
 
-def reference_quant_linear(x: torch.Tensor, blocks: torch.Tensor, block_format: int, in_features: int,
-                           precise: bool = False) -> torch.Tensor:
-    """What the kernel computes: activations rounded to 8-bit blocks of 32 (precise: plus a second
-    8-bit plane for the residual, at 1/128 of a step), then exact sums."""
-    rows = x.double().reshape(x.shape[0], -1, BLOCK)
-    scale = rows.abs().amax(-1, keepdim=True).float().double() / 127.0
-    scaled = torch.where(scale > 0, rows / scale, torch.zeros_like(rows))
-    quantized = torch.round(scaled)
+def packed_weight(weight: np.ndarray, ggml_type: T) -> PackedWeight:
+    n, k = weight.shape
+    return PackedWeight(torch.from_numpy(quantize(weight, ggml_type)).reshape(n, -1), ggml_type, (n, k), "test")
+
+
+def dequantized(weight: PackedWeight) -> torch.Tensor:
+    return torch.from_numpy(unpack(weight.raw.numpy(), weight.ggml_type, weight.shape).dequantize())
+
+
+def kernel_activations(x: torch.Tensor, precise: bool = False) -> torch.Tensor:
+    """The activations the kernel multiplies by: 8-bit blocks of 32 rounded exactly as it rounds
+    (float32 scale, inverse and product, then to nearest even); precise adds the residual plane."""
+    rows = x.float().reshape(x.shape[0], -1, BLOCK)
+    scale = rows.abs().amax(-1, keepdim=True) / 127.0
+    inverse = torch.where(scale >= torch.finfo(torch.float32).tiny, 1.0 / scale, torch.zeros_like(scale))
+    scaled = rows * inverse
+    quantized = torch.round(scaled).double()
     if precise:
-        quantized = quantized + torch.round((scaled - quantized) * 128) / 128
-    activations = (quantized * scale).reshape(x.shape)
-    return activations @ dequantize_blocks(blocks, block_format, in_features).double().T
+        quantized = quantized + torch.round((scaled - torch.round(scaled)) * 128).double() / 128
+    return (quantized * scale.double()).reshape(x.shape)
 
 
-@pytest.mark.parametrize("block_format", [Q4_1, Q8_0])
-def test_quantizers_round_trip_within_one_step(block_format):
+def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, precise: bool = False):
+    out = kernel_activations(x, precise) @ weight.double().T
+    return out if bias is None else out + bias.double()
+
+
+def random_weight(n: int, k: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+
+
+@pytest.mark.parametrize("ggml_type", ALL_TYPES, ids=lambda t: t.name)
+def test_integer_form_round_trips_every_byte_and_dequantizes_as_gguf(ggml_type):
+    from gguf import quants as gguf_quants
+
+    n, k = 3, 512
+    num_blocks = n * k // (256 if ggml_type in K_QUANTS else 32)
+    from tokios.model.blocks import BLOCK_BYTES
+
+    raw = np.random.default_rng(1).integers(0, 256, num_blocks * BLOCK_BYTES[ggml_type], dtype=np.uint8)
+    ints = unpack(raw, ggml_type, (n, k))
+    assert np.array_equal(pack(ints), raw)
+    with np.errstate(all="ignore"):  # random fp16 scales include inf and nan
+        ours, theirs = ints.dequantize(), gguf_quants.dequantize(raw.reshape(n, -1), ggml_type).reshape(n, k)
+    finite = np.isfinite(theirs)
+    assert finite.mean() > 0.5 and np.array_equal(ours[finite], theirs[finite])
+
+
+# Worst error of our quantizers per type, relative to the row's largest magnitude: a step of
+# the symmetric types (max / 8, / 16, / 32: the side opposite the extreme is clipped one step
+# short), half a step of the others (a step spans max - min, up to twice the extreme), plus the rounding of their stored scales.
+QUANTIZER_BOUNDS = {T.Q4_0: 0.13, T.Q4_1: 0.07, T.Q5_0: 0.07, T.Q5_1: 0.035, T.Q8_0: 0.005,
+                    T.Q4_K: 0.08, T.Q5_K: 0.045, T.Q6_K: 0.035}
+
+
+@pytest.mark.parametrize("ggml_type", ALL_TYPES, ids=lambda t: t.name)
+def test_quantizers_write_valid_blocks_close_to_the_weights(ggml_type):
+    weight = random_weight(8, 512, 2)
+    raw = quantize(weight, ggml_type)
+    restored = unpack(raw, ggml_type, weight.shape).dequantize()
+    error = np.abs(restored - weight).max(axis=1) / np.abs(weight).max(axis=1)
+    assert error.max() < QUANTIZER_BOUNDS[ggml_type]
+
+
+@pytest.mark.parametrize("ggml_type", K_QUANTS, ids=lambda t: t.name)
+def test_k_quant_rows_must_be_whole_super_blocks(ggml_type):
+    with pytest.raises(ValueError, match="multiple of 256"):
+        quantize_ints(random_weight(2, 96, 0), ggml_type)
+
+
+def test_q4_1_requantization_of_q4_1_values_is_exact():
+    weight = dequantized(PackedWeight(quantize_q4_1(torch.randn(32, 64)), T.Q4_1, (32, 64)))
+    again = dequantized(PackedWeight(quantize_q4_1(weight), T.Q4_1, (32, 64)))
+    assert torch.equal(again, weight)
+
+
+@pytest.mark.parametrize("conversion, ggml_type", [(quantize_q4_1, T.Q4_1), (quantize_q8_0, T.Q8_0)])
+def test_conversion_quantizers_round_trip_within_one_step(conversion, ggml_type):
     torch.manual_seed(0)
     weight = torch.randn(64, 96)
-    quantize = quantize_q4_1 if block_format == Q4_1 else quantize_q8_0
-    restored = dequantize_blocks(quantize(weight), block_format, 96)
+    restored = dequantized(PackedWeight(conversion(weight), ggml_type, (64, 96)))
     blocks = weight.reshape(64, -1, BLOCK)
-    if block_format == Q4_1:
-        step = (blocks.amax(-1) - blocks.amin(-1)) / 15
-    else:
-        step = blocks.abs().amax(-1) / 127
+    step = (blocks.amax(-1) - blocks.amin(-1)) / 15 if ggml_type == T.Q4_1 else blocks.abs().amax(-1) / 127
     error = (restored - weight).abs().reshape(64, -1, BLOCK).amax(-1)
     # Half a step of rounding, plus the fp16 rounding of the stored scale (up to 127 steps x 2^-11).
     assert torch.all(error <= step * 0.57 + 1e-3)
 
 
-def test_q4_1_requantization_of_q4_1_values_is_exact():
-    torch.manual_seed(1)
-    weight = dequantize_blocks(quantize_q4_1(torch.randn(32, 64)), Q4_1, 64)
-    assert torch.equal(dequantize_blocks(quantize_q4_1(weight), Q4_1, 64), weight)
+@needs_extension
+@pytest.mark.parametrize("ggml_type", ALL_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("in_features", [512, 96])
+def test_every_block_type_matches_its_dequantized_product(ggml_type, in_features):
+    if in_features % 256 and ggml_type in K_QUANTS:
+        pytest.skip("K-quant rows are whole 256-weight super-blocks")
+    weight = packed_weight(random_weight(203, in_features, 3), ggml_type)  # 203: a partial last group
+    bias = torch.randn(203)
+    linear = QuantizedLinear(weight, bias)
+    dense = dequantized(weight)
+    assert torch.equal(linear.dequantized_weight(), dense)
+    torch.manual_seed(4)
+    for num_rows in (1, 2, 3, 8, 16, 64, 300):
+        x = torch.randn(num_rows, in_features)
+        out = linear(x)
+        assert out.dtype == torch.float32 and out.shape == (num_rows, 203)
+        torch.testing.assert_close(out.double(), reference(x, dense, bias), rtol=1e-5, atol=2e-4)
 
 
 @needs_extension
-@pytest.mark.parametrize("block_format", [Q4_1, Q8_0])
-@pytest.mark.parametrize("num_rows", [1, 3, 17, 130])
-@pytest.mark.parametrize("in_features", [256, 96])
-@pytest.mark.parametrize("precise", [False, True])
-def test_quant_linear_matches_reference(block_format, num_rows, in_features, precise):
-    torch.manual_seed(num_rows)
-    weight = torch.randn(200, in_features)  # 200 features: the last group of 16 is partial
-    linear = QuantizedLinear(weight, torch.randn(200), block_format, precise_activations=precise)
-    x = torch.randn(num_rows, in_features)
-    blocks = (quantize_q4_1 if block_format == Q4_1 else quantize_q8_0)(weight)
-    expected = reference_quant_linear(x, blocks, block_format, in_features, precise) + linear.bias.double()
-    out = linear(x)
-    assert out.dtype == torch.float32 and out.shape == (num_rows, 200)
-    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-3)
-
-
-@needs_extension
-@pytest.mark.parametrize("block_format", [Q4_1, Q8_0])
-@pytest.mark.parametrize("precise", [False, True])
-def test_rows_do_not_depend_on_the_batch(block_format, precise):
-    torch.manual_seed(3)
-    linear = QuantizedLinear(torch.randn(128, 192), None, block_format, precise_activations=precise)
-    rows = torch.randn(70, 192)  # 70: tiles of 8 and a chunk boundary at 64
+@pytest.mark.parametrize("ggml_type", ALL_TYPES, ids=lambda t: t.name)
+def test_rows_do_not_depend_on_the_batch(ggml_type):
+    linear = QuantizedLinear(packed_weight(random_weight(128, 256, 5), ggml_type), None)
+    rows = torch.randn(70, 256)  # 70: several tiles and a chunk boundary at 64
     alone = torch.cat([linear(rows[i:i + 1]) for i in range(70)])
     assert torch.equal(linear(rows), alone)
 
 
+def extreme_ints(ggml_type: T, k: int, largest: bool):
+    """Blocks at the ends of their ranges: every u at its maximum (largest) or 0, the fp16 scales
+    at their largest finite value, the sub-scales and minimums at their largest."""
+    from tokios.model.blocks.codec import LAYOUTS
+
+    ints = quantize_ints(random_weight(16, k, 6), ggml_type)
+    bits = LAYOUTS[ggml_type][0]
+    ints.values[:] = (1 << bits) - 1 if largest else 0
+    ints.values[1::2] = 0 if largest else (1 << bits) - 1
+    ints.scales[:] = 65504.0
+    if ints.minimums is not None:
+        ints.minimums[:] = 65504.0
+    if ints.sub_scales is not None:
+        ints.sub_scales[:] = 63 if ggml_type != T.Q6_K else -128
+        ints.sub_scales[::3] = 63 if ggml_type != T.Q6_K else 127
+    if ints.sub_minimums is not None:
+        ints.sub_minimums[:] = 63
+    return ints
+
+
 @needs_extension
-def test_precise_activations_are_closer_to_float():
+@pytest.mark.parametrize("ggml_type", ALL_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("largest", [True, False])
+def test_extreme_block_values_are_exact(ggml_type, largest):
+    k = 256
+    ints = extreme_ints(ggml_type, k, largest)
+    weight = PackedWeight(torch.from_numpy(pack(ints)).reshape(16, -1), ggml_type, (16, k), "extreme")
+    linear = QuantizedLinear(weight, None)
+    x = torch.ones(3, k)  # full-scale activations of both signs, where the integer sums are largest
+    x[1] = -1.0
+    x[2, ::2] = -1.0
+    expected = reference(x, dequantized(weight))
+    torch.testing.assert_close(linear(x).double(), expected, rtol=1e-6, atol=0)
+
+
+@needs_extension
+@pytest.mark.parametrize("precise", [False, True])
+def test_q8_0_extreme_bytes_are_exact(precise):
+    """Q8_0 at the extreme bytes (-128, which the quantizer never writes, -127, 127) against
+    full-scale activations of both signs, where the precise mode's sums are largest."""
+    weight = torch.full((16, 64), 1.0)
+    weight[::2] = -1.0
+    blocks = quantize_q8_0(weight)
+    blocks.view(16, 2, 34)[3, :, 2:] = 0x80
+    packed = PackedWeight(blocks, T.Q8_0, (16, 64))
+    linear = QuantizedLinear(packed, None, precise_activations=precise)
+    x = torch.ones(3, 64)
+    x[1] = -1.0
+    x[2, ::2] = -1.0
+    torch.testing.assert_close(linear(x).double(), reference(x, dequantized(packed), precise=precise), rtol=1e-6, atol=0)
+
+
+@needs_extension
+@pytest.mark.parametrize("ggml_type", [T.Q4_1, T.Q8_0], ids=lambda t: t.name)
+def test_precise_activations_match_their_reference_and_are_closer_to_float(ggml_type):
     torch.manual_seed(8)
-    weight, x = torch.randn(64, 256), torch.randn(12, 256)
-    exact = x.double() @ dequantize_blocks(quantize_q4_1(weight), Q4_1, 256).double().T
-    errors = [(QuantizedLinear(weight, None, Q4_1, precise_activations=p)(x).double() - exact).norm() / exact.norm()
+    conversion = quantize_q4_1 if ggml_type == T.Q4_1 else quantize_q8_0
+    weight = PackedWeight(conversion(torch.randn(200, 256)), ggml_type, (200, 256))
+    dense, x, bias = dequantized(weight), torch.randn(12, 256), torch.randn(200)
+    precise = QuantizedLinear(weight, bias, precise_activations=True)
+    torch.testing.assert_close(precise(x).double(), reference(x, dense, bias, precise=True), rtol=1e-5, atol=2e-4)
+    exact = x.double() @ dense.double().T + bias.double()
+    errors = [(QuantizedLinear(weight, bias, precise_activations=p)(x).double() - exact).norm() / exact.norm()
               for p in (False, True)]
     assert errors[1] < errors[0] / 50
 
 
 @needs_extension
-@pytest.mark.parametrize("precise", [False, True])
-def test_q8_0_extreme_weights_are_exact(precise):
-    """Q8_0 is packed as q + 128 (unsigned, as vpdpbusd wants) and 128 * sum(x) is subtracted
-    again; at the extreme bytes (-128, -127, 127) and full-scale activations of both signs, where
-    the precise mode's sums are largest, that must still be exact."""
-    weight = torch.full((16, 64), 1.0)
-    weight[::2] = -1.0
-    blocks = quantize_q8_0(weight)
-    blocks.view(16, 2, 34)[3, :, 2:] = 0x80  # q = -128, which the quantizer never writes
-    linear = QuantizedLinear(PackedWeight(blocks, GGMLQuantizationType.Q8_0, (16, 64)), None, Q8_0,
-                             precise_activations=precise)
-    x = torch.ones(3, 64)
-    x[1] = -1.0
-    x[2, ::2] = -1.0
-    expected = reference_quant_linear(x, blocks, Q8_0, 64, precise)  # fp16 scales: 1/127 is not exact
-    torch.testing.assert_close(linear(x).double(), expected, rtol=1e-6, atol=0)
+def test_a_weight_mixing_block_types_runs_each_part_as_stored():
+    from tokios.model.quant import concat_rows
+
+    parts = [packed_weight(random_weight(48, 256, 7), T.Q5_0), packed_weight(random_weight(16, 256, 8), T.Q5_0),
+             packed_weight(random_weight(32, 256, 9), T.Q6_K)]
+    weight = concat_rows(parts)
+    assert [part.ggml_type for part in weight.parts] == [T.Q5_0, T.Q6_K]  # runs of one type merge
+    linear = QuantizedLinear(weight, torch.randn(96))
+    assert linear.ggml_types == [T.Q5_0, T.Q6_K]
+    dense = torch.cat([dequantized(part) for part in parts])
+    x = torch.randn(9, 256)
+    torch.testing.assert_close(linear(x).double(), reference(x, dense, linear.bias), rtol=1e-5, atol=2e-4)
 
 
 @needs_extension
-def test_dequantize_packed_inverts_the_packing():
-    torch.manual_seed(10)
-    for block_format, quantize in ((Q4_1, quantize_q4_1), (Q8_0, quantize_q8_0)):
-        blocks = quantize(torch.randn(200, 96))
-        packed = extension.pack_weight(blocks, block_format, 96)
-        assert torch.equal(dequantize_packed(packed, block_format, 200, 96),
-                           dequantize_blocks(blocks, block_format, 96))
-
-
-@needs_extension
-def test_packed_weight_is_checked():
-    linear = QuantizedLinear(torch.randn(40, 64), None, Q4_1)
-    with pytest.raises(RuntimeError, match="packed by pack_weight"):
-        extension.quant_linear(torch.randn(2, 64), linear.packed, Q4_1, 200, False, None)
+def test_packing_and_linear_inputs_are_checked():
+    ints = quantize_ints(random_weight(16, 256, 0), T.Q4_K)
+    as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a).view(np.int16 if a.dtype.itemsize == 2 else np.uint8))
+    with pytest.raises(RuntimeError, match="sub_minimums must be given"):
+        extension.pack_ints(as_tensor(ints.values), as_tensor(ints.scales), as_tensor(ints.minimums),
+                            as_tensor(ints.sub_scales), None, FORMAT_BY_TYPE[T.Q4_K])
+    with pytest.raises(RuntimeError, match="unknown kernel format"):
+        extension.pack_ints(as_tensor(ints.values), as_tensor(ints.scales), None, None, None, 42)
+    packed = extension.pack_ints(as_tensor(ints.values), as_tensor(ints.scales), as_tensor(ints.minimums),
+                                 as_tensor(ints.sub_scales), as_tensor(ints.sub_minimums), FORMAT_BY_TYPE[T.Q4_K])
+    with pytest.raises(RuntimeError, match="packed by pack_ints"):
+        extension.PackedLinear([packed], [FORMAT_BY_TYPE[T.Q4_K]], [40], 256, False, None)
     with pytest.raises(RuntimeError, match="bias must be"):
-        extension.quant_linear(torch.randn(2, 64), linear.packed, Q4_1, 40, False, torch.randn(3))
+        extension.PackedLinear([packed], [FORMAT_BY_TYPE[T.Q4_K]], [16], 256, False, torch.randn(3))
+    with pytest.raises(RuntimeError, match="precise activations"):
+        extension.PackedLinear([packed], [FORMAT_BY_TYPE[T.Q4_K]], [16], 256, True, None)
+    linear = extension.PackedLinear([packed], [FORMAT_BY_TYPE[T.Q4_K]], [16], 256, False, None)
+    with pytest.raises(RuntimeError, match="x has 128 features"):
+        linear(torch.randn(2, 128))
 
 
 @needs_extension
@@ -172,32 +286,33 @@ def test_rope_write_and_decode_attention_match_torch_path(head_dim, cache_dtype)
 
 
 @needs_extension
-@pytest.mark.skipif(not extension.has_vnni() if extension else True, reason="the VNNI path is the reference here")
-def test_portable_scalar_path_matches_the_vnni_path():
-    """Machines without AVX-512 VNNI compile the scalar loops; build them here (x86-64-v2, cached
-    like the main build) and check the same packed weights give the same products."""
+@pytest.mark.skipif(extension is not None and not (extension.has_vnni() or extension.has_avx2()),
+                    reason="this build already is the portable one")
+def test_portable_scalar_path_matches_the_vector_path():
+    """Machines without AVX2 compile the scalar loops; build them here (x86-64-v2, cached like
+    the main build) and check the same packed weights give the same products, every type."""
     from tokios.model.kernels import compile_kernels
 
     try:
         portable = compile_kernels("tokios_cpu_kernels_portable", march="x86-64-v2")
     except Exception as exc:  # an older compiler without -march=x86-64-v2
         pytest.skip(f"could not build the portable kernels here: {str(exc).splitlines()[0]}")
-    assert not portable.has_vnni()
-    torch.manual_seed(9)
-    for block_format, quantize in ((Q4_1, quantize_q4_1), (Q8_0, quantize_q8_0)):
-        weight, bias, x = torch.randn(200, 96), torch.randn(200), torch.randn(11, 96)
-        packed = extension.pack_weight(quantize(weight), block_format, 96)
-        assert torch.equal(portable.pack_weight(quantize(weight), block_format, 96), packed)
-        for precise in (False, True):
-            torch.testing.assert_close(portable.quant_linear(x, packed, block_format, 200, precise, bias),
-                                       extension.quant_linear(x, packed, block_format, 200, precise, bias),
-                                       rtol=1e-5, atol=1e-4)
-    # Without VNNI, many rows take a dequantized bfloat16 product instead of the scalar loops.
-    linear = QuantizedLinear(torch.randn(64, 96), None, Q4_1)
+    assert not portable.has_vnni() and not portable.has_avx2()
+    for ggml_type in ALL_TYPES:
+        linear = QuantizedLinear(packed_weight(random_weight(200, 256, 9), ggml_type), torch.randn(200))
+        x = torch.randn(11, 256)
+        fmt = FORMAT_BY_TYPE[ggml_type]
+        precise_options = (False, True) if ggml_type in (T.Q4_1, T.Q8_0) else (False,)
+        for precise in precise_options:
+            vector = extension.PackedLinear(linear._packed, [fmt], [200], 256, precise, linear.bias)
+            scalar = portable.PackedLinear(linear._packed, [fmt], [200], 256, precise, linear.bias)
+            torch.testing.assert_close(scalar(x), vector(x), rtol=1e-5, atol=1e-4, msg=ggml_type.name)
+    # Without vector kernels, many rows take a dequantized bfloat16 product instead of the scalar loops.
+    linear = QuantizedLinear(packed_weight(random_weight(64, 96, 10), T.Q4_1), None)
     x = torch.randn(QuantizedLinear.SCALAR_PATH_MAX_ROWS + 5, 96)
-    on_vnni = linear(x)
+    on_vector = linear(x)
     linear.extension = portable
-    relative = ((linear(x) - on_vnni).norm() / on_vnni.norm()).item()
+    relative = ((linear(x) - on_vector).norm() / on_vector.norm()).item()
     assert relative < 1e-2  # bfloat16 against 8-bit activations
     gate_up, weight = torch.randn(5, 96), torch.randn(96)
     torch.testing.assert_close(portable.silu_mul(gate_up), extension.silu_mul(gate_up))

@@ -94,6 +94,8 @@ class EngineCore:
         self.model_config = loaded.config
         self.load_seconds = loaded.load_seconds
         self.tokenizer = tokenizer_for_loaded_model(loaded.tokenizer_source, path)
+        if hasattr(self.model, "weight_summary"):
+            logger.info("weights (--dtype %s): %s", self.weight_format, self.model.weight_summary())
         self.max_model_len = min(config.scheduler.max_model_len or self.model_config.max_model_len,
                                  self.model_config.max_model_len)
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from tokios.errors import InvalidRequestError
-from tokios.model.quant import PackedWeight, as_dense
+from tokios.model.quant import PackedWeight, SegmentedWeight, as_dense
 
 
 class DenseLinear:
@@ -29,19 +29,26 @@ class DenseLinear:
         return self.weight.numel() * self.weight.element_size()
 
 
-def make_linear(weight: "torch.Tensor | PackedWeight", bias: torch.Tensor | None, weight_format: str,
-                device: torch.device, precise_activations: bool = False):
-    """weight: [out_features, in_features] float32 on the CPU, or still packed as in the file.
+def make_linear(weight: "torch.Tensor | PackedWeight | SegmentedWeight", bias: torch.Tensor | None,
+                weight_format: str, device: torch.device, precise_activations: bool = False):
+    """weight: [out_features, in_features] on the CPU, dense (float32, or the dtype of a dense
+    file tensor) or still packed as in the file. weight_format "stored" runs it as the file has
+    it: packed blocks on the quantized kernels; dense bfloat16 in bfloat16; float16 and float32
+    (and the types without a kernel, dequantized exactly) in float32.
     precise_activations: for quantized formats, the model's activation precision (model/kernels)."""
     bias = None if bias is None else bias.to(device)
-    if weight_format in ("int8", "int4"):
+    is_packed = isinstance(weight, (PackedWeight, SegmentedWeight))
+    if weight_format in ("int8", "int4") or (weight_format == "stored" and is_packed):
         from tokios.model.kernels import make_quantized_linear
 
         return make_quantized_linear(weight, bias, weight_format, device, precise_activations)
+    if weight_format == "stored":
+        dtype = torch.bfloat16 if weight.dtype == torch.bfloat16 else torch.float32
+        return DenseLinear(weight.to(device), bias, dtype)
     weight = as_dense(weight).to(device)
     if weight_format == "float32":
         return DenseLinear(weight, bias, torch.float32)
     if weight_format == "bfloat16":
         return DenseLinear(weight, bias, torch.bfloat16)
-    raise InvalidRequestError(f"dtype must be one of float32, bfloat16, int8, int4, got {weight_format!r}",
+    raise InvalidRequestError(f"dtype must be one of auto, float32, bfloat16, int8, int4, got {weight_format!r}",
                               param="dtype")

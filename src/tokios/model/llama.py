@@ -21,7 +21,7 @@ from tokios.model.rope import RotaryEmbedding
 
 # Weight format -> dtype of activations.
 ACTIVATION_DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16,
-                    "int8": torch.float32, "int4": torch.float32}
+                    "int8": torch.float32, "int4": torch.float32, "stored": torch.float32}
 
 
 def kv_cache_dtype(weight_format: str, requested: str = "auto") -> torch.dtype:
@@ -79,12 +79,14 @@ class LlamaModel:
         self.layers = [LlamaLayer(config, weights, f"model.layers.{i}", weight_format, device)
                        for i in range(config.num_layers)]
         self.rotary = RotaryEmbedding(config, config.max_model_len, device, torch.float32)
-        extension = load_extension() if weight_format in ("int4", "int8") and device.type == "cpu" else None
+        extension = load_extension() if weight_format in ("int4", "int8", "stored") and device.type == "cpu" else None
         self.ops = CpuKernelOps(config, self.rotary, extension) if extension is not None else TorchOps(config, self.rotary)
         # The C++ decode attention makes one-query rows cheap (the runner lays short prompt
-        # chunks out so); the fused all-layer step serves steps of only such rows.
+        # chunks out so); the fused all-layer step serves steps of only such rows, when every
+        # layer's products are on the quantized kernels (a dense tensor in a "stored" file is not).
         self.has_decode_attention_kernel = extension is not None
-        self.can_fuse_decode = extension is not None
+        self.can_fuse_decode = extension is not None and all(
+            getattr(linear, "linear", None) is not None for linear in self.layer_linears())
         # num_layers -> (fused decoder, the cache list it was built over)
         self._fused_by_num_layers: dict[int | None, tuple[object, list]] = {}
 
@@ -116,7 +118,19 @@ class LlamaModel:
         """hidden [num_rows, hidden] -> float32 logits [num_rows, vocab]."""
         return self.lm_head(hidden).float()
 
+    def layer_linears(self) -> list:
+        return [lin for layer in self.layers for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+
     def weight_bytes(self) -> int:
-        linears = [self.lm_head] + [lin for layer in self.layers
-                                    for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
-        return sum(lin.num_bytes() for lin in linears)
+        return sum(lin.num_bytes() for lin in [self.lm_head] + self.layer_linears())
+
+    def weight_summary(self) -> str:
+        """What runs, for the start-up log: linear tensors per block type (or dense dtype) and bytes."""
+        from collections import Counter
+
+        counts: Counter[str] = Counter()
+        for linear in [self.lm_head] + self.layer_linears():
+            types = getattr(linear, "ggml_types", None)
+            counts.update([t.name for t in types] if types else [str(linear.weight.dtype).removeprefix("torch.")])
+        kinds = ", ".join(f"{name} {count}" for name, count in sorted(counts.items(), key=lambda item: -item[1]))
+        return f"{kinds}; {self.weight_bytes() / 2**20:.1f} MiB of linear weights"

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from gguf import GGMLQuantizationType
 
 from tokios.config import ModelConfig
 from tokios.errors import ModelLoadError, UnsupportedError
@@ -125,6 +126,8 @@ def weights_from_gguf(gguf: GGUFFile, config: ModelConfig) -> dict[str, "torch.T
             rows = weight.raw
         else:
             weight = rows = dequantize(gguf.raw_bytes(name), info.ggml_type, info.shape, name)
+            if info.ggml_type == GGMLQuantizationType.BF16:
+                weight = rows = rows.to(torch.bfloat16)  # exact; "stored" then multiplies in bfloat16
         # The permutation moves whole output rows, so it applies to packed block rows as well.
         if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
             rows = _unpermute_rope(rows, config.num_heads)
@@ -172,7 +175,7 @@ def weights_from_hf(directory: str) -> dict[str, torch.Tensor]:
     weights: dict[str, torch.Tensor] = {}
     for file_name in files:
         for name, tensor in load_file(os.path.join(directory, file_name)).items():
-            weights[name] = tensor.float()
+            weights[name] = tensor  # its own dtype: --dtype auto multiplies bfloat16 weights in bfloat16
     return weights
 
 

@@ -95,11 +95,10 @@ class CpuKernelOps(TorchOps):
         num_layers, over the first layers only (speculative self-draft)."""
         layers = model.layers[:num_layers]
         kv_caches = kv_caches[:len(layers)]
-        bias = [layer.qkv.bias for layer in layers] if layers[0].qkv.bias is not None else []
         return self.extension.FusedDecoder(
             [layer.input_norm for layer in layers], [layer.post_attention_norm for layer in layers],
-            [layer.qkv.packed for layer in layers], bias, [layer.o_proj.packed for layer in layers],
-            [layer.gate_up.packed for layer in layers], [layer.down.packed for layer in layers],
-            layers[0].qkv.block_format, layers[0].qkv.precise_activations, [k for k, _ in kv_caches], [v for _, v in kv_caches],
+            [layer.qkv.linear for layer in layers], [layer.o_proj.linear for layer in layers],
+            [layer.gate_up.linear for layer in layers], [layer.down.linear for layer in layers],
+            [k for k, _ in kv_caches], [v for _, v in kv_caches],
             self.rotary.cos, self.rotary.sin, self.config.num_heads, self.config.num_kv_heads, self.config.head_dim,
             self.config.hidden_size, self.config.intermediate_size, self.config.rms_norm_eps)

@@ -1,18 +1,22 @@
-"""Dequantization of GGUF tensor types into float32 torch tensors.
+"""GGUF tensors as the model layer holds them: dequantized into float32 torch tensors, or kept
+in their file's blocks (PackedWeight, SegmentedWeight) for the quantized kernels.
 
-The `gguf` package's numpy implementation does the unpacking (measured here: the whole default
+The `gguf` package's numpy implementation does the dequantizing (measured here: the whole default
 model in ~0.9 s, faster than a hand-written torch version on 2 cores). This module owns the list
-of supported types and turns an unknown one into an UnsupportedError naming it.
+of supported types and turns an unknown one, or bytes that do not fit the shape, into an error
+naming the tensor.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 from gguf import quants as gguf_quants
 
-from tokios.errors import UnsupportedError
+from tokios.errors import ModelLoadError, UnsupportedError
+from tokios.model.blocks import KERNEL_TYPES, check_shape
 
 SUPPORTED_TYPES = frozenset({T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1,
                              T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K})
@@ -24,6 +28,11 @@ def dequantize(raw: np.ndarray, ggml_type: T, shape: tuple[int, ...], name: str 
         supported = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
         raise UnsupportedError(f"tensor {name} has type {ggml_type.name}, which tokios does not support "
                                f"(supported: {supported})")
+    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    num_elements = int(np.prod(shape))
+    if num_elements % block_size or raw.size != num_elements // block_size * type_size:
+        raise ModelLoadError(f"tensor {name} ({ggml_type.name}, shape {'x'.join(map(str, shape))}): {raw.size} bytes, "
+                             f"but that shape needs {num_elements / block_size * type_size:g}")
     values = np.ascontiguousarray(gguf_quants.dequantize(raw, ggml_type), dtype=np.float32)
     if not values.flags.writeable:  # F32 comes back as a view of the read-only mapped file
         values = values.copy()
@@ -31,7 +40,7 @@ def dequantize(raw: np.ndarray, ggml_type: T, shape: tuple[int, ...], name: str 
 
 
 # Block types that the quantized kernels read as they are stored in the file.
-PACKABLE_TYPES = frozenset({T.Q4_1, T.Q8_0})
+PACKABLE_TYPES = KERNEL_TYPES
 
 
 class PackedWeight:
@@ -50,6 +59,10 @@ class PackedWeight:
 
     @classmethod
     def from_file(cls, raw: np.ndarray, ggml_type: T, shape: tuple[int, ...], name: str) -> "PackedWeight":
+        try:
+            check_shape(ggml_type, raw.size, tuple(shape), name)
+        except ValueError as exc:
+            raise ModelLoadError(str(exc)) from None
         rows = torch.from_numpy(raw.copy()).reshape(shape[0], -1)  # copy: the mapped file is read-only
         return cls(rows, ggml_type, shape, name)
 
@@ -60,12 +73,31 @@ class PackedWeight:
         return PackedWeight(raw, self.ggml_type, (raw.shape[0], self.shape[1]), self.name)
 
 
-def concat_rows(weights: list["torch.Tensor | PackedWeight"]) -> "torch.Tensor | PackedWeight":
-    """Stack weights along output features, staying packed when every part shares one type."""
-    if all(isinstance(w, PackedWeight) for w in weights) and len({w.ggml_type for w in weights}) == 1:
-        return weights[0].with_rows(torch.cat([w.raw for w in weights]))
-    return torch.cat([w.dequantize() if isinstance(w, PackedWeight) else w for w in weights])
+class SegmentedWeight:
+    """Packed weights stacked along output features, each part in its own block type (a file may
+    store q, k and v, or gate and up, in different types): one linear layer, run part by part."""
+
+    def __init__(self, parts: list[PackedWeight]):
+        self.parts = parts
+        self.shape = (sum(part.shape[0] for part in parts), parts[0].shape[1])
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([part.dequantize() for part in self.parts])
 
 
-def as_dense(weight: "torch.Tensor | PackedWeight") -> torch.Tensor:
-    return weight.dequantize() if isinstance(weight, PackedWeight) else weight
+def concat_rows(weights: list["torch.Tensor | PackedWeight"]) -> "torch.Tensor | PackedWeight | SegmentedWeight":
+    """Stack weights along output features, staying packed when every part is packed (one
+    PackedWeight per run of parts that share a type)."""
+    if not all(isinstance(w, PackedWeight) for w in weights):
+        return torch.cat([as_dense(w) for w in weights])
+    runs: list[PackedWeight] = []
+    for weight in weights:
+        if runs and runs[-1].ggml_type == weight.ggml_type:
+            runs[-1] = runs[-1].with_rows(torch.cat([runs[-1].raw, weight.raw]))
+        else:
+            runs.append(weight)
+    return runs[0] if len(runs) == 1 else SegmentedWeight(runs)
+
+
+def as_dense(weight: "torch.Tensor | PackedWeight | SegmentedWeight") -> torch.Tensor:
+    return weight if isinstance(weight, torch.Tensor) else weight.dequantize()

@@ -1,12 +1,14 @@
-"""Quantized weight formats and their CPU kernels.
+"""Quantized linear layers on the CPU kernels, for every GGML block type of a common GGUF file.
 
-`--dtype int4` holds linear weights in GGML's Q4_1 blocks (fp16 scale and minimum per 32
-weights, 4-bit values: 5 bits per weight), `--dtype int8` in Q8_0 blocks (fp16 scale per 32,
-8-bit values: 8.5 bits per weight). The matrix product is a C++ kernel (cpu_kernels.cpp:
-activations quantized to 8-bit blocks, AVX-512 VNNI dot products), compiled once per machine
-with torch's extension builder into ~/.cache/tokios/kernels (scripts/setup builds it; a first
-use builds it otherwise). Where it cannot be built, or off the CPU, the same blocks are
-dequantized and multiplied with torch (correct, slower); `kernel_status()` says which path runs.
+`--dtype auto` runs a GGUF file's tensors in the block types they are stored in (Q4_0, Q4_1, Q5_0,
+Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), the file's own bytes regrouped once at load; `--dtype int4` converts
+every linear weight to Q4_1 (fp16 scale and minimum per 32 weights, 5 bits per weight) and
+`--dtype int8` to Q8_0 (8.5 bits per weight). The matrix product is C++ (cpu_kernels.cpp and its
+headers: activations quantized to 8-bit blocks, integer dot products on AVX-512 VNNI or AVX2),
+compiled once per machine with torch's extension builder into ~/.cache/tokios/kernels
+(scripts/setup builds it; a first use builds it otherwise). Where it cannot be built, or off the
+CPU, the weights are dequantized once and multiplied with torch (correct, slower);
+`kernel_status()` says which path runs.
 """
 
 from __future__ import annotations
@@ -16,26 +18,31 @@ import logging
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
-from gguf import GGMLQuantizationType
+from gguf import GGMLQuantizationType as T
 
-from tokios.model.quant import PackedWeight, as_dense
+from tokios.model.blocks import unpack
+from tokios.model.quant import PackedWeight, SegmentedWeight, as_dense
 
 logger = logging.getLogger("tokios.kernels")
 
 BLOCK = 32
-Q4_1, Q8_0 = 0, 1
-BLOCK_BYTES = {Q4_1: 20, Q8_0: 34}
-_GGML_TYPE = {Q4_1: GGMLQuantizationType.Q4_1, Q8_0: GGMLQuantizationType.Q8_0}
-FORMAT_BY_DTYPE = {"int4": Q4_1, "int8": Q8_0}
-_SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+# Kernel format ids (cpu_kernels.cpp, blocks.h) by GGML type.
+FORMAT_BY_TYPE = {T.Q4_1: 0, T.Q8_0: 1, T.Q4_0: 2, T.Q5_0: 3, T.Q5_1: 4, T.Q4_K: 5, T.Q5_K: 6, T.Q6_K: 7}
+Q4_1, Q8_0 = FORMAT_BY_TYPE[T.Q4_1], FORMAT_BY_TYPE[T.Q8_0]
+# --dtype conversions: the block type every linear weight is converted to.
+TYPE_BY_DTYPE = {"int4": T.Q4_1, "int8": T.Q8_0}
+_SOURCES = sorted(Path(__file__).parent.glob("*.[ch]*"))
+_MAIN_SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 _extension = None
 _extension_error: str | None = None
 
 
 def _build_directory(variant: str = "") -> Path:
-    digest = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode() + variant.encode()).hexdigest()[:16]
+    sources = b"".join(path.read_bytes() for path in _SOURCES)
+    digest = hashlib.sha256(sources + torch.__version__.encode() + variant.encode()).hexdigest()[:16]
     root = Path(os.environ.get("TOKIOS_CACHE_DIR", Path.home() / ".cache" / "tokios"))
     return root / "kernels" / digest
 
@@ -47,7 +54,7 @@ def compile_kernels(name: str = "tokios_cpu_kernels", march: str = "native"):
 
     build_directory = _build_directory("" if march == "native" else march)
     build_directory.mkdir(parents=True, exist_ok=True)
-    return load(name=name, sources=[str(_SOURCE)], build_directory=str(build_directory),
+    return load(name=name, sources=[str(_MAIN_SOURCE)], build_directory=str(build_directory),
                 extra_cflags=["-O3", f"-march={march}", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
 
 
@@ -68,7 +75,9 @@ def kernel_status() -> str:
     extension = load_extension()
     if extension is None:
         return f"torch fallback ({_extension_error})"
-    return "C++ kernel, AVX-512 VNNI" if extension.has_vnni() else "C++ kernel, portable scalar path"
+    if extension.has_vnni():
+        return "C++ kernel, AVX-512 VNNI (Q4_1, Q8_0) and AVX2 (other block types)"
+    return "C++ kernel, AVX2" if extension.has_avx2() else "C++ kernel, portable scalar path"
 
 
 # ---- quantization into GGML blocks (torch, at load time) ------------------------------------------
@@ -102,96 +111,96 @@ def quantize_q4_1(weight: torch.Tensor) -> torch.Tensor:
     return torch.cat([_halves_as_bytes(scale), _halves_as_bytes(minimum), packed], dim=-1).reshape(n, -1)
 
 
-def dequantize_blocks(blocks: torch.Tensor, block_format: int, in_features: int) -> torch.Tensor:
-    """Inverse of the quantizers: uint8 blocks -> [N, K] float32 (the torch fallback path)."""
-    n = blocks.shape[0]
-    num_blocks = in_features // BLOCK
-    raw = blocks.reshape(n, num_blocks, BLOCK_BYTES[block_format])
-    scale = raw[..., 0:2].contiguous().view(torch.float16).float()  # [N, num_blocks, 1]
-    if block_format == Q8_0:
-        values = raw[..., 2:].contiguous().view(torch.int8).float()
-        return (values * scale).reshape(n, in_features)
-    minimum = raw[..., 2:4].contiguous().view(torch.float16).float()
-    packed = raw[..., 4:]
-    values = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()
-    return (values * scale + minimum).reshape(n, in_features)
+def _packed_segment(extension, raw: torch.Tensor, ggml_type: T, shape: tuple[int, int], name: str) -> torch.Tensor:
+    ints = unpack(raw.numpy(), ggml_type, shape, name)
 
+    def as_tensor(array):  # fp16 and int8 arrays travel as their bits (int16 / uint8)
+        if array is None:
+            return None
+        return torch.from_numpy(np.ascontiguousarray(array).view(np.int16 if array.dtype.itemsize == 2 else np.uint8))
 
-def dequantize_packed(packed: torch.Tensor, block_format: int, out_features: int, in_features: int) -> torch.Tensor:
-    """The kernel's packed groups (cpu_kernels.cpp, GroupLayout) -> [N, K] float32, the same
-    values dequantize_blocks gives for the blocks they were packed from."""
-    num_blocks = in_features // BLOCK
-    num_groups = packed.shape[0]
-    value_bytes, num_halves = (256, 32) if block_format == Q4_1 else (512, 16)
-    values = packed[:, :num_blocks * value_bytes].reshape(num_groups, num_blocks, value_bytes // 64, 16, 4)
-    halves = packed[:, num_blocks * value_bytes:num_blocks * (value_bytes + 2 * num_halves)].contiguous()
-    halves = halves.view(torch.float16).float().reshape(num_groups, num_blocks, num_halves // 16, 16)
-    scale = halves[:, :, 0].transpose(1, 2)[..., None]  # [groups, 16 features, blocks, 1]
-    lanes = values.permute(0, 3, 1, 2, 4)  # [groups, 16 features, blocks, vectors, 4]
-    if block_format == Q8_0:
-        weights = (lanes.reshape(num_groups, 16, num_blocks, BLOCK).to(torch.int16) - 128).float() * scale
-    else:
-        nibbles = lanes.reshape(num_groups, 16, num_blocks, 16)
-        weights = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).float() * scale
-        weights += halves[:, :, 1].transpose(1, 2)[..., None]
-    return weights.reshape(num_groups * 16, in_features)[:out_features]
+    return extension.pack_ints(as_tensor(ints.values), as_tensor(ints.scales), as_tensor(ints.minimums),
+                               as_tensor(ints.sub_scales), as_tensor(ints.sub_minimums), FORMAT_BY_TYPE[ggml_type])
 
 
 class QuantizedLinear:
     """y = x W^T + b with W in GGML blocks; activations and output float32.
 
-    With the C++ kernel the blocks are regrouped once at load (pack_weight: 16 output features
-    interleaved per vector, same bytes) and every row, decode or prefill, takes the same dot
-    kernel (8-bit activations, or two planes when precise), so a row's result never depends on
-    the batch or on whether it was part of a prompt. Where the kernel was built without AVX-512
-    VNNI its scalar loops serve decode, and chunks of many rows are dequantized and multiplied
-    with oneDNN in bfloat16 instead. Without the kernel (no compiler, or off the CPU) the file's
-    blocks are kept and dequantized per call."""
+    The weight's output features come in segments, each in its own block type (a file may store
+    q, k and v, or gate and up, differently); `target_type` converts every segment to one type
+    (--dtype int4 / int8), otherwise each runs as stored. With the C++ kernel the blocks are
+    regrouped once at load (pack_ints: 16 output features interleaved per vector) and every row,
+    decode or prefill, takes the same dot kernel, so a row's result never depends on the batch or
+    on whether it was part of a prompt. In a build with neither AVX-512 VNNI nor AVX2, chunks of
+    many rows are dequantized and multiplied with oneDNN in bfloat16 instead. Without the kernel
+    (no compiler, or off the CPU) the weight is dequantized once and multiplied with torch."""
 
-    # Without VNNI, from this many rows on a dequantized bf16 product beats the scalar loops.
+    # Without vector kernels, from this many rows on a dequantized bf16 product beats the scalar loops.
     SCALAR_PATH_MAX_ROWS = 8
 
-    def __init__(self, weight: "torch.Tensor | PackedWeight", bias: torch.Tensor | None, block_format: int,
-                 device: torch.device = torch.device("cpu"), precise_activations: bool = False):
+    def __init__(self, weight: "torch.Tensor | PackedWeight | SegmentedWeight", bias: torch.Tensor | None,
+                 device: torch.device = torch.device("cpu"), precise_activations: bool = False,
+                 target_type: T | None = None):
         self.out_features, self.in_features = weight.shape
         self.precise_activations = precise_activations
         if self.in_features % BLOCK:
             raise ValueError(f"in_features must be a multiple of {BLOCK}, got {self.in_features}")
-        self.block_format = block_format
-        if isinstance(weight, PackedWeight) and weight.ggml_type == _GGML_TYPE[block_format]:
-            blocks = weight.raw  # the file's own blocks, bit for bit
-        else:
-            quantize = quantize_q4_1 if block_format == Q4_1 else quantize_q8_0
-            blocks = quantize(as_dense(weight).cpu())
+        segments = weight.parts if isinstance(weight, SegmentedWeight) else [weight]
+        if target_type is not None:
+            segments = [part if isinstance(part, PackedWeight) and part.ggml_type == target_type
+                        else _quantized(as_dense(part).cpu(), target_type, getattr(part, "name", "weight"))
+                        for part in segments]
+        elif not all(isinstance(part, PackedWeight) and part.ggml_type in FORMAT_BY_TYPE for part in segments):
+            raise ValueError("a quantized linear runs as stored only from kernel block types")
+        self.ggml_types = [part.ggml_type for part in segments]
         self.bias = None if bias is None else bias.float().contiguous().to(device)
         self.extension = load_extension() if device.type == "cpu" else None
         if self.extension is not None:
-            self.packed = self.extension.pack_weight(blocks.contiguous(), block_format, self.in_features)
-            self.blocks = None
+            packed = [_packed_segment(self.extension, part.raw, part.ggml_type, part.shape, part.name) for part in segments]
+            self.formats = [FORMAT_BY_TYPE[part.ggml_type] for part in segments]
+            self.segment_out_features = [part.shape[0] for part in segments]
+            self.linear = self.extension.PackedLinear(packed, self.formats, self.segment_out_features,
+                                                      self.in_features, precise_activations, self.bias)
+            self._packed = packed
+            self.weight = None
+            self._num_bytes = sum(p.numel() for p in packed)
         else:
-            self.packed = None
-            self.blocks = blocks.contiguous().to(device)
+            self.linear = None
+            self.weight = torch.cat([part.dequantize() for part in segments]).to(device)
+            self._num_bytes = sum(part.raw.numel() for part in segments)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float()
-        if self.extension is None:
-            weight = dequantize_blocks(self.blocks, self.block_format, self.in_features)
-            return F.linear(x, weight, self.bias)
-        if x.shape[0] > self.SCALAR_PATH_MAX_ROWS and not self.extension.has_vnni():
-            weight = dequantize_packed(self.packed, self.block_format, self.out_features, self.in_features)
+        if self.linear is None:
+            return F.linear(x, self.weight, self.bias)
+        if (x.shape[0] > self.SCALAR_PATH_MAX_ROWS and not self.extension.has_vnni()
+                and not self.extension.has_avx2()):
+            weight = self.dequantized_weight()
             out = F.linear(x.to(torch.bfloat16), weight.to(torch.bfloat16)).float()
             return out if self.bias is None else out + self.bias
-        return self.extension.quant_linear(x.contiguous(), self.packed, self.block_format, self.out_features,
-                                           self.precise_activations, self.bias)
+        return self.linear(x.contiguous())
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """[out_features, in_features] float32: exactly the weights the kernel multiplies by."""
+        if self.linear is None:
+            return self.weight
+        return torch.cat([self.extension.dequantize_packed(packed, fmt, part_out, self.in_features)
+                          for packed, fmt, part_out in zip(self._packed, self.formats, self.segment_out_features)])
 
     def num_bytes(self) -> int:
-        return (self.packed if self.blocks is None else self.blocks).numel()
+        return self._num_bytes
 
 
-def make_quantized_linear(weight: "torch.Tensor | PackedWeight", bias: torch.Tensor | None, weight_format: str,
-                          device: torch.device = torch.device("cpu"),
+def _quantized(weight: torch.Tensor, ggml_type: T, name: str) -> PackedWeight:
+    blocks = quantize_q4_1(weight) if ggml_type == T.Q4_1 else quantize_q8_0(weight)
+    return PackedWeight(blocks, ggml_type, tuple(weight.shape), name)
+
+
+def make_quantized_linear(weight: "torch.Tensor | PackedWeight | SegmentedWeight", bias: torch.Tensor | None,
+                          weight_format: str, device: torch.device = torch.device("cpu"),
                           precise_activations: bool = False) -> QuantizedLinear:
-    return QuantizedLinear(weight, bias, FORMAT_BY_DTYPE[weight_format], device, precise_activations)
+    """weight_format: "int4" / "int8" (convert) or "stored" (each segment as the file has it)."""
+    return QuantizedLinear(weight, bias, device, precise_activations, TYPE_BY_DTYPE.get(weight_format))
 
 
 def precise_activations(model_dtype: str) -> bool:

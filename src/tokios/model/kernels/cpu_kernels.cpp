@@ -1,24 +1,15 @@
-// Weight-only quantized linear layers for the CPU: y[M, N] = x[M, K] . W[N, K]^T (+ bias), and
-// the decode step around them (RMSNorm, rotary embedding, paged decode attention, SiLU).
+// The CPU kernels' torch-facing module: quantized linear layers, y[M, N] = x[M, K] . W[N, K]^T
+// (+ bias) with W in any GGML block type of a common GGUF file (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+// Q4_K, Q5_K, Q6_K), and the decode step around them (RMSNorm, rotary embedding, paged decode
+// attention, SiLU), fused over all layers for decode-only steps.
 //
-// Weights come from GGML's block formats, one row of blocks per output feature:
-//   Q4_1 (20 bytes / 32 weights): fp16 scale d, fp16 minimum m, 16 bytes of nibbles;
-//        w[j] = d * q[j] + m, element j in the low nibble of byte j, element j+16 in the high.
-//   Q8_0 (34 bytes / 32 weights): fp16 scale d, 32 signed bytes; w[j] = d * q[j].
-// and are regrouped once at load into an interleaved layout (pack_weight, below) with the same
-// bytes per weight. Activations are quantized per row to 8-bit blocks of 32 (one scale per
-// block), as llama.cpp does, so a block's dot product is integer arithmetic on VNNI (vpdpbusd:
-// u8 x s8 products summed in groups of 4 into int32 lanes). Why: decode reads every weight once
-// per step, so bytes per weight set the single-stream speed (4-bit blocks read ~5 bits per
-// weight instead of 32); with a batch of decodes, or a prefill chunk, the same weights serve many
-// rows and the product becomes compute-bound, which the layout is built for (see GroupLayout).
+// blocks.h owns the packed weight layout, activations.h the 8-bit activation rows, quant_matmul.h
+// the dot kernels (AVX-512 VNNI, AVX2, portable); isa.h says which this build compiled.
 // Every row takes the same kernel, decode or prefill, so results do not depend on the batch.
 //
 // The KV cache is float32 or bfloat16 (half the memory; the attention converts on load).
 //
 // Threads: at::parallel_for, so torch.set_num_threads governs it.
-// A portable scalar path (the same integer sums; float rounding may differ in the last bits) is
-// compiled when AVX-512 VNNI is not available.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -30,386 +21,13 @@
 #include <cstring>
 #include <utility>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#include <immintrin.h>
-#define TOKIOS_VNNI 1
-#else
-#define TOKIOS_VNNI 0
-#endif
+#include "blocks.h"
+#include "isa.h"
+#include "quant_matmul.h"
 
 namespace {
 
-constexpr int64_t kBlock = 32;
-constexpr int64_t kQ4_1Bytes = 20;
-constexpr int64_t kQ8_0Bytes = 34;
-
-#if !TOKIOS_VNNI
-// IEEE fp16 -> fp32 without F16C (the scalar path; the VNNI path converts 16 at a time).
-inline float half_to_float(uint16_t h) {
-  uint32_t sign = (h & 0x8000u) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ffu, bits;
-  if (exponent == 0) {
-    if (mantissa == 0) {
-      bits = sign;
-    } else {
-      exponent = 127 - 15 + 1;
-      while (!(mantissa & 0x400u)) { mantissa <<= 1; --exponent; }
-      bits = sign | (exponent << 23) | ((mantissa & 0x3ffu) << 13);
-    }
-  } else if (exponent == 31) {
-    bits = sign | 0x7f800000u | (mantissa << 13);
-  } else {
-    bits = sign | ((exponent + 127 - 15) << 23) | (mantissa << 13);
-  }
-  float out;
-  std::memcpy(&out, &bits, 4);
-  return out;
-}
-#endif
-
-inline uint16_t load_u16(const uint8_t* p) {
-  uint16_t v;
-  std::memcpy(&v, p, 2);
-  return v;
-}
-
-// ---- the interleaved layout ---------------------------------------------------------------------
-// At load the file's blocks are regrouped so that 16 output features share one 512-bit vector:
-// 32-bit lane j holds 4 consecutive weights of output feature j. One vpdpbusd then multiplies
-// 4 activations (broadcast) by 4 weights of each of 16 features, and the 8 instructions of a
-// block accumulate in int32, so the float work (conversion, scale, FMA) is paid once per
-// block for 16 features instead of once per pair of blocks for one. The profile of the
-// row-major kernel had 16 rows costing about 8x one row for exactly that per-row float work.
-//
-// Per group of 16 features (rows past N are zero) and block b, as one row of the packed tensor:
-//   values  [num_blocks][V]: Q4_1 V = 256: vector t (0..3), lane j = bytes 4t..4t+3 of feature
-//                            j's nibbles; low nibbles pair with x[4t..], high with x[16+4t..].
-//                            Q8_0 V = 512: vector t (0..7), lane j = q[4t..4t+3] + 128 (unsigned,
-//                            as vpdpbusd wants; the 128 * sum(x) it adds is subtracted exactly).
-//   halves  [num_blocks][S]: 16 fp16 scales d, then (Q4_1) 16 fp16 minimums m.
-// The row is padded to 64 bytes. Same bytes per weight as the file (Q4_1 5, Q8_0 8.5 bits).
-constexpr int64_t kGroup = 16;
-
-struct GroupLayout {
-  int64_t num_blocks, value_bytes, halves_per_block, row_bytes;
-  GroupLayout(int64_t format, int64_t in_features)
-      : num_blocks(in_features / kBlock), value_bytes(format == 0 ? 256 : 512),
-        halves_per_block(format == 0 ? 32 : 16),
-        row_bytes((num_blocks * (value_bytes + 2 * halves_per_block) + 63) / 64 * 64) {}
-  const uint16_t* halves(const uint8_t* group_row) const {
-    return reinterpret_cast<const uint16_t*>(group_row + num_blocks * value_bytes);
-  }
-};
-
-// GGML blocks [N, num_blocks * block_bytes] -> [ceil(N / 16), row_bytes], the layout above.
-void pack_groups(const uint8_t* blocks, int64_t N, int64_t format, const GroupLayout& layout, uint8_t* out) {
-  const int64_t block_bytes = format == 0 ? kQ4_1Bytes : kQ8_0Bytes, nb = layout.num_blocks;
-  const int64_t num_groups = (N + kGroup - 1) / kGroup;
-  at::parallel_for(0, num_groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      uint8_t* row = out + g * layout.row_bytes;
-      std::memset(row, 0, layout.row_bytes);
-      uint16_t* halves = reinterpret_cast<uint16_t*>(row + nb * layout.value_bytes);
-      for (int64_t j = 0; j < kGroup && g * kGroup + j < N; ++j) {
-        const uint8_t* feature = blocks + (g * kGroup + j) * nb * block_bytes;
-        for (int64_t b = 0; b < nb; ++b) {
-          const uint8_t* block = feature + b * block_bytes;
-          uint8_t* values = row + b * layout.value_bytes;
-          halves[b * layout.halves_per_block + j] = load_u16(block);
-          if (format == 0) {
-            halves[b * layout.halves_per_block + kGroup + j] = load_u16(block + 2);
-            for (int t = 0; t < 4; ++t) std::memcpy(values + 64 * t + 4 * j, block + 4 + 4 * t, 4);
-          } else {
-            for (int t = 0; t < 8; ++t) {
-              for (int i = 0; i < 4; ++i) values[64 * t + 4 * j + i] = block[2 + 4 * t + i] ^ 0x80;
-            }
-          }
-        }
-      }
-    }
-  });
-}
-
-// Activation rows quantized for the dot kernel: int8 blocks of 32 with one float scale each,
-// and per block the two correction terms: Q4_1's minimum term needs scale * sum(q); Q8_0's
-// offset weights need 128 * sum(q) (integer, subtracted exactly).
-//
-// Two precisions. 8-bit: q = round(x / s), s = max |x| / 127 per block, as llama.cpp does.
-// Precise: a second plane carries the rounding residual, lo = round((x / s - q) * 128) in
-// [-64, 64], so x = s / 128 * (128 q + lo) to about 15 bits (finer than bfloat16); the kernel
-// runs vpdpbusd on both planes and combines the sums exactly in int32. It costs the integer work
-// twice. Measured on the default model (KL to float activations over the perplexity text, int4
-// weights): 8-bit 2.7e-3, spread evenly over the four products and the output projection.
-struct QuantizedActivations {
-  int64_t num_blocks = 0, in_features = 0, row_stride = 0;  // row_stride: K (8-bit) or 2K (precise)
-  std::vector<int8_t> qs;           // [rows][row_stride]: q, then (precise) lo
-  std::vector<float> scales;        // [rows][num_blocks]: s, or s / 128 when precise
-  std::vector<float> scaled_sums;   // [rows][num_blocks]: scale * sum of the combined values
-  std::vector<int32_t> offsets;     // [rows][num_blocks]: 128 * sum of the combined values
-};
-
-template <bool PRECISE>
-void quantize_row(const float* x, int64_t num_blocks, int64_t in_features, int8_t* qs, float* scales,
-                  float* scaled_sums, int32_t* offsets) {
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    const float* xb = x + b * kBlock;
-    int8_t* qb = qs + b * kBlock;
-    int8_t* lob = qs + in_features + b * kBlock;  // only written when PRECISE
-    int32_t sum = 0;
-    float scale;
-#if TOKIOS_VNNI
-    const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
-    scale = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1))) / 127.f;
-    // A scale below FLT_MIN would overflow its inverse: such a block is zero for every purpose.
-    const __m512 inverse = _mm512_set1_ps(scale >= FLT_MIN ? 1.f / scale : 0.f);
-    __m512i total = _mm512_setzero_si512();
-    int h = 0;
-    for (const __m512 half : {x0, x1}) {
-      const __m512 scaled = _mm512_mul_ps(half, inverse);
-      const __m512i q = _mm512_cvt_roundps_epi32(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16 * h), _mm512_cvtepi32_epi8(q));
-      if constexpr (PRECISE) {
-        const __m512 residual = _mm512_mul_ps(_mm512_sub_ps(scaled, _mm512_cvtepi32_ps(q)), _mm512_set1_ps(128.f));
-        const __m512i lo = _mm512_cvt_roundps_epi32(residual, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(lob + 16 * h), _mm512_cvtepi32_epi8(lo));
-        total = _mm512_add_epi32(total, _mm512_add_epi32(_mm512_slli_epi32(q, 7), lo));
-      } else {
-        total = _mm512_add_epi32(total, q);
-      }
-      ++h;
-    }
-    sum = _mm512_reduce_add_epi32(total);
-#else
-    float amax = 0.f;
-    for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
-    scale = amax / 127.f;
-    const float inverse = scale >= FLT_MIN ? 1.f / scale : 0.f;
-    for (int64_t j = 0; j < kBlock; ++j) {
-      const float scaled = xb[j] * inverse;
-      const int q = static_cast<int>(std::nearbyint(scaled));
-      qb[j] = static_cast<int8_t>(q);
-      if constexpr (PRECISE) {
-        const int lo = static_cast<int>(std::nearbyint((scaled - static_cast<float>(q)) * 128.f));
-        lob[j] = static_cast<int8_t>(lo);
-        sum += 128 * q + lo;
-      } else {
-        sum += q;
-      }
-    }
-#endif
-    if constexpr (PRECISE) scale /= 128.f;
-    scales[b] = scale;
-    scaled_sums[b] = scale * static_cast<float>(sum);
-    offsets[b] = 128 * sum;
-  }
-}
-
-void quantize_activations(const float* x, int64_t M, int64_t K, bool precise, QuantizedActivations& a) {
-  a.num_blocks = K / kBlock;
-  a.in_features = K;
-  a.row_stride = precise ? 2 * K : K;
-  // The buffers are reused from call to call (only grown): zero-filling or reallocating per call
-  // measured 3% of a 16-row decode step.
-  const size_t per_block = static_cast<size_t>(M * a.num_blocks);
-  a.qs.resize(std::max<size_t>(a.qs.size(), M * a.row_stride));
-  for (auto* v : {&a.scales, &a.scaled_sums}) v->resize(std::max(v->size(), per_block));
-  a.offsets.resize(std::max(a.offsets.size(), per_block));
-  const auto quantize = precise ? &quantize_row<true> : &quantize_row<false>;
-  at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
-      const int64_t at = m * a.num_blocks;
-      quantize(x + m * K, a.num_blocks, K, a.qs.data() + m * a.row_stride, a.scales.data() + at,
-               a.scaled_sums.data() + at, a.offsets.data() + at);
-    }
-  });
-}
-
-inline int32_t load_i32(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
-
-// out[r][0..16) (row stride out_stride; only the `valid` first features are written) = the dot
-// products of one group of 16 features with activation rows r0..r0+R, plus bias. Each row keeps
-// its own accumulators and adds its blocks in the same order whatever R is, so a row's result is
-// the same alone or in a batch (R = 1 is the single-row case, not a separate kernel).
-constexpr int kTileRows = 8;  // measured: 12 was 10% slower, 16 spills registers
-constexpr int64_t kPrefetchDistance = 16384;  // bytes; 4 KiB gained less (31 GB/s), 8 KiB 33
-
-template <int FORMAT, bool PRECISE, int R>
-void dot_group_rows(const uint8_t* group_row, const GroupLayout& layout, const QuantizedActivations& a, int64_t r0,
-                    const float* bias, int valid, float* out, int64_t out_stride) {
-  const int64_t nb = layout.num_blocks, K = a.in_features, stride = a.row_stride;
-  const uint16_t* halves = layout.halves(group_row);
-  const int8_t* x0 = a.qs.data() + r0 * stride;
-#if TOKIOS_VNNI
-  constexpr int P = PRECISE ? 2 : 1;  // activation planes: q, then the residual
-  const __m512i low_nibbles = _mm512_set1_epi8(0x0f);
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* values = group_row + b * layout.value_bytes;
-    const int8_t* xb = x0 + b * kBlock;
-    {
-      // The hardware prefetcher alone kept one row's stream of weights at about 23 GB/s on the
-      // Q8_0 output projection (the row-major layout: 30-36) and batches short of requests in
-      // flight too. Asking for the bytes 16 KiB ahead into L2 brought one row to 33 GB/s, and
-      // decode at batch 16 from about 1,075 to 1,310-1,360 tok/s. Past the end of the weight a
-      // prefetch is a no-op (the address is formed as an integer, never as an out-of-range pointer).
-      const int64_t bytes_per_block = layout.row_bytes / nb;
-      const uintptr_t ahead = reinterpret_cast<uintptr_t>(group_row) + kPrefetchDistance + b * bytes_per_block;
-      for (int64_t line = 0; line < bytes_per_block + 64; line += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T1);
-      }
-    }
-    // With few rows the chain of dependent vpdpbusd (8 per block and plane) would bound the
-    // speed, so a row's block is split over C independent integer sums; integer addition is
-    // exact, so how many does not change any result (batch invariance holds).
-    constexpr int C = R * P == 1 ? 8 : (R * P <= 3 ? 2 : 1);
-    __m512i dot[R][P][C];
-    for (int r = 0; r < R; ++r) {
-      for (int p = 0; p < P; ++p) {
-        for (int c = 0; c < C; ++c) dot[r][p][c] = _mm512_setzero_si512();
-      }
-    }
-    if constexpr (FORMAT == 0) {
-      for (int t = 0; t < 4; ++t) {
-        const __m512i packed = _mm512_loadu_si512(values + 64 * t);
-        const __m512i low = _mm512_and_si512(packed, low_nibbles);
-        const __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles);
-        for (int r = 0; r < R; ++r) {
-          for (int p = 0; p < P; ++p) {
-            const int8_t* x = xb + r * stride + p * K;
-            __m512i& first = dot[r][p][(2 * t) % C];
-            __m512i& second = dot[r][p][(2 * t + 1) % C];
-            first = _mm512_dpbusd_epi32(first, low, _mm512_set1_epi32(load_i32(x + 4 * t)));
-            second = _mm512_dpbusd_epi32(second, high, _mm512_set1_epi32(load_i32(x + 16 + 4 * t)));
-          }
-        }
-      }
-    } else {
-      for (int t = 0; t < 8; ++t) {
-        const __m512i w = _mm512_loadu_si512(values + 64 * t);
-        for (int r = 0; r < R; ++r) {
-          for (int p = 0; p < P; ++p) {
-            __m512i& sum = dot[r][p][t % C];
-            sum = _mm512_dpbusd_epi32(sum, w, _mm512_set1_epi32(load_i32(xb + r * stride + p * K + 4 * t)));
-          }
-        }
-      }
-    }
-    __m512i exact[R];  // the row's integer dot product with its (combined) activation values
-    for (int r = 0; r < R; ++r) {
-      for (int p = 0; p < P; ++p) {
-        for (int c = 1; c < C; ++c) dot[r][p][0] = _mm512_add_epi32(dot[r][p][0], dot[r][p][c]);
-      }
-      exact[r] = PRECISE ? _mm512_add_epi32(_mm512_slli_epi32(dot[r][0][0], 7), dot[r][P - 1][0]) : dot[r][0][0];
-    }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves + b * layout.halves_per_block)));
-    const int64_t at = r0 * nb + b;
-    if constexpr (FORMAT == 0) {
-      const __m512 m = _mm512_cvtph_ps(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves + b * layout.halves_per_block + kGroup)));
-      for (int r = 0; r < R; ++r) {
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact[r]), _mm512_mul_ps(d, _mm512_set1_ps(a.scales[at + r * nb])), acc[r]);
-        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.scaled_sums[at + r * nb]), acc[r]);
-      }
-    } else {
-      for (int r = 0; r < R; ++r) {
-        const __m512i centred = _mm512_sub_epi32(exact[r], _mm512_set1_epi32(a.offsets[at + r * nb]));
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(centred), _mm512_mul_ps(d, _mm512_set1_ps(a.scales[at + r * nb])), acc[r]);
-      }
-    }
-  }
-  const __mmask16 lanes = static_cast<__mmask16>((1u << valid) - 1);
-  const __m512 b = bias ? _mm512_maskz_loadu_ps(lanes, bias) : _mm512_setzero_ps();
-  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * out_stride, lanes, _mm512_add_ps(acc[r], b));
-#else
-  for (int r = 0; r < R; ++r) {
-    float acc[kGroup] = {};
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* values = group_row + b * layout.value_bytes;
-      const int8_t* xb = x0 + r * stride + b * kBlock;
-      const int64_t at = (r0 + r) * nb + b;
-      for (int j = 0; j < kGroup; ++j) {
-        int32_t dot = 0;
-        for (int p = 0; p < (PRECISE ? 2 : 1); ++p) {
-          const int8_t* x = xb + p * K;
-          int32_t plane = 0;
-          for (int t = 0; t < (FORMAT == 0 ? 4 : 8); ++t) {
-            for (int i = 0; i < 4; ++i) {
-              const uint8_t byte = values[64 * t + 4 * j + i];
-              if (FORMAT == 0) {
-                plane += (byte & 0x0f) * x[4 * t + i] + (byte >> 4) * x[16 + 4 * t + i];
-              } else {
-                plane += byte * x[4 * t + i];
-              }
-            }
-          }
-          dot = PRECISE && p == 0 ? 128 * plane : dot + plane;
-        }
-        const float d = half_to_float(halves[b * layout.halves_per_block + j]);
-        if (FORMAT == 0) {
-          const float m = half_to_float(halves[b * layout.halves_per_block + kGroup + j]);
-          acc[j] += static_cast<float>(dot) * (d * a.scales[at]) + m * a.scaled_sums[at];
-        } else {
-          acc[j] += static_cast<float>(dot - a.offsets[at]) * (d * a.scales[at]);
-        }
-      }
-    }
-    for (int j = 0; j < valid; ++j) out[r * out_stride + j] = acc[j] + (bias ? bias[j] : 0.f);
-  }
-#endif
-}
-
-using DotGroupFunction = void (*)(const uint8_t*, const GroupLayout&, const QuantizedActivations&, int64_t,
-                                  const float*, int, float*, int64_t);
-using DotGroupTable = std::array<DotGroupFunction, kTileRows + 1>;  // by tile rows; [0] unused
-
-template <int FORMAT, bool PRECISE, size_t... Rs>
-constexpr DotGroupTable dot_group_table(std::index_sequence<Rs...>) {
-  return {nullptr, &dot_group_rows<FORMAT, PRECISE, static_cast<int>(Rs) + 1>...};
-}
-// [format][precise]
-constexpr std::array<std::array<DotGroupTable, 2>, 2> kDotGroup = {{
-    {dot_group_table<0, false>(std::make_index_sequence<kTileRows>()),
-     dot_group_table<0, true>(std::make_index_sequence<kTileRows>())},
-    {dot_group_table<1, false>(std::make_index_sequence<kTileRows>()),
-     dot_group_table<1, true>(std::make_index_sequence<kTileRows>())},
-}};
-
-// y[M, N] = x[M, K] . W^T (+ bias), W packed by pack_groups from Q4_1 (format 0) or Q8_0 (format 1),
-// activations 8-bit or precise (see QuantizedActivations). Each output element is one dot product
-// computed the same way whatever M is, so a row's result does not depend on what else is in the
-// batch, decode or prefill.
-void quant_matmul(const float* x, int64_t M, int64_t K, const uint8_t* weight, int64_t N, int64_t format,
-                  bool precise, const float* bias, float* out) {
-  const GroupLayout layout(format, K);
-  // Reused from call to call. A thread_local named inside the lambdas below would be each worker
-  // thread's own (empty) copy, so they use this reference to the calling thread's.
-  thread_local QuantizedActivations buffer;
-  QuantizedActivations& activations = buffer;
-  quantize_activations(x, M, K, precise, activations);
-  const DotGroupTable& kernels = kDotGroup[format][precise];
-  const int64_t num_groups = (N + kGroup - 1) / kGroup;
-  // A group's weights (at most a few KiB per 576 inputs) stay in L1 while tiles of rows pass over
-  // them; rows are taken 64 at a time so that their activations stay in L2 (long prefill chunks).
-  constexpr int64_t kRowChunk = 64;
-  at::parallel_for(0, num_groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
-      const int64_t m1 = std::min(M, m0 + kRowChunk);
-      for (int64_t g = begin; g < end; ++g) {
-        const int valid = static_cast<int>(std::min<int64_t>(kGroup, N - g * kGroup));
-        const float* group_bias = bias ? bias + g * kGroup : nullptr;
-        for (int64_t r0 = m0; r0 < m1; r0 += kTileRows) {
-          const int tile = static_cast<int>(std::min<int64_t>(kTileRows, m1 - r0));
-          kernels[tile](weight + g * layout.row_bytes, layout, activations, r0, group_bias, valid,
-                        out + r0 * N + g * kGroup, N);
-        }
-      }
-    }
-  });
-}
+using namespace tokios;
 
 // The elementwise steps run on every thread too: serial, they left the other thread spinning at
 // the next parallel region's barrier (12% of a 16-row decode step in the profile).
@@ -602,41 +220,148 @@ void check_f32(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous(), name, " must be contiguous float32");
 }
 
-// GGML blocks [N, num_blocks * block_bytes] -> the kernel's packed groups [ceil(N / 16), row_bytes].
-torch::Tensor pack_weight(const torch::Tensor& blocks, int64_t format, int64_t in_features) {
-  TORCH_CHECK(format == 0 || format == 1, "format must be 0 (Q4_1) or 1 (Q8_0)");
-  TORCH_CHECK(in_features % kBlock == 0, "in_features must be a multiple of 32");
-  const int64_t block_bytes = format == 0 ? kQ4_1Bytes : kQ8_0Bytes;
-  TORCH_CHECK(blocks.device().is_cpu(), "blocks must be on the CPU");
-  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == torch::kUInt8 && blocks.size(1) == in_features / kBlock * block_bytes,
-              "blocks must be 2-D uint8 with in_features / 32 blocks per row");
-  const torch::Tensor source = blocks.contiguous();
-  const GroupLayout layout(format, in_features);
-  const int64_t N = source.size(0);
-  torch::Tensor out = torch::empty({(N + kGroup - 1) / kGroup, layout.row_bytes}, source.options());
-  pack_groups(source.data_ptr<uint8_t>(), N, format, layout, out.data_ptr<uint8_t>());
+// The integer form of a tensor (model/blocks/codec.py) -> the kernel's packed groups
+// [ceil(N / 16), row_bytes] for `format`.
+torch::Tensor pack_ints(const torch::Tensor& values, const torch::Tensor& scales, const c10::optional<torch::Tensor>& minimums,
+                        const c10::optional<torch::Tensor>& sub_scales, const c10::optional<torch::Tensor>& sub_minimums,
+                        int64_t format) {
+  TORCH_CHECK(valid_format(format), "unknown kernel format ", format);
+  const FormatTraits& traits = kTraits[format];
+  TORCH_CHECK(values.dim() == 2 && values.scalar_type() == torch::kUInt8 && values.is_contiguous() && values.device().is_cpu(),
+              "values must be a contiguous 2-D uint8 CPU tensor");
+  const int64_t N = values.size(0), K = values.size(1);
+  TORCH_CHECK(K % (traits.sub ? kSuperBlock : kBlock) == 0, "in_features ", K, " is not a whole number of blocks");
+  const GroupLayout layout(format, K);
+  auto check = [&](const torch::Tensor& t, int64_t columns, int64_t element_bytes, const char* name) {
+    TORCH_CHECK(t.dim() == 2 && t.size(0) == N && t.size(1) == columns && t.is_contiguous() && t.device().is_cpu() &&
+                    t.element_size() == element_bytes,
+                name, " must be [", N, ", ", columns, "] with ", element_bytes, "-byte elements for this format");
+  };
+  check(scales, layout.num_scale_groups, 2, "scales");
+  TORCH_CHECK(minimums.has_value() == traits.has_min, "minimums must be given exactly for formats with a minimum");
+  if (traits.has_min) check(*minimums, layout.num_scale_groups, 2, "minimums");
+  TORCH_CHECK(sub_scales.has_value() == (traits.sub != 0), "sub_scales must be given exactly for K-quants");
+  if (traits.sub) check(*sub_scales, K / traits.sub, 1, "sub_scales");
+  TORCH_CHECK(sub_minimums.has_value() == (traits.sub == 32), "sub_minimums must be given exactly for Q4_K and Q5_K");
+  if (traits.sub == 32) check(*sub_minimums, K / kBlock, 1, "sub_minimums");
+  const BlockIntsView view{values.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr()),
+                           minimums ? reinterpret_cast<const uint16_t*>(minimums->data_ptr()) : nullptr,
+                           sub_scales ? reinterpret_cast<const int8_t*>(sub_scales->data_ptr()) : nullptr,
+                           sub_minimums ? reinterpret_cast<const uint8_t*>(sub_minimums->data_ptr()) : nullptr};
+  const int64_t num_groups = (N + kGroup - 1) / kGroup;
+  torch::Tensor out = torch::empty({num_groups, layout.row_bytes}, values.options());
+  uint8_t* rows = out.data_ptr<uint8_t>();
+  at::parallel_for(0, num_groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) pack_group(view, N, K, layout, g, rows + g * layout.row_bytes);
+  });
   return out;
 }
 
-torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& weight, int64_t format, int64_t out_features,
-                           bool precise, const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "x and weight must be on the CPU");
-  TORCH_CHECK(format == 0 || format == 1, "format must be 0 (Q4_1) or 1 (Q8_0)");
-  const int64_t M = x.size(0), K = x.size(1), N = out_features;
-  TORCH_CHECK(K % kBlock == 0, "in_features must be a multiple of 32");
-  const GroupLayout layout(format, K);
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kUInt8 && weight.is_contiguous() &&
-                  weight.size(0) == (N + kGroup - 1) / kGroup && weight.size(1) == layout.row_bytes,
-              "weight must be packed by pack_weight for these in_features and out_features");
-  TORCH_CHECK(!bias.has_value() || (bias->numel() == N && bias->scalar_type() == torch::kFloat32 && bias->is_contiguous()),
-              "bias must be contiguous float32 with out_features elements");
-  const torch::Tensor input = x.contiguous();
-  torch::Tensor out = torch::empty({M, N}, x.options());
-  quant_matmul(input.data_ptr<float>(), M, K, weight.data_ptr<uint8_t>(), N, format, precise,
-               bias.has_value() ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>());
+// Packed groups -> [N, K] float32, the weights the kernel multiplies by (tests; the bf16 product
+// that a build without AVX2 uses for long chunks).
+torch::Tensor dequantize_packed(const torch::Tensor& packed, int64_t format, int64_t out_features, int64_t in_features) {
+  TORCH_CHECK(valid_format(format), "unknown kernel format ", format);
+  const GroupLayout layout(format, in_features);
+  const FormatTraits& traits = kTraits[format];
+  TORCH_CHECK(packed.dim() == 2 && packed.size(0) == (out_features + kGroup - 1) / kGroup && packed.size(1) == layout.row_bytes,
+              "packed does not match this format and shape");
+  torch::Tensor out = torch::empty({out_features, in_features}, torch::kFloat32);
+  float* w = out.data_ptr<float>();
+  at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* row = packed.data_ptr<uint8_t>() + (n / kGroup) * layout.row_bytes;
+      const int j = static_cast<int>(n % kGroup);
+      const uint16_t* halves = layout.halves(row);
+      for (int64_t b = 0; b < layout.num_blocks; ++b) {
+        const int64_t group = traits.sub ? b / (kSuperBlock / kBlock) : b;
+        const float d = half_to_float(halves[group * layout.halves_per_group + j]);
+        const float m = traits.has_min ? half_to_float(halves[group * layout.halves_per_group + kGroup + j]) : 0.f;
+        const uint8_t* sub = layout.sub(row) + b * layout.sub_bytes;
+        for (int i = 0; i < kBlock; ++i) {
+          const float u = static_cast<float>(unpacked_value(row, layout, b, j, i) - traits.zero);
+          float value;
+          if (traits.sub == 32) {
+            value = (d * static_cast<float>(sub[j])) * u - m * static_cast<float>(sub[kGroup + j]);
+          } else if (traits.sub == 16) {
+            value = (d * static_cast<float>(static_cast<int8_t>(sub[i < 16 ? j : kGroup + j]))) * u;
+          } else {
+            value = d * u + m;
+          }
+          w[n * in_features + b * kBlock + i] = value;
+        }
+      }
+    }
+  });
   return out;
 }
+
+// One linear layer: its output features in segments, each packed in its own format (a file may
+// store q, k and v, or gate and up, in different types), multiplied from one quantization of
+// the activations.
+class PackedLinear {
+ public:
+  PackedLinear(std::vector<torch::Tensor> packed, std::vector<int64_t> formats, std::vector<int64_t> out_features,
+               int64_t in_features, bool precise, c10::optional<torch::Tensor> bias)
+      : packed_(std::move(packed)), formats_(std::move(formats)), out_features_(std::move(out_features)),
+        in_features_(in_features), precise_(precise) {
+    TORCH_CHECK(!packed_.empty() && packed_.size() == formats_.size() && packed_.size() == out_features_.size(),
+                "one format and one out_features per packed segment");
+    total_out_ = 0;
+    for (size_t s = 0; s < packed_.size(); ++s) {
+      TORCH_CHECK(valid_format(formats_[s]), "unknown kernel format ", formats_[s]);
+      TORCH_CHECK(!precise_ || formats_[s] == kQ4_1 || formats_[s] == kQ8_0,
+                  "precise activations are offered for Q4_1 and Q8_0 weights only");
+      TORCH_CHECK(in_features_ % (kTraits[formats_[s]].sub ? kSuperBlock : kBlock) == 0,
+                  "in_features ", in_features_, " is not a whole number of blocks of format ", formats_[s]);
+      const GroupLayout layout(formats_[s], in_features_);
+      const torch::Tensor& p = packed_[s];
+      TORCH_CHECK(p.dim() == 2 && p.scalar_type() == torch::kUInt8 && p.is_contiguous() && p.device().is_cpu() &&
+                      p.size(0) == (out_features_[s] + kGroup - 1) / kGroup && p.size(1) == layout.row_bytes,
+                  "weight must be packed by pack_ints for these in_features and out_features");
+      total_out_ += out_features_[s];
+    }
+    if (bias.has_value()) {
+      TORCH_CHECK(bias->numel() == total_out_ && bias->scalar_type() == torch::kFloat32 && bias->is_contiguous(),
+                  "bias must be contiguous float32 with out_features elements");
+      bias_ = *bias;
+    }
+  }
+
+  // x [M, in_features] -> out [M, total_out] (row stride total_out).
+  void forward(const float* x, int64_t M, float* out) const {
+    // Reused from call to call. A thread_local named inside quant_matmul's lambdas would be each
+    // worker thread's own (empty) copy, so it receives this reference to the calling thread's.
+    thread_local QuantizedActivations buffer;
+    QuantizedActivations& activations = buffer;
+    quantize_activations(x, M, in_features_, precise_, activations);
+    const float* bias = bias_.defined() ? bias_.data_ptr<float>() : nullptr;
+    int64_t column = 0;
+    for (size_t s = 0; s < packed_.size(); ++s) {
+      quant_matmul(activations, M, packed_[s].data_ptr<uint8_t>(), out_features_[s], formats_[s], precise_,
+                   bias ? bias + column : nullptr, out + column, total_out_);
+      column += out_features_[s];
+    }
+  }
+
+  torch::Tensor call(const torch::Tensor& x) const {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu(), "x must be a 2-D float32 CPU tensor");
+    TORCH_CHECK(x.size(1) == in_features_, "x has ", x.size(1), " features, the weight ", in_features_);
+    const torch::Tensor input = x.contiguous();
+    torch::Tensor out = torch::empty({x.size(0), total_out_}, x.options());
+    forward(input.data_ptr<float>(), x.size(0), out.data_ptr<float>());
+    return out;
+  }
+
+  int64_t out_features() const { return total_out_; }
+  int64_t in_features() const { return in_features_; }
+
+ private:
+  std::vector<torch::Tensor> packed_;
+  std::vector<int64_t> formats_, out_features_;
+  int64_t in_features_, total_out_ = 0;
+  bool precise_;
+  torch::Tensor bias_;
+};
 
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
   const torch::Tensor input = x.contiguous();
@@ -706,14 +431,13 @@ torch::Tensor decode_attention(const torch::Tensor& qkv, const torch::Tensor& ke
 class FusedDecoder {
  public:
   FusedDecoder(std::vector<torch::Tensor> input_norms, std::vector<torch::Tensor> post_norms,
-               std::vector<torch::Tensor> qkv, std::vector<torch::Tensor> qkv_bias, std::vector<torch::Tensor> o_proj,
-               std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down, int64_t format, bool precise,
-               std::vector<torch::Tensor> key_caches, std::vector<torch::Tensor> value_caches, torch::Tensor cos,
+               std::vector<PackedLinear> qkv, std::vector<PackedLinear> o_proj, std::vector<PackedLinear> gate_up,
+               std::vector<PackedLinear> down, std::vector<torch::Tensor> key_caches, std::vector<torch::Tensor> value_caches, torch::Tensor cos,
                torch::Tensor sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t hidden_size,
                int64_t intermediate_size, double eps)
       : input_norms_(std::move(input_norms)), post_norms_(std::move(post_norms)), qkv_(std::move(qkv)),
-        qkv_bias_(std::move(qkv_bias)), o_proj_(std::move(o_proj)), gate_up_(std::move(gate_up)),
-        down_(std::move(down)), format_(format), precise_(precise), key_caches_(std::move(key_caches)),
+        o_proj_(std::move(o_proj)), gate_up_(std::move(gate_up)), down_(std::move(down)),
+        key_caches_(std::move(key_caches)),
         value_caches_(std::move(value_caches)), cos_(std::move(cos)), sin_(std::move(sin)),
         shape_{num_heads, num_kv_heads, head_dim}, hidden_size_(hidden_size),
         intermediate_size_(intermediate_size), eps_(static_cast<float>(eps)) {}
@@ -739,31 +463,27 @@ class FusedDecoder {
     const float scale = 1.f / std::sqrt(static_cast<float>(shape_.head_dim));
     for (size_t layer = 0; layer < qkv_.size(); ++layer) {
       rms_norm_rows(h, input_norms_[layer].data_ptr<float>(), normed.data(), D, H, eps_);
-      const float* bias = qkv_bias_.empty() ? nullptr : qkv_bias_[layer].data_ptr<float>();
-      quant_matmul(normed.data(), D, H, qkv_[layer].data_ptr<uint8_t>(), qkv_size, format_, precise_, bias, qkv.data());
+      qkv_[layer].forward(normed.data(), D, qkv.data());
       with_kv_cache(key_caches_[layer], value_caches_[layer], [&](auto* keys, auto* values) {
         rope_and_write(qkv.data(), D, positions.data_ptr<int64_t>(), cos_.data_ptr<float>(), sin_.data_ptr<float>(),
                        keys, values, slot_mapping.data_ptr<int64_t>(), shape_);
         decode_attention_rows(qkv.data(), qkv_size, keys, values, slot_table.data_ptr<int64_t>(), slot_table.size(1),
                               context_lens.data_ptr<int64_t>(), D, shape_, scale, attended.data());
       });
-      quant_matmul(attended.data(), D, q_size, o_proj_[layer].data_ptr<uint8_t>(), H, format_, precise_, nullptr, projected.data());
+      o_proj_[layer].forward(attended.data(), D, projected.data());
       for (int64_t i = 0; i < D * H; ++i) h[i] += projected[i];
       rms_norm_rows(h, post_norms_[layer].data_ptr<float>(), normed.data(), D, H, eps_);
-      quant_matmul(normed.data(), D, H, gate_up_[layer].data_ptr<uint8_t>(), 2 * intermediate_size_, format_, precise_, nullptr,
-                   gate_up.data());
+      gate_up_[layer].forward(normed.data(), D, gate_up.data());
       silu_mul_rows(gate_up.data(), D, intermediate_size_, activated.data());
-      quant_matmul(activated.data(), D, intermediate_size_, down_[layer].data_ptr<uint8_t>(), H, format_, precise_, nullptr,
-                   projected.data());
+      down_[layer].forward(activated.data(), D, projected.data());
       for (int64_t i = 0; i < D * H; ++i) h[i] += projected[i];
     }
     return hidden;
   }
 
  private:
-  std::vector<torch::Tensor> input_norms_, post_norms_, qkv_, qkv_bias_, o_proj_, gate_up_, down_;
-  int64_t format_;
-  bool precise_;
+  std::vector<torch::Tensor> input_norms_, post_norms_;
+  std::vector<PackedLinear> qkv_, o_proj_, gate_up_, down_;
   std::vector<torch::Tensor> key_caches_, value_caches_;
   torch::Tensor cos_, sin_;
   Shape shape_;
@@ -773,6 +493,7 @@ class FusedDecoder {
 };
 
 bool has_vnni() { return TOKIOS_VNNI; }
+bool has_avx2() { return TOKIOS_AVX2; }
 
 }  // namespace
 
@@ -781,9 +502,15 @@ bool has_vnni() { return TOKIOS_VNNI; }
 // (measured: AsyncEngine TPOT 11.4 ms vs 6.6 ms for the same step run offline).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   using release_gil = pybind11::call_guard<pybind11::gil_scoped_release>;
-  module.def("pack_weight", &pack_weight, "Q4_1 / Q8_0 blocks -> the kernel's interleaved groups of 16 features",
+  module.def("pack_ints", &pack_ints, "a tensor's block integers -> the kernel's interleaved groups of 16 features",
              release_gil());
-  module.def("quant_linear", &quant_linear, "y = x W^T (+ bias) with W packed by pack_weight", release_gil());
+  module.def("dequantize_packed", &dequantize_packed, "packed groups -> [N, K] float32", release_gil());
+  pybind11::class_<PackedLinear>(module, "PackedLinear")
+      .def(pybind11::init<std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<int64_t>, int64_t, bool,
+                          c10::optional<torch::Tensor>>())
+      .def("__call__", &PackedLinear::call, release_gil())
+      .def_property_readonly("out_features", &PackedLinear::out_features)
+      .def_property_readonly("in_features", &PackedLinear::in_features);
   module.def("rms_norm", &rms_norm, "RMSNorm over the last dimension (float32)", release_gil());
   module.def("silu_mul", &silu_mul, "silu(gate) * up from a fused [rows, 2 * intermediate] tensor", release_gil());
   module.def("rope_write_kv", &rope_write_kv, "rotate q and k of a fused qkv tensor in place; write k, v to the cache",
@@ -791,10 +518,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("decode_attention", &decode_attention, "one query token per request over its paged KV context",
              release_gil());
   module.def("has_vnni", &has_vnni, "whether the AVX-512 VNNI path was compiled");
+  module.def("has_avx2", &has_avx2, "whether the AVX2 path was compiled");
   pybind11::class_<FusedDecoder>(module, "FusedDecoder")
-      .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
-                          std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
-                          std::vector<torch::Tensor>, int64_t, bool, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
-                          torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, int64_t, int64_t, double>())
+      .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<PackedLinear>,
+                          std::vector<PackedLinear>, std::vector<PackedLinear>, std::vector<PackedLinear>,
+                          std::vector<torch::Tensor>, std::vector<torch::Tensor>, torch::Tensor, torch::Tensor, int64_t,
+                          int64_t, int64_t, int64_t, int64_t, double>())
       .def("forward", &FusedDecoder::forward, release_gil());
 }

@@ -1,0 +1,409 @@
+// y[M, N] = x[M, K] . W^T (+ bias) for W in any block format of blocks.h, activations quantized
+// per row (activations.h). Why integers: decode reads every weight once per step, so bytes per
+// weight set the single-stream speed (4-bit blocks read ~5 bits per weight instead of 32); with a
+// batch of decodes, or a prefill chunk, the same weights serve many rows and the product becomes
+// compute-bound, which the interleaved layout is built for.
+//
+// Three implementations, one chosen per format at build (isa.h): AVX-512 VNNI for Q4_1 and Q8_0,
+// AVX2 for every format (and for the rest on an AVX-512 machine), portable loops otherwise. Each
+// output element is one dot product computed the same way whatever M is: every row keeps its own
+// accumulators and adds its blocks in the same order, so a row's result is the same alone or in
+// a batch, decode or prefill (R = 1 is the single-row case, not a separate kernel).
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <array>
+#include <type_traits>
+#include <utility>
+
+#include "activations.h"
+#include "blocks.h"
+#include "isa.h"
+
+namespace tokios {
+
+constexpr int kTileRows = 8;  // VNNI, measured: 12 was 10% slower, 16 spills registers
+constexpr int64_t kPrefetchDistance = 16384;  // bytes; 4 KiB gained less (31 GB/s), 8 KiB 33
+
+#if TOKIOS_VNNI
+// The VNNI kernel for Q4_1 (format 0) and Q8_0 (format 1).
+template <int FORMAT, bool PRECISE, int R>
+void dot_group_rows_vnni(const uint8_t* group_row, const GroupLayout& layout, const QuantizedActivations& a, int64_t r0,
+                    const float* bias, int valid, float* out, int64_t out_stride) {
+  const int64_t nb = layout.num_blocks, K = a.in_features, stride = a.row_stride;
+  const uint16_t* halves = layout.halves(group_row);
+  const int8_t* x0 = a.qs.data() + r0 * stride;
+  constexpr int P = PRECISE ? 2 : 1;  // activation planes: q, then the residual
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0f);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* values = group_row + b * layout.value_bytes;
+    const int8_t* xb = x0 + b * kBlock;
+    {
+      // The hardware prefetcher alone kept one row's stream of weights at about 23 GB/s on the
+      // Q8_0 output projection (the row-major layout: 30-36) and batches short of requests in
+      // flight too. Asking for the bytes 16 KiB ahead into L2 brought one row to 33 GB/s, and
+      // decode at batch 16 from about 1,075 to 1,310-1,360 tok/s. Past the end of the weight a
+      // prefetch is a no-op (the address is formed as an integer, never as an out-of-range pointer).
+      const int64_t bytes_per_block = layout.row_bytes / nb;
+      const uintptr_t ahead = reinterpret_cast<uintptr_t>(group_row) + kPrefetchDistance + b * bytes_per_block;
+      for (int64_t line = 0; line < bytes_per_block + 64; line += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T1);
+      }
+    }
+    // With few rows the chain of dependent vpdpbusd (8 per block and plane) would bound the
+    // speed, so a row's block is split over C independent integer sums; integer addition is
+    // exact, so how many does not change any result (batch invariance holds).
+    constexpr int C = R * P == 1 ? 8 : (R * P <= 3 ? 2 : 1);
+    __m512i dot[R][P][C];
+    for (int r = 0; r < R; ++r) {
+      for (int p = 0; p < P; ++p) {
+        for (int c = 0; c < C; ++c) dot[r][p][c] = _mm512_setzero_si512();
+      }
+    }
+    if constexpr (FORMAT == kQ4_1) {
+      for (int t = 0; t < 4; ++t) {
+        const __m512i packed = _mm512_loadu_si512(values + 64 * t);
+        const __m512i low = _mm512_and_si512(packed, low_nibbles);
+        const __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles);
+        for (int r = 0; r < R; ++r) {
+          for (int p = 0; p < P; ++p) {
+            const int8_t* x = xb + r * stride + p * K;
+            __m512i& first = dot[r][p][(2 * t) % C];
+            __m512i& second = dot[r][p][(2 * t + 1) % C];
+            first = _mm512_dpbusd_epi32(first, low, _mm512_set1_epi32(load_i32(x + 4 * t)));
+            second = _mm512_dpbusd_epi32(second, high, _mm512_set1_epi32(load_i32(x + 16 + 4 * t)));
+          }
+        }
+      }
+    } else {
+      for (int t = 0; t < 8; ++t) {
+        const __m512i w = _mm512_loadu_si512(values + 64 * t);
+        for (int r = 0; r < R; ++r) {
+          for (int p = 0; p < P; ++p) {
+            __m512i& sum = dot[r][p][t % C];
+            sum = _mm512_dpbusd_epi32(sum, w, _mm512_set1_epi32(load_i32(xb + r * stride + p * K + 4 * t)));
+          }
+        }
+      }
+    }
+    __m512i exact[R];  // the row's integer dot product with its (combined) activation values
+    for (int r = 0; r < R; ++r) {
+      for (int p = 0; p < P; ++p) {
+        for (int c = 1; c < C; ++c) dot[r][p][0] = _mm512_add_epi32(dot[r][p][0], dot[r][p][c]);
+      }
+      exact[r] = PRECISE ? _mm512_add_epi32(_mm512_slli_epi32(dot[r][0][0], 7), dot[r][P - 1][0]) : dot[r][0][0];
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves + b * layout.halves_per_group)));
+    const int64_t at = r0 * nb + b;
+    if constexpr (FORMAT == kQ4_1) {
+      const __m512 m = _mm512_cvtph_ps(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves + b * layout.halves_per_group + kGroup)));
+      for (int r = 0; r < R; ++r) {
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact[r]), _mm512_mul_ps(d, _mm512_set1_ps(a.scales[at + r * nb])), acc[r]);
+        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.scaled_sums[at + r * nb]), acc[r]);
+      }
+    } else {
+      for (int r = 0; r < R; ++r) {
+        const __m512i centred = _mm512_sub_epi32(exact[r], _mm512_set1_epi32(a.offsets[at + r * nb]));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(centred), _mm512_mul_ps(d, _mm512_set1_ps(a.scales[at + r * nb])), acc[r]);
+      }
+    }
+  }
+  const __mmask16 lanes = static_cast<__mmask16>((1u << valid) - 1);
+  const __m512 b = bias ? _mm512_maskz_loadu_ps(lanes, bias) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * out_stride, lanes, _mm512_add_ps(acc[r], b));
+
+}
+#endif
+
+#if TOKIOS_AVX2
+// Bits 4 (and 5) of u from the high-bit bytes of a 5- or 6-bit block (layout in blocks.h): byte
+// bit `from` moved to bit `to`. 16-bit shifts are exact here: the mask drops what crossed a byte.
+template <int FROM, int TO>
+inline __m256i move_bits(__m256i bytes, __m256i mask) {
+  if constexpr (FROM < TO) return _mm256_and_si256(_mm256_slli_epi16(bytes, TO - FROM), mask);
+  else if constexpr (FROM > TO) return _mm256_and_si256(_mm256_srli_epi16(bytes, FROM - TO), mask);
+  else return _mm256_and_si256(bytes, mask);
+}
+
+// The AVX2 kernel, for every format: the same layout read as two halves of 8 features, with
+// vpmaddubsw (u8 x s8 pairs summed to int16) then vpmaddwd by ones (pairs of pairs to int32),
+// which is vpdpbusd's sum of 4 products. The int16 pair sums cannot saturate: 2 x 63 x 127 at
+// most for 6-bit weights, and a few are added in int16 before widening only where the bound
+// allows (4-bit: 4 vectors, 30,480 at most; 5-bit and 6-bit: 2). Q8_0 is flipped back to signed
+// and multiplied as |w| x sign(x, w) (at most 2 x 128 x 127 per pair), so its zero point is 0.
+template <int FORMAT, bool PRECISE, int R>
+void dot_group_rows_avx2(const uint8_t* group_row, const GroupLayout& layout, const QuantizedActivations& a,
+                         int64_t r0, const float* bias, int valid, float* out, int64_t out_stride) {
+  constexpr FormatTraits F = kTraits[FORMAT];
+  constexpr int P = PRECISE ? 2 : 1;
+  constexpr bool kSplit = F.sub == 16;  // Q6_K: separate sums for weights 0..15 and 16..31
+  constexpr int kAdds = F.bits == 4 ? 4 : 2;  // int16 additions before widening (see above)
+  const int64_t nb = layout.num_blocks, K = a.in_features, stride = a.row_stride;
+  const uint16_t* halves = layout.halves(group_row);
+  const int8_t* x0 = a.qs.data() + r0 * stride;
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  const __m256i bit4 = _mm256_set1_epi8(0x10), bits45 = _mm256_set1_epi8(0x30), flip = _mm256_set1_epi8(-128);
+  const int64_t bytes_per_block = layout.row_bytes / nb;
+  for (int h = 0; h < 2 && 8 * h < valid; ++h) {
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    __m256 super_scale = _mm256_setzero_ps(), super_min = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* values = group_row + b * layout.value_bytes;
+      if (h == 0) {
+        // As in the VNNI kernel: asking for the bytes 16 KiB ahead keeps one row's stream of
+        // weights from waiting on the hardware prefetcher.
+        const uintptr_t ahead = reinterpret_cast<uintptr_t>(group_row) + kPrefetchDistance + b * bytes_per_block;
+        for (int64_t line = 0; line < bytes_per_block + 64; line += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T1);
+        }
+      }
+      const int8_t* xb = x0 + b * kBlock;
+      __m256i dot[R][P][2];
+      for (int r = 0; r < R; ++r) {
+        for (int p = 0; p < P; ++p) dot[r][p][0] = dot[r][p][1] = _mm256_setzero_si256();
+      }
+      if constexpr (F.bits == 8) {
+        for (int t = 0; t < 8; ++t) {
+          const __m256i w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + 64 * t + 32 * h)), flip);
+          const __m256i magnitude = _mm256_sign_epi8(w, w);  // |w|; -128 reads as 128 unsigned
+          for (int r = 0; r < R; ++r) {
+            for (int p = 0; p < P; ++p) {
+              const __m256i x = _mm256_set1_epi32(load_i32(xb + r * stride + p * K + 4 * t));
+              const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x, w));
+              dot[r][p][0] = _mm256_add_epi32(dot[r][p][0], _mm256_madd_epi16(pairs, ones));
+            }
+          }
+        }
+      } else {
+        __m256i pending[R][P][2];  // int16 sums not yet widened
+        for (int r = 0; r < R; ++r) {
+          for (int p = 0; p < P; ++p) pending[r][p][0] = pending[r][p][1] = _mm256_setzero_si256();
+        }
+        __m256i high_bits[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+        if constexpr (F.bits == 5) {
+          high_bits[0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + 256 + 32 * h));
+        } else if constexpr (F.bits == 6) {
+          high_bits[0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + 256 + 64 * h));
+          high_bits[1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + 256 + 64 * h + 32));
+        }
+        auto step = [&](auto t_constant) {
+          constexpr int t = decltype(t_constant)::value;
+          const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + 64 * t + 32 * h));
+          __m256i low = _mm256_and_si256(packed, low_nibbles);
+          __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles);
+          if constexpr (F.bits == 5) {
+            low = _mm256_or_si256(low, move_bits<2 * t, 4>(high_bits[0], bit4));
+            high = _mm256_or_si256(high, move_bits<2 * t + 1, 4>(high_bits[0], bit4));
+          } else if constexpr (F.bits == 6) {
+            low = _mm256_or_si256(low, move_bits<4 * (t % 2), 4>(high_bits[t / 2], bits45));
+            high = _mm256_or_si256(high, move_bits<4 * (t % 2) + 2, 4>(high_bits[t / 2], bits45));
+          }
+          for (int r = 0; r < R; ++r) {
+            for (int p = 0; p < P; ++p) {
+              const int8_t* x = xb + r * stride + p * K;
+              const __m256i first = _mm256_maddubs_epi16(low, _mm256_set1_epi32(load_i32(x + 4 * t)));
+              const __m256i second = _mm256_maddubs_epi16(high, _mm256_set1_epi32(load_i32(x + 16 + 4 * t)));
+              if constexpr (kSplit) {
+                pending[r][p][0] = _mm256_add_epi16(pending[r][p][0], first);
+                pending[r][p][1] = _mm256_add_epi16(pending[r][p][1], second);
+              } else {
+                pending[r][p][0] = _mm256_add_epi16(pending[r][p][0], _mm256_add_epi16(first, second));
+              }
+              if constexpr ((t + 1) % kAdds == 0) {
+                for (int s = 0; s < (kSplit ? 2 : 1); ++s) {
+                  dot[r][p][s] = _mm256_add_epi32(dot[r][p][s], _mm256_madd_epi16(pending[r][p][s], ones));
+                  pending[r][p][s] = _mm256_setzero_si256();
+                }
+              }
+            }
+          }
+        };
+        step(std::integral_constant<int, 0>());
+        step(std::integral_constant<int, 1>());
+        step(std::integral_constant<int, 2>());
+        step(std::integral_constant<int, 3>());
+      }
+      // The block's scales for these 8 features.
+      __m256 scale, minimum = _mm256_setzero_ps();
+      __m256i sub_first = _mm256_setzero_si256(), sub_second = _mm256_setzero_si256();
+      if constexpr (F.sub == 0) {
+        const uint16_t* d = halves + b * layout.halves_per_group + 8 * h;
+        scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d)));
+        if constexpr (F.has_min) minimum = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + kGroup)));
+      } else {
+        if (b % (kSuperBlock / kBlock) == 0) {
+          const uint16_t* d = halves + b / (kSuperBlock / kBlock) * layout.halves_per_group + 8 * h;
+          super_scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d)));
+          if constexpr (F.has_min) super_min = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + kGroup)));
+        }
+        const uint8_t* sub = layout.sub(group_row) + b * layout.sub_bytes + 8 * h;
+        const __m128i first = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub));
+        const __m128i second = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub + kGroup));
+        if constexpr (F.sub == 32) {
+          // Exact products: an fp16 scale (11 bits) times a 6-bit integer.
+          scale = _mm256_mul_ps(super_scale, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(first)));
+          minimum = _mm256_mul_ps(super_min, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(second)));
+        } else {
+          scale = super_scale;
+          sub_first = _mm256_cvtepi8_epi32(first);
+          sub_second = _mm256_cvtepi8_epi32(second);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (r0 + r) * nb + b;
+        __m256i exact[2];
+        for (int s = 0; s < 2; ++s) {
+          exact[s] = PRECISE ? _mm256_add_epi32(_mm256_slli_epi32(dot[r][0][s], 7), dot[r][P - 1][s]) : dot[r][0][s];
+        }
+        const __m256 row_scale = _mm256_mul_ps(scale, _mm256_set1_ps(a.scales[at]));
+        __m256i total;
+        if constexpr (kSplit) {
+          // Q6_K: each half against its own integer scale, then one float step.
+          const int32_t first_sum = a.half_sums[at], second_sum = a.sums[at] - first_sum;
+          const __m256i first = _mm256_sub_epi32(exact[0], _mm256_set1_epi32(F.zero * first_sum));
+          const __m256i second = _mm256_sub_epi32(exact[1], _mm256_set1_epi32(F.zero * second_sum));
+          total = _mm256_add_epi32(_mm256_mullo_epi32(first, sub_first), _mm256_mullo_epi32(second, sub_second));
+        } else if constexpr (F.zero != 0 && F.bits != 8) {
+          total = _mm256_sub_epi32(exact[0], _mm256_set1_epi32(F.zero * a.sums[at]));
+        } else {
+          total = exact[0];
+        }
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), row_scale, acc[r]);
+        if constexpr (F.has_min) {
+          const __m256 scaled_sum = _mm256_set1_ps(a.scaled_sums[at]);
+          acc[r] = F.sub ? _mm256_fnmadd_ps(minimum, scaled_sum, acc[r]) : _mm256_fmadd_ps(minimum, scaled_sum, acc[r]);
+        }
+      }
+    }
+    const int lanes = std::min(8, valid - 8 * h);
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(lanes), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256 b = bias ? _mm256_maskload_ps(bias + 8 * h, mask) : _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) _mm256_maskstore_ps(out + r * out_stride + 8 * h, mask, _mm256_add_ps(acc[r], b));
+  }
+}
+#endif
+
+// The portable kernel, for every format: the same integer sums and float steps, one lane at a time.
+template <int FORMAT, bool PRECISE, int R>
+void dot_group_rows_scalar(const uint8_t* group_row, const GroupLayout& layout, const QuantizedActivations& a,
+                           int64_t r0, const float* bias, int valid, float* out, int64_t out_stride) {
+  constexpr FormatTraits F = kTraits[FORMAT];
+  const int64_t nb = layout.num_blocks, K = a.in_features, stride = a.row_stride;
+  const uint16_t* halves = layout.halves(group_row);
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < valid; ++j) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const int8_t* x = a.qs.data() + (r0 + r) * stride + b * kBlock;
+        const int64_t at = (r0 + r) * nb + b;
+        int32_t dot[2] = {0, 0};
+        for (int w = 0; w < kBlock; ++w) {
+          const int u = unpacked_value(group_row, layout, b, j, w);
+          const int32_t value = PRECISE ? 128 * x[w] + x[K + w] : x[w];
+          dot[w / 16] += u * value;
+        }
+        const int64_t group = F.sub ? b / (kSuperBlock / kBlock) : b;
+        float scale = half_to_float(halves[group * layout.halves_per_group + j]);
+        float minimum = F.has_min ? half_to_float(halves[group * layout.halves_per_group + kGroup + j]) : 0.f;
+        const uint8_t* sub = layout.sub(group_row) + b * layout.sub_bytes;
+        int32_t total;
+        if constexpr (F.sub == 16) {
+          const int32_t first_sum = a.half_sums[at], second_sum = a.sums[at] - first_sum;
+          total = static_cast<int8_t>(sub[j]) * (dot[0] - F.zero * first_sum) +
+                  static_cast<int8_t>(sub[kGroup + j]) * (dot[1] - F.zero * second_sum);
+        } else {
+          total = dot[0] + dot[1] - F.zero * a.sums[at];
+          if constexpr (F.sub == 32) {
+            scale *= static_cast<float>(sub[j]);
+            minimum *= static_cast<float>(sub[kGroup + j]);
+          }
+        }
+        acc = std::fma(static_cast<float>(total), scale * a.scales[at], acc);
+        if constexpr (F.has_min) acc = std::fma(F.sub ? -minimum : minimum, a.scaled_sums[at], acc);
+      }
+      out[r * out_stride + j] = acc + (bias ? bias[j] : 0.f);
+    }
+  }
+}
+
+using DotGroupFunction = void (*)(const uint8_t*, const GroupLayout&, const QuantizedActivations&, int64_t,
+                                  const float*, int, float*, int64_t);
+struct DotKernel {
+  std::array<DotGroupFunction, kTileRows + 1> by_rows{};  // [R], R = 1..max_rows; [0] unused
+  int max_rows = 0;
+};
+
+// Rows per tile of the AVX2 kernel: 16 ymm registers hold 4 rows' accumulators and sums; 8 spilled.
+constexpr int kTileRowsAvx2 = 4;
+
+template <int FORMAT, bool PRECISE, size_t... Rs>
+DotKernel make_kernel(std::index_sequence<Rs...>) {
+  DotKernel kernel;
+#if TOKIOS_VNNI
+  if constexpr (FORMAT == kQ4_1 || FORMAT == kQ8_0) {
+    kernel.by_rows = {nullptr, &dot_group_rows_vnni<FORMAT, PRECISE, static_cast<int>(Rs) + 1>...};
+    kernel.max_rows = kTileRows;
+    return kernel;
+  }
+#endif
+#if TOKIOS_AVX2
+  ((kernel.by_rows[Rs + 1] = Rs < kTileRowsAvx2 ? &dot_group_rows_avx2<FORMAT, PRECISE, std::min<int>(Rs + 1, kTileRowsAvx2)> : nullptr), ...);
+  kernel.max_rows = kTileRowsAvx2;
+#else
+  ((kernel.by_rows[Rs + 1] = &dot_group_rows_scalar<FORMAT, PRECISE, static_cast<int>(Rs) + 1>), ...);
+  kernel.max_rows = kTileRows;
+#endif
+  return kernel;
+}
+
+// [format][precise]; precise activations are offered for the two conversion formats only
+// (--dtype int8 and int4), so the others have no such kernel.
+inline const DotKernel& dot_kernel(int64_t format, bool precise) {
+  static const std::array<std::array<DotKernel, 2>, kNumFormats> table = [] {
+    std::array<std::array<DotKernel, 2>, kNumFormats> t{};
+    const auto rows = std::make_index_sequence<kTileRows>();
+    t[kQ4_1] = {make_kernel<kQ4_1, false>(rows), make_kernel<kQ4_1, true>(rows)};
+    t[kQ8_0] = {make_kernel<kQ8_0, false>(rows), make_kernel<kQ8_0, true>(rows)};
+    t[kQ4_0][0] = make_kernel<kQ4_0, false>(rows);
+    t[kQ5_0][0] = make_kernel<kQ5_0, false>(rows);
+    t[kQ5_1][0] = make_kernel<kQ5_1, false>(rows);
+    t[kQ4_K][0] = make_kernel<kQ4_K, false>(rows);
+    t[kQ5_K][0] = make_kernel<kQ5_K, false>(rows);
+    t[kQ6_K][0] = make_kernel<kQ6_K, false>(rows);
+    return t;
+  }();
+  return table[format][precise];
+}
+
+// out[:, 0:N) (row stride out_stride) = activations . W^T (+ bias) for one packed weight.
+inline void quant_matmul(const QuantizedActivations& activations, int64_t M, const uint8_t* weight, int64_t N,
+                         int64_t format, bool precise, const float* bias, float* out, int64_t out_stride) {
+  const GroupLayout layout(format, activations.in_features);
+  const DotKernel& kernel = dot_kernel(format, precise);
+  const int64_t num_groups = (N + kGroup - 1) / kGroup;
+  // A group's weights (at most a few KiB per 576 inputs) stay in L1 while tiles of rows pass over
+  // them; rows are taken 64 at a time so that their activations stay in L2 (long prefill chunks).
+  constexpr int64_t kRowChunk = 64;
+  at::parallel_for(0, num_groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
+      const int64_t m1 = std::min(M, m0 + kRowChunk);
+      for (int64_t g = begin; g < end; ++g) {
+        const int valid = static_cast<int>(std::min<int64_t>(kGroup, N - g * kGroup));
+        const float* group_bias = bias ? bias + g * kGroup : nullptr;
+        for (int64_t r0 = m0; r0 < m1; r0 += kernel.max_rows) {
+          const int tile = static_cast<int>(std::min<int64_t>(kernel.max_rows, m1 - r0));
+          kernel.by_rows[tile](weight + g * layout.row_bytes, layout, activations, r0, group_bias, valid,
+                               out + r0 * out_stride + g * kGroup, out_stride);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace tokios

@@ -163,12 +163,21 @@ def test_low_precision_parts_from_one_by_one_only_at_near_ties(dtype):
     alone = [llm.generate([t], params)[0].outputs[0] for t in token_ids]
     together = [o.outputs[0] for o in llm.generate(token_ids, params)]
     llm.check_invariants()
+    num_identical = assert_parts_only_at_near_ties(together, alone, dtype)
+    print(f"\n{dtype} ({llm.core.weight_format}): {num_identical} of {len(PROMPTS)} prompts identical")
+
+
+def assert_parts_only_at_near_ties(outputs, references, label: str) -> int:
+    """Each output's tokens equal its reference's up to a position where the reference's top two
+    candidates were within NEAR_TIE_NATS, with the chosen tokens' log-probabilities within
+    MAX_LOGPROB_DRIFT_NATS before it (both generated with logprobs=2). Returns how many were
+    identical throughout."""
     num_identical = 0
-    for index, (ours, reference) in enumerate(zip(together, alone)):
-        assert len(ours.token_ids) == len(reference.token_ids) == MAX_TOKENS
+    for index, (ours, reference) in enumerate(zip(outputs, references)):
+        assert len(ours.token_ids) == len(reference.token_ids)
         parted_at = next((i for i, (a, b) in enumerate(zip(ours.token_ids, reference.token_ids)) if a != b), None)
         num_identical += parted_at is None
-        agreed = MAX_TOKENS if parted_at is None else parted_at
+        agreed = len(ours.token_ids) if parted_at is None else parted_at
         for position in range(agreed):
             token_id = reference.token_ids[position]
             drift = abs(ours.logprobs[position][token_id].logprob - reference.logprobs[position][token_id].logprob)
@@ -176,6 +185,6 @@ def test_low_precision_parts_from_one_by_one_only_at_near_ties(dtype):
         if parted_at is not None:
             top_two = sorted((lp.logprob for lp in reference.logprobs[parted_at].values()), reverse=True)[:2]
             gap = top_two[0] - top_two[1]
-            print(f"\n{dtype}: prompt {index} parts at token {parted_at}, top-two gap {gap:.3f} nats")
+            print(f"\n{label}: prompt {index} parts at token {parted_at}, top-two gap {gap:.3f} nats")
             assert gap <= NEAR_TIE_NATS, f"prompt {index} parts at token {parted_at} with a clear winner ({gap:.2f} nats)"
-    print(f"\n{dtype} ({llm.core.weight_format}): {num_identical} of {len(PROMPTS)} prompts identical")
+    return num_identical

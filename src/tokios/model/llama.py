@@ -125,12 +125,13 @@ class LlamaModel:
         return sum(lin.num_bytes() for lin in [self.lm_head] + self.layer_linears())
 
     def weight_summary(self) -> str:
-        """What runs, for the start-up log: linear tensors per block type (or dense dtype) and bytes."""
+        """What runs, for the start-up log: the file's linear tensors per block type (or dense dtype;
+        stacked projections count one per tensor) and their bytes."""
         from collections import Counter
 
         counts: Counter[str] = Counter()
         for linear in [self.lm_head] + self.layer_linears():
-            types = getattr(linear, "ggml_types", None)
+            types = getattr(linear, "tensor_types", None)
             counts.update([t.name for t in types] if types else [str(linear.weight.dtype).removeprefix("torch.")])
         kinds = ", ".join(f"{name} {count}" for name, count in sorted(counts.items(), key=lambda item: -item[1]))
         return f"{kinds}; {self.weight_bytes() / 2**20:.1f} MiB of linear weights"

@@ -51,11 +51,13 @@ class PackedWeight:
     dequantize(). Row operations (concatenation, reordering) work on the packed rows directly.
     """
 
-    def __init__(self, raw: torch.Tensor, ggml_type: T, shape: tuple[int, int], name: str = "tensor"):
+    def __init__(self, raw: torch.Tensor, ggml_type: T, shape: tuple[int, int], name: str = "tensor",
+                 num_tensors: int = 1):
         self.raw = raw  # [out_features, row_bytes] uint8
         self.ggml_type = ggml_type
         self.shape = tuple(shape)
         self.name = name
+        self.num_tensors = num_tensors  # file tensors stacked in here (q, k and v: 3)
 
     @classmethod
     def from_file(cls, raw: np.ndarray, ggml_type: T, shape: tuple[int, ...], name: str) -> "PackedWeight":
@@ -69,8 +71,9 @@ class PackedWeight:
     def dequantize(self) -> torch.Tensor:
         return dequantize(self.raw.numpy().reshape(-1), self.ggml_type, self.shape, self.name)
 
-    def with_rows(self, raw: torch.Tensor) -> "PackedWeight":
-        return PackedWeight(raw, self.ggml_type, (raw.shape[0], self.shape[1]), self.name)
+    def with_rows(self, raw: torch.Tensor, num_tensors: int | None = None) -> "PackedWeight":
+        return PackedWeight(raw, self.ggml_type, (raw.shape[0], self.shape[1]), self.name,
+                            self.num_tensors if num_tensors is None else num_tensors)
 
 
 class SegmentedWeight:
@@ -93,7 +96,8 @@ def concat_rows(weights: list["torch.Tensor | PackedWeight"]) -> "torch.Tensor |
     runs: list[PackedWeight] = []
     for weight in weights:
         if runs and runs[-1].ggml_type == weight.ggml_type:
-            runs[-1] = runs[-1].with_rows(torch.cat([runs[-1].raw, weight.raw]))
+            runs[-1] = runs[-1].with_rows(torch.cat([runs[-1].raw, weight.raw]),
+                                          runs[-1].num_tensors + weight.num_tensors)
         else:
             runs.append(weight)
     return runs[0] if len(runs) == 1 else SegmentedWeight(runs)

@@ -30,7 +30,9 @@ SECTION = "Serving"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="GGUF file (default: the default model)")
+    from tokios.tools.peers import add_model_arguments
+
+    add_model_arguments(parser)
     parser.add_argument("--llama-server", default=None, metavar="PATH",
                         help="llama-server binary (default: cached build, PATH, or build it once)")
     parser.add_argument("--parallel", type=int, default=None,
@@ -119,7 +121,7 @@ def round_ratio_table(tokios_rounds: list[list[ServeSummary]], llama_rounds: lis
 
 
 def run(args: argparse.Namespace) -> int:
-    from tokios.tools.peers import ServerProcess, find_llama_server, free_port, load_prompt_codec, resolve_model_path
+    from tokios.tools.peers import ServerProcess, find_llama_server, free_port, benchmark_model_path, load_prompt_codec
 
     servers = [s.strip() for s in args.servers.split(",") if s.strip()]
     if not servers or any(s not in ("tokios", "llama.cpp") for s in servers):
@@ -129,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidRequestError(f"repeats must be at least 1, got {args.repeats}", param="repeats")
     concurrencies = resolve_concurrencies(args.concurrency, args.request_rate)
     num_slots = args.parallel or max(c or args.num_prompts for c in concurrencies)
-    model_path = resolve_model_path(args.model)
+    model_path = benchmark_model_path(args)
     requests = build_requests(load_from_args(args, "http://127.0.0.1", None), load_prompt_codec(model_path))
     binary = find_llama_server(args.llama_server) if "llama.cpp" in servers else None
 

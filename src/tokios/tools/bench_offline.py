@@ -41,7 +41,9 @@ def noise_note() -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="GGUF file (default: the default model)")
+    from tokios.tools.peers import add_model_arguments
+
+    add_model_arguments(parser)
     parser.add_argument("--systems", default="tokios,llama.cpp,transformers",
                         help=f"comma-separated subset of {', '.join(SYSTEM_NAMES)}")
     parser.add_argument("--dtype", default="auto", help="tokios --dtype values, comma-separated (one row each)")
@@ -192,13 +194,13 @@ def machine_line() -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tokios.tools.peers import load_prompt_codec, resolve_model_path
+    from tokios.tools.peers import benchmark_model_path, load_prompt_codec
 
     for name, minimum in (("reps", 1), ("decode_tokens", 2), ("prefill_tokens", 1), ("transformers_reps", 0),
                           ("throughput_prompts", 0), ("throughput_input_len", 1), ("throughput_output_len", 1)):
         if getattr(args, name) < minimum:
             raise InvalidRequestError(f"{name} must be >= {minimum}, got {getattr(args, name)}", param=name)
-    model_path = resolve_model_path(args.model)
+    model_path = benchmark_model_path(args)
     codec = load_prompt_codec(model_path)
     if codec is None:
         raise InvalidRequestError("no tokenizer could read the model file for exact prompt lengths", param="model")

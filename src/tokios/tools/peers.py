@@ -124,6 +124,47 @@ def build_llama_server(*, num_jobs: int = 2) -> str:
     return str(binary)
 
 
+def llama_tool(name: str, *, num_jobs: int = 2) -> str:
+    """A tool of the llama.cpp build that llama-server comes from (llama-quantize, llama-bench),
+    built into the same directory the first time it is asked for."""
+    build_dir = Path(find_llama_server(num_jobs=num_jobs)).parent.parent
+    binary = build_dir / "bin" / name
+    if not binary.is_file():
+        _run_logged(["cmake", "--build", str(build_dir), "--target", name, "-j", str(num_jobs)], f"cmake --build {name}")
+    if not binary.is_file():
+        raise TokiosError(f"the {name} build finished without {binary}")
+    return str(binary)
+
+
+def add_model_arguments(parser) -> None:
+    parser.add_argument("--model", default=None, help="GGUF file (default: the default model)")
+    parser.add_argument("--quantize", default=None, metavar="TYPE",
+                        help="first requantize --model with llama.cpp's llama-quantize into TYPE (Q4_0, Q4_K_M, "
+                             "Q5_K_M, Q6_K, Q8_0, ...), made once into the peers cache, and benchmark that file")
+
+
+def benchmark_model_path(args) -> str:
+    """The file a benchmark runs: --model (or the default model), requantized if --quantize says so."""
+    model_path = resolve_model_path(args.model)
+    return requantized_model(model_path, args.quantize) if args.quantize else model_path
+
+
+def requantized_model(model_path: str, file_type: str) -> str:
+    """`model_path` requantized into `file_type` (Q4_0, Q4_K_M, Q5_K_M, Q6_K, Q8_0, ...) by
+    llama.cpp's own llama-quantize, as a user's downloaded file would be; made once into the
+    peers cache. For benchmarks only: the tests write their files with tokios's quantizers."""
+    if not file_type.replace("_", "").isalnum():
+        raise TokiosError(f"quantize must be a llama-quantize type name such as Q4_K_M, got {file_type!r}")
+    target = peers_dir() / "models" / f"{Path(model_path).stem}.{file_type.upper()}.gguf"
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_suffix(".partial")
+        _run_logged([llama_tool("llama-quantize"), "--allow-requantize", model_path, str(partial), file_type.upper()],
+                    f"llama-quantize {file_type}")
+        partial.rename(target)
+    return str(target)
+
+
 def _run_logged(command: list[str], what: str) -> None:
     log_path = peers_dir() / "build.log"
     print(f"peers: {what} ... (log: {log_path})", file=sys.stderr)

@@ -148,11 +148,14 @@ class QuantizedLinear:
         segments = weight.parts if isinstance(weight, SegmentedWeight) else [weight]
         if target_type is not None:
             segments = [part if isinstance(part, PackedWeight) and part.ggml_type == target_type
-                        else _quantized(as_dense(part).cpu(), target_type, getattr(part, "name", "weight"))
+                        else _quantized(as_dense(part).cpu(), target_type, getattr(part, "name", "weight"),
+                                        getattr(part, "num_tensors", 1))
                         for part in segments]
         elif not all(isinstance(part, PackedWeight) and part.ggml_type in FORMAT_BY_TYPE for part in segments):
             raise ValueError("a quantized linear runs as stored only from kernel block types")
         self.ggml_types = [part.ggml_type for part in segments]
+        # One entry per file tensor held (q, k and v stacked in one segment count 3).
+        self.tensor_types = [part.ggml_type for part in segments for _ in range(part.num_tensors)]
         self.bias = None if bias is None else bias.float().contiguous().to(device)
         self.extension = load_extension() if device.type == "cpu" else None
         if self.extension is not None:
@@ -191,9 +194,9 @@ class QuantizedLinear:
         return self._num_bytes
 
 
-def _quantized(weight: torch.Tensor, ggml_type: T, name: str) -> PackedWeight:
+def _quantized(weight: torch.Tensor, ggml_type: T, name: str, num_tensors: int) -> PackedWeight:
     blocks = quantize_q4_1(weight) if ggml_type == T.Q4_1 else quantize_q8_0(weight)
-    return PackedWeight(blocks, ggml_type, tuple(weight.shape), name)
+    return PackedWeight(blocks, ggml_type, tuple(weight.shape), name, num_tensors)
 
 
 def make_quantized_linear(weight: "torch.Tensor | PackedWeight | SegmentedWeight", bias: torch.Tensor | None,

@@ -1,0 +1,85 @@
+"""Write a GGUF file whose 2-D weights are requantized into other block types, tensor by tensor,
+with our own quantizers (blocks/quantize.py); everything else (metadata, norms) is copied.
+
+Used by the tests to make files of every type from the default model, and of random-weight
+models whose rows are multiples of 256 (so that real K-quant tensors run, which the default
+model's 576-wide rows never allow). `mostly_q4_k_m` mimics how llama.cpp's Q4_K_M chooses a type
+per tensor, so a test file mixes four or five types as a downloaded one does.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+from tokios.model.blocks.quantize import K_QUANT_TYPES, quantize
+from tokios.model.quant import dequantize
+
+# What llama.cpp stores instead of a K-quant when a row is not a whole number of 256-weight blocks.
+K_QUANT_FALLBACK = {T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
+
+TypeChooser = Callable[[str, tuple[int, int], int], T]  # (tensor name, shape, num_layers) -> type
+
+
+def uniform(ggml_type: T) -> TypeChooser:
+    """Every 2-D weight in `ggml_type`."""
+    return lambda name, shape, num_layers: ggml_type
+
+
+def mostly_q4_k_m(name: str, shape: tuple[int, int], num_layers: int) -> T:
+    """llama.cpp's Q4_K_M choice: Q6_K for the embedding / output and for attn_v and ffn_down in the
+    first and last eighth of the layers and every third layer between; Q4_K elsewhere."""
+    if name in ("token_embd.weight", "output.weight"):
+        return T.Q6_K
+    if name.endswith(("attn_v.weight", "ffn_down.weight")):
+        layer = int(name.split(".")[1])
+        uses_more_bits = layer < num_layers // 8 or layer >= 7 * num_layers // 8 or (layer - num_layers // 8) % 3 == 2
+        return T.Q6_K if uses_more_bits else T.Q4_K
+    return T.Q4_K
+
+
+def storable_type(ggml_type: T, shape: tuple[int, int]) -> T:
+    """`ggml_type`, or llama.cpp's fallback where the rows do not fit its blocks."""
+    if ggml_type in K_QUANT_TYPES and shape[1] % 256:
+        return K_QUANT_FALLBACK[ggml_type]
+    return ggml_type
+
+
+def _copy_metadata(reader: GGUFReader, writer: GGUFWriter) -> None:
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue  # the header's own fields; the writer adds the architecture itself
+        value_type = field.types[0]
+        sub_type = field.types[-1] if value_type == GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), value_type, sub_type=sub_type)
+
+
+def requantize_gguf(source: str, destination: str, choose: TypeChooser) -> dict[str, T]:
+    """Write `destination` from `source` with each 2-D weight in the type `choose` names (made
+    storable); returns tensor name -> type written."""
+    reader = GGUFReader(source)
+    architecture = reader.fields["general.architecture"].contents()
+    num_layers = int(reader.fields[f"{architecture}.block_count"].contents())
+    writer = GGUFWriter(destination, architecture)
+    _copy_metadata(reader, writer)
+    written: dict[str, T] = {}
+    for tensor in reader.tensors:
+        shape = tuple(int(dim) for dim in reversed(tensor.shape))
+        raw = np.asarray(tensor.data).view(np.uint8).reshape(-1)
+        weights = dequantize(raw, tensor.tensor_type, shape, tensor.name).numpy()
+        if len(shape) == 2:
+            ggml_type = storable_type(choose(tensor.name, shape, num_layers), shape)
+            blocks = quantize(weights, ggml_type).reshape(shape[0], -1)
+            writer.add_tensor(tensor.name, blocks, raw_dtype=ggml_type)
+        else:
+            ggml_type = T.F32
+            writer.add_tensor(tensor.name, weights.astype(np.float32))
+        written[tensor.name] = ggml_type
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return written

@@ -151,3 +151,15 @@ def test_chat_with_a_non_gguf_file_exits_1_with_one_line(tmp_path):
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "not a GGUF file" in lines[0], result.stderr
+
+
+def test_block_type_whose_blocks_do_not_fit_the_shape(tmp_path):
+    """A Q8_0 tensor of 16 x 8 weights: its 8-weight rows are no whole number of 32-weight blocks."""
+    path = write_gguf(tmp_path / "misfit.gguf", "llama")
+    data = bytearray(path.read_bytes())
+    name = b"token_embd.weight"
+    type_at = data.index(name) + len(name) + 4 + 2 * 8
+    data[type_at:type_at + 4] = int(GGMLQuantizationType.Q8_0).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    error = load_error(path)
+    assert "token_embd.weight" in error.message and "Q8_0" in error.message and "block size 32" in error.message

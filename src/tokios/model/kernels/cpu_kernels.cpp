@@ -196,6 +196,29 @@ inline __m512 exp16(__m512 x) {
 }
 #endif
 
+#if TOKIOS_AVX2
+// The same polynomial on 8 lanes, for AVX2 machines (std::exp was 6% of a 1,000-token prefill).
+// 2^n is built in the exponent field: n is within [-127, 128] after the clamp; -127 gives 0 and
+// 128 infinity, which silu's sigmoid turns into the right limits.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-88.3762626647949f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 scale = _mm256_castsi256_ps(_mm256_max_epi32(exponent, _mm256_setzero_si256()));
+  return _mm256_mul_ps(p, scale);
+}
+#endif
+
 void silu_mul_rows(const float* gate_up, int64_t rows, int64_t intermediate, float* out) {
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
@@ -208,6 +231,12 @@ void silu_mul_rows(const float* gate_up, int64_t rows, int64_t intermediate, flo
         const __m512 g = _mm512_loadu_ps(gate + j);
         const __m512 sigmoid_denominator = _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
         _mm512_storeu_ps(o + j, _mm512_mul_ps(_mm512_div_ps(g, sigmoid_denominator), _mm512_loadu_ps(up + j)));
+      }
+#elif TOKIOS_AVX2
+      for (; j + 8 <= intermediate; j += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + j);
+        const __m256 sigmoid_denominator = _mm256_add_ps(_mm256_set1_ps(1.f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g)));
+        _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_div_ps(g, sigmoid_denominator), _mm256_loadu_ps(up + j)));
       }
 #endif
       for (; j < intermediate; ++j) o[j] = gate[j] / (1.f + std::exp(-gate[j])) * up[j];

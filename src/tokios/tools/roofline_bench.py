@@ -59,13 +59,27 @@ _NAME_TO_TORCH_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": t
 
 
 def measure_matmul_flops(dtype: str, size: int = 2048, num_repeats: int = 3) -> float:
-    """FLOP/s of a square matmul (2 * size^3 FLOPs) in `dtype`."""
+    """FLOP/s of a square matmul (2 * size^3 FLOPs) in `dtype`; int8: integer multiply-adds of
+    int8 x int8 into int32 (torch._int_mm, oneDNN's integer GEMM), the roof of the quantized kernels."""
     device = _device()
+    if dtype == "int8":
+        a = torch.randint(-127, 128, (size, size), dtype=torch.int8, device=device)
+        b = torch.randint(-127, 128, (size, size), dtype=torch.int8, device=device)
+        seconds = _best_seconds(lambda: torch._int_mm(a, b), device, num_repeats)
+        return 2 * size**3 / seconds
     torch_dtype = _NAME_TO_TORCH_DTYPE[dtype]
     a = torch.randn(size, size, device=device).to(torch_dtype)
     b = torch.randn(size, size, device=device).to(torch_dtype)
     seconds = _best_seconds(lambda: torch.matmul(a, b), device, num_repeats)
     return 2 * size**3 / seconds
+
+
+def _has_int_mm() -> bool:
+    try:
+        torch._int_mm(torch.ones(32, 32, dtype=torch.int8), torch.ones(32, 32, dtype=torch.int8))
+    except (AttributeError, RuntimeError):
+        return False
+    return True
 
 
 def _memory_bytes(device: torch.device) -> int:
@@ -81,7 +95,7 @@ def measure_roofs(*, quick: bool = False) -> dict:
     buffer may sit partly in a large last-level cache, a smaller matmul underuses the cores.
     """
     device = _device()
-    dtypes = ["fp32", "bf16"] + (["fp16"] if device.type == "cuda" else [])
+    dtypes = ["fp32", "bf16"] + (["fp16"] if device.type == "cuda" else ["int8"] if _has_int_mm() else [])
     matmul_size = 512 if quick else (8192 if device.type == "cuda" else 2048)
     buffer_bytes = 256 * MIB if quick else (2048 * MIB if device.type == "cuda" else 512 * MIB)
     return {

@@ -14,7 +14,7 @@ import sys
 from tokios.errors import InvalidRequestError, TokiosError
 from tokios.tools.roofline import Roofs, RooflinePoint, verdict
 
-ENGINE_DTYPE_TO_COMPUTE_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+ENGINE_DTYPE_TO_COMPUTE_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int8": "int8"}
 
 
 def _int_list(text: str) -> list[int]:
@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: bundled SmolLM2)")
     parser.add_argument("--dtype", default="auto",
                         help="engine dtype: auto, float32, bfloat16, int8, int4 (default auto)")
-    parser.add_argument("--compute-dtype", default=None, choices=["fp32", "bf16", "fp16"],
+    parser.add_argument("--compute-dtype", default=None, choices=["fp32", "bf16", "fp16", "int8"],
                         help="which matmul roof the engine's steps are held to (default: from --dtype)")
     parser.add_argument("--batch-sizes", type=_int_list, default=[1, 2, 4, 8, 16],
                         help="decode batch sizes (default 1,2,4,8,16)")
@@ -104,8 +104,12 @@ def _measure_engine(args: argparse.Namespace) -> tuple[str, list[RooflinePoint]]
 
 
 def _engine_compute_dtype(engine, requested: str) -> str:
-    """The dtype of the engine's matrix products: its activation dtype for the weight format it
-    resolved (int8/int4 weights are expanded for the products), so the right roof is used."""
+    """The dtype of the engine's matrix products, so the right roof is used: int8 where its
+    linear layers run on the quantized kernels (8-bit activations times block integers, whatever
+    the block type), else the activation dtype of the weight format it resolved."""
+    model = getattr(getattr(engine, "core", None), "model", None)
+    if model is not None and getattr(model, "can_fuse_decode", False):
+        return "int8"
     weight_format = getattr(getattr(engine, "core", None), "weight_format", None) or requested
     try:
         from tokios.model.llama import ACTIVATION_DTYPE

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
-from tokios.model.blocks import KERNEL_TYPES, quantize, quantize_ints, unpack
+from tokios.model.blocks import BLOCK_BYTES, KERNEL_TYPES, LAYOUTS, quantize, quantize_ints, unpack
 from tokios.model.blocks.codec import pack
 from tokios.model.kernels import (BLOCK, FORMAT_BY_TYPE, QuantizedLinear, load_extension, quantize_q4_1,
                                   quantize_q8_0)
@@ -57,8 +57,6 @@ def test_integer_form_round_trips_every_byte_and_dequantizes_as_gguf(ggml_type):
 
     n, k = 3, 512
     num_blocks = n * k // (256 if ggml_type in K_QUANTS else 32)
-    from tokios.model.blocks import BLOCK_BYTES
-
     raw = np.random.default_rng(1).integers(0, 256, num_blocks * BLOCK_BYTES[ggml_type], dtype=np.uint8)
     ints = unpack(raw, ggml_type, (n, k))
     assert np.array_equal(pack(ints), raw)
@@ -139,8 +137,6 @@ def test_rows_do_not_depend_on_the_batch(ggml_type):
 def extreme_ints(ggml_type: T, k: int, largest: bool):
     """Blocks at the ends of their ranges: every u at its maximum (largest) or 0, the fp16 scales
     at their largest finite value, the sub-scales and minimums at their largest."""
-    from tokios.model.blocks.codec import LAYOUTS
-
     ints = quantize_ints(random_weight(16, k, 6), ggml_type)
     bits = LAYOUTS[ggml_type][0]
     ints.values[:] = (1 << bits) - 1 if largest else 0

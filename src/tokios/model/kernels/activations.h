@@ -32,7 +32,6 @@ struct QuantizedActivations {
   std::vector<float> scaled_sums;   // [rows][num_blocks]: scale * sum of the combined values
   std::vector<int32_t> sums;        // [rows][num_blocks]: sum of the combined values
   std::vector<int32_t> half_sums;   // [rows][num_blocks]: the same over the first 16 (Q6_K's scales)
-  std::vector<int32_t> offsets;     // [rows][num_blocks]: 128 * sum (VNNI's unsigned Q8_0 weights)
 };
 
 #if TOKIOS_AVX2
@@ -59,7 +58,7 @@ inline void store_int8x8(int8_t* out, __m256i q) {
 
 template <bool PRECISE>
 void quantize_row(const float* x, int64_t num_blocks, int64_t in_features, int8_t* qs, float* scales,
-                  float* scaled_sums, int32_t* sums, int32_t* half_sums, int32_t* offsets) {
+                  float* scaled_sums, int32_t* sums, int32_t* half_sums) {
   for (int64_t b = 0; b < num_blocks; ++b) {
     const float* xb = x + b * kBlock;
     int8_t* qb = qs + b * kBlock;
@@ -137,7 +136,6 @@ void quantize_row(const float* x, int64_t num_blocks, int64_t in_features, int8_
     scaled_sums[b] = scale * static_cast<float>(sum);
     sums[b] = sum;
     half_sums[b] = first_half;
-    offsets[b] = 128 * sum;
   }
 }
 
@@ -150,13 +148,13 @@ inline void quantize_activations(const float* x, int64_t M, int64_t K, bool prec
   const size_t per_block = static_cast<size_t>(M * a.num_blocks);
   a.qs.resize(std::max<size_t>(a.qs.size(), M * a.row_stride));
   for (auto* v : {&a.scales, &a.scaled_sums}) v->resize(std::max(v->size(), per_block));
-  for (auto* v : {&a.sums, &a.half_sums, &a.offsets}) v->resize(std::max(v->size(), per_block));
+  for (auto* v : {&a.sums, &a.half_sums}) v->resize(std::max(v->size(), per_block));
   const auto quantize = precise ? &quantize_row<true> : &quantize_row<false>;
   at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       const int64_t at = m * a.num_blocks;
       quantize(x + m * K, a.num_blocks, K, a.qs.data() + m * a.row_stride, a.scales.data() + at,
-               a.scaled_sums.data() + at, a.sums.data() + at, a.half_sums.data() + at, a.offsets.data() + at);
+               a.scaled_sums.data() + at, a.sums.data() + at, a.half_sums.data() + at);
     }
   });
 }

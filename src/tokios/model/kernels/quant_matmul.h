@@ -108,7 +108,7 @@ void dot_group_rows_vnni(const uint8_t* group_row, const GroupLayout& layout, co
       }
     } else {
       for (int r = 0; r < R; ++r) {
-        const __m512i centred = _mm512_sub_epi32(exact[r], _mm512_set1_epi32(a.offsets[at + r * nb]));
+        const __m512i centred = _mm512_sub_epi32(exact[r], _mm512_set1_epi32(kTraits[kQ8_0].zero * a.sums[at + r * nb]));
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(centred), _mm512_mul_ps(d, _mm512_set1_ps(a.scales[at + r * nb])), acc[r]);
       }
     }

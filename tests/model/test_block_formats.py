@@ -26,7 +26,7 @@ from gguf import GGUFReader, GGUFWriter
 
 from reference import default_gguf, engine_perplexity, perplexity_from_logits, reference_logits
 from test_engine_invariance import PROMPTS, assert_parts_only_at_near_ties, prompt_token_ids
-from tokios.model.blocks.requantize import mostly_q4_k_m, requantize_gguf, uniform
+from tokios.model.blocks.requantize import copy_metadata, mostly_q4_k_m, requantize_gguf, uniform
 from tokios.sampling_params import SamplingParams
 
 TEXT_PATH = Path(__file__).parent.parent / "data" / "perplexity_text.txt"
@@ -67,12 +67,7 @@ def random_k_quant_model(directory: Path) -> Path:
 
     source = GGUFReader(str(default_gguf()))
     writer = GGUFWriter(str(path), "llama")
-    for field in source.fields.values():
-        if field.name.startswith(("GGUF.", "llama.", "general.architecture")):
-            continue
-        value_type = field.types[0]
-        writer.add_key_value(field.name, field.contents(), value_type,
-                             sub_type=field.types[-1] if len(field.types) > 1 else None)
+    copy_metadata(source, writer, skip_prefixes=("llama.",))  # the tokenizer; new hyper-parameters below
     hidden, intermediate, heads, kv_heads, head_dim, layers = 256, 768, 4, 2, 64, 2
     writer.add_block_count(layers)
     writer.add_embedding_length(hidden)

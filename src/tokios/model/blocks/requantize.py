@@ -48,10 +48,12 @@ def storable_type(ggml_type: T, shape: tuple[int, int]) -> T:
     return ggml_type
 
 
-def _copy_metadata(reader: GGUFReader, writer: GGUFWriter) -> None:
+def copy_metadata(reader: GGUFReader, writer: GGUFWriter, skip_prefixes: tuple[str, ...] = ()) -> None:
+    """Every key of `reader` into `writer`, but the header's own fields, the architecture (the
+    writer adds it) and keys starting with one of `skip_prefixes`."""
     for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name == "general.architecture":
-            continue  # the header's own fields; the writer adds the architecture itself
+        if field.name.startswith(("GGUF.", "general.architecture") + skip_prefixes):
+            continue
         value_type = field.types[0]
         sub_type = field.types[-1] if value_type == GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, field.contents(), value_type, sub_type=sub_type)
@@ -64,7 +66,7 @@ def requantize_gguf(source: str, destination: str, choose: TypeChooser) -> dict[
     architecture = reader.fields["general.architecture"].contents()
     num_layers = int(reader.fields[f"{architecture}.block_count"].contents())
     writer = GGUFWriter(destination, architecture)
-    _copy_metadata(reader, writer)
+    copy_metadata(reader, writer)
     written: dict[str, T] = {}
     for tensor in reader.tensors:
         shape = tuple(int(dim) for dim in reversed(tensor.shape))

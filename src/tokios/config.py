@@ -61,9 +61,29 @@ class ModelConfig:
     tie_word_embeddings: bool = True
     attention_bias: bool = False
     name: str = ""
+    # Per layer: the sliding window in tokens (the layer attends to the last `window` positions,
+    # its own included), or None for full attention. None: every layer is full.
+    layer_windows: tuple[int | None, ...] | None = None
+    rope_local_theta: float | None = None  # RoPE base of the sliding layers (Gemma 3), if it differs
+    query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power; None: head_dim
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def window_of(self, layer: int) -> int | None:
+        return None if self.layer_windows is None else self.layer_windows[layer]
 
     def kv_bytes_per_token(self, bytes_per_element: int) -> int:
+        """Every layer's K and V of one token (what a context shorter than every window costs)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
+
+    def kv_bytes_for_context(self, context_len: int, bytes_per_element: int) -> int:
+        """K and V bytes one request of context_len tokens keeps: a sliding layer holds at most its window."""
+        per_layer_token = 2 * self.num_kv_heads * self.head_dim * bytes_per_element
+        return sum(per_layer_token * (context_len if self.window_of(i) is None else min(context_len, self.window_of(i)))
+                   for i in range(self.num_layers))
 
 
 @dataclass(frozen=True)

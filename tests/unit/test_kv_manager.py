@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tokios.kv_cache.manager import KVCacheManager, chain_hash, salt_hash
+from tokios.kv_cache.layout import KVCacheLayout
+from tokios.kv_cache.manager import NULL_BLOCK, KVCacheManager, chain_hash, salt_hash
 
 BLOCK_SIZE = 4
 
@@ -20,12 +21,13 @@ class FakeRequest:
 
 
 def admit(kv: KVCacheManager, request: FakeRequest) -> list[int]:
-    """What the scheduler does for a new request: prefix lookup, then room for the rest."""
-    hit_blocks, num_cached = kv.get_computed_blocks(request)
-    copies = kv.allocate_slots(request, len(request.all_token_ids) - num_cached, hit_blocks)
+    """What the scheduler does for a new request: prefix lookup, then room for the rest.
+    Returns the hit in group 0 (the only group of these full-attention managers)."""
+    hit_tables, num_cached = kv.get_computed_blocks(request)
+    copies = kv.allocate_slots(request, len(request.all_token_ids) - num_cached, hit_tables)
     assert copies == []
     request.num_computed_tokens = len(request.all_token_ids)
-    return hit_blocks
+    return hit_tables[0]
 
 
 def test_prefix_miss_allocates_fresh_blocks_in_order():
@@ -96,7 +98,7 @@ def test_free_is_tail_first_so_a_prompt_end_is_evicted_before_its_start():
     assert kv.pool.num_evictions == 2
     # Only a's first block survives: a repeat of a's prompt hits one block, not three.
     c = FakeRequest("c", list(range(12)) + [7])
-    assert kv.get_computed_blocks(c) == ([0], BLOCK_SIZE)
+    assert kv.get_computed_blocks(c) == ([[0]], BLOCK_SIZE)
     kv.check_invariants()
 
 
@@ -116,7 +118,7 @@ def test_reviving_cached_blocks_counts_against_free_space():
     kv.free(FakeRequest("a"))  # blocks 1, 0 cached in the free queue; block 2 free
     b = FakeRequest("b", list(range(8)) + list(range(60, 66)))  # 14 tokens: 4 blocks, only 3 exist
     hit_blocks, num_cached = kv.get_computed_blocks(b)
-    assert (hit_blocks, num_cached) == ([0, 1], 8)
+    assert (hit_blocks, num_cached) == ([[0, 1]], 8)
     assert kv.allocate_slots(b, 6, hit_blocks) is None
     assert kv.pool.ref_counts == [0, 0, 0]
     kv.check_invariants(expect_idle=True)
@@ -209,3 +211,91 @@ def test_invariant_check_reports_blocks_left_mapped_to_a_request():
     kv.check_invariants()
     with pytest.raises(RuntimeError):
         kv.check_invariants(expect_idle=True)
+
+
+# ---- sliding-window groups (kv_cache/layout.py) --------------------------------------------
+# Layer 0 slides over 8 tokens, layer 1 attends fully: group 0 is the full one, group 1 the
+# sliding one, one layer each, both drawing block ids from the one pool.
+WINDOW = 8
+
+
+def sliding_manager(num_blocks: int = 20) -> KVCacheManager:
+    return KVCacheManager(num_blocks, BLOCK_SIZE, layout=KVCacheLayout.for_windows((WINDOW, None)))
+
+
+def prefill_in_chunks(kv: KVCacheManager, request: FakeRequest, chunk: int) -> None:
+    while request.num_computed_tokens < len(request.all_token_ids):
+        num_new = min(chunk, len(request.all_token_ids) - request.num_computed_tokens)
+        assert kv.allocate_slots(request, num_new) == []
+        request.num_computed_tokens += num_new
+
+
+def test_layout_groups_gemma3_layers_in_threes():
+    windows = tuple(None if (i + 1) % 6 == 0 else 512 for i in range(18))
+    layout = KVCacheLayout.for_windows(windows)
+    assert [g.window for g in layout.groups] == [None] + [512] * 5
+    assert layout.groups[0].layers == (5, 11, 17)
+    assert layout.groups[1].layers == (0, 1, 2) and layout.groups[2].layers == (3, 4, 6)
+    assert layout.num_tensor_pairs == 3
+    assert layout.layer_to_group[6] == 2 and layout.layer_to_tensor[6] == 2
+
+
+def test_sliding_blocks_outside_the_window_go_back_to_the_free_pool():
+    kv = sliding_manager()
+    a = FakeRequest("a", list(range(20)))
+    prefill_in_chunks(kv, a, 4)
+    # Each chunk takes a full-group block, then a sliding one. Before the chunk at 12 the query
+    # reads back to position 5 (block index 1), so block index 0 (id 1) is freed; at 16, index 1.
+    assert kv.block_tables("a") == [[0, 2, 4, 6, 8], [NULL_BLOCK, NULL_BLOCK, 5, 7, 9]]
+    assert list(kv.pool.free_queue)[-2:] == [1, 3]
+    assert kv.pool.num_used_blocks == 8
+    kv.check_invariants()
+    kv.free(a)
+    kv.check_invariants(expect_idle=True)
+
+
+def test_a_cached_prefix_is_reused_where_its_window_blocks_are_still_there():
+    kv = sliding_manager()
+    a = FakeRequest("a", list(range(20)))
+    prefill_in_chunks(kv, a, 4)
+    # Block 1 (a's first sliding block, freed and still cached) is taken by someone else.
+    taken = kv.pool.get_new_blocks(11)
+    assert 1 in taken and 3 not in taken
+    # A repeat of all 20 tokens needs only the sliding blocks of positions 13..19: a full hit.
+    repeat = FakeRequest("b", list(range(20)) + [99])
+    assert kv.get_computed_blocks(repeat) == ([[0, 2, 4, 6, 8], [NULL_BLOCK] * 3 + [7, 9]], 20)
+    # A repeat of the first 8 needs sliding block index 0 (gone): the full group alone cannot serve it.
+    short = FakeRequest("c", list(range(8)) + [99])
+    assert kv.get_computed_blocks(short) == ([[], []], 0)
+    kv.pool.free_blocks(taken)
+    kv.free(a)
+    kv.check_invariants(expect_idle=True)
+
+
+def test_admitted_prefix_hit_with_freed_window_blocks_then_decodes():
+    kv = sliding_manager()
+    a = FakeRequest("a", list(range(20)))
+    prefill_in_chunks(kv, a, 4)
+    kv.free(a)
+    b = FakeRequest("b", list(range(20)) + [99])
+    hit, num_cached = kv.get_computed_blocks(b)
+    assert num_cached == 20
+    assert kv.allocate_slots(b, 1, hit) == []
+    b.num_computed_tokens = 21
+    assert kv.block_tables("b") == [[0, 2, 4, 6, 8, 10], [NULL_BLOCK] * 3 + [7, 9, 11]]
+    kv.check_invariants()
+    kv.free(b)
+    kv.check_invariants(expect_idle=True)
+
+
+def test_a_long_request_fits_in_far_fewer_blocks_with_sliding_groups():
+    kv = sliding_manager(num_blocks=14)
+    # 40 tokens: 10 full-group blocks, and at most (window + chunk + a block) / 4 = 4 sliding ones.
+    assert kv.can_fit(40, max_chunk_tokens=4) and not kv.can_fit(41, max_chunk_tokens=4)
+    # The same memory with both layers full: 7 blocks of two layers each, 28 tokens at most.
+    assert KVCacheManager(7, BLOCK_SIZE, layout=KVCacheLayout.for_windows((None, None))).max_request_tokens() == 28
+    a = FakeRequest("a", list(range(40)))
+    prefill_in_chunks(kv, a, 4)
+    assert kv.pool.num_used_blocks == 10 + 3
+    kv.free(a)
+    kv.check_invariants(expect_idle=True)

@@ -47,8 +47,8 @@ def check_step(scheduler: Scheduler, output: SchedulerOutput) -> None:
         end = request.num_computed_tokens + scheduled.num_new_tokens
         assert end <= request.num_tokens
         # The block table covers every position this step writes.
-        assert len(scheduled.block_ids) * BLOCK_SIZE >= end
-        assert scheduled.block_ids == scheduler.kv.block_ids(request.request_id)
+        assert len(scheduled.block_tables[0]) * BLOCK_SIZE >= end
+        assert scheduled.block_tables == scheduler.kv.block_tables(request.request_id)
         assert request.status == RequestStatus.RUNNING
     scheduler.kv.check_invariants()
 

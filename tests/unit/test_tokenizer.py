@@ -128,8 +128,13 @@ def test_unknown_pre_tokenizer_is_a_load_error_naming_it(metadata):
         Tokenizer.from_gguf_metadata({**metadata, "tokenizer.ggml.pre": "no-such-pre"})
 
 
-def test_sentencepiece_model_is_unsupported_naming_it(metadata):
-    with pytest.raises(UnsupportedError, match="'llama'"):
+def test_unknown_tokenizer_model_is_unsupported_naming_it(metadata):
+    with pytest.raises(UnsupportedError, match="'bert'"):
+        Tokenizer.from_gguf_metadata({**metadata, "tokenizer.ggml.model": "bert"})
+
+
+def test_sentencepiece_model_without_scores_is_a_load_error(metadata):
+    with pytest.raises(ModelLoadError, match="tokenizer.ggml.scores"):
         Tokenizer.from_gguf_metadata({**metadata, "tokenizer.ggml.model": "llama"})
 
 

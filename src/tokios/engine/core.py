@@ -19,6 +19,7 @@ import torch
 from tokios.config import AUTO_DTYPE_BY_DEVICE, EngineConfig
 from tokios.engine.output_processor import EngineOutput, sequence_ids
 from tokios.errors import ContextLengthExceededError, InvalidRequestError
+from tokios.kv_cache.layout import KVCacheLayout
 from tokios.kv_cache.manager import KVCacheManager
 from tokios.model.llama import kv_cache_dtype
 from tokios.model.loader import load_model
@@ -103,16 +104,31 @@ class EngineCore:
         self.kv_dtype = kv_dtype
         block_size = config.cache.block_size
         self.kv_bytes_per_token = self.model_config.kv_bytes_per_token(kv_dtype.itemsize)
-        num_blocks = config.cache.kv_cache_memory_bytes // (self.kv_bytes_per_token * block_size)
-        if num_blocks < 1:
+        layout = KVCacheLayout.for_config(self.model_config)
+        # A block id is block_size tokens of one KV group's layers (kv_cache/layout.py).
+        block_bytes = self.kv_bytes_per_token // self.model_config.num_layers * layout.num_tensor_pairs * block_size
+        num_blocks = config.cache.kv_cache_memory_bytes // block_bytes
+        if num_blocks < len(layout.groups):
             raise InvalidRequestError(
                 f"kv_cache_memory {config.cache.kv_cache_memory_bytes} bytes holds no block of {block_size} tokens "
-                f"({self.kv_bytes_per_token * block_size} bytes)", param="kv_cache_memory")
-        logger.info("KV cache: %s, %d bytes per token, %d blocks of %d tokens, capacity %d tokens",
-                    str(kv_dtype).removeprefix("torch."), self.kv_bytes_per_token, num_blocks, block_size,
-                    num_blocks * block_size)
+                f"({block_bytes * len(layout.groups)} bytes)", param="kv_cache_memory")
         self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
-                                 cache_salt=f"{path}|{self.weight_format}|{self.tokenizer.chat_template_fingerprint}")
+                                 cache_salt=f"{path}|{self.weight_format}|{self.tokenizer.chat_template_fingerprint}",
+                                 layout=layout)
+        max_chunk = config.scheduler.max_num_batched_tokens
+        self.kv_max_request_tokens = self.kv.max_request_tokens(max_chunk)
+        if layout.has_windows:
+            sliding = [g.window for g in layout.groups if g.window is not None]
+            logger.info("KV cache: %s, %d bytes per token in all %d layers; %d groups of %d layers (%d sliding over "
+                        "%s tokens); %d blocks of %d tokens; capacity %d tokens of short contexts, %d in one request",
+                        str(kv_dtype).removeprefix("torch."), self.kv_bytes_per_token, self.model_config.num_layers,
+                        len(layout.groups), layout.num_tensor_pairs, len(sliding),
+                        "/".join(map(str, sorted(set(sliding)))), num_blocks, block_size,
+                        num_blocks // len(layout.groups) * block_size, self.kv_max_request_tokens)
+        else:
+            logger.info("KV cache: %s, %d bytes per token, %d blocks of %d tokens, capacity %d tokens",
+                        str(kv_dtype).removeprefix("torch."), self.kv_bytes_per_token, num_blocks, block_size,
+                        num_blocks * block_size)
         self.scheduler = Scheduler(self.kv, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
                                    self.max_model_len)
         self.runner = ModelRunner(self.model, self.model_config, num_blocks, block_size, self.device, kv_dtype,
@@ -154,8 +170,8 @@ class EngineCore:
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} for the completion). "
                 "Please reduce the length of the prompt or the completion.")
-        if not self.kv.can_fit(num_prompt + max_tokens):
-            capacity = self.kv.pool.num_blocks * self.kv.block_size
+        if num_prompt + max_tokens > self.kv_max_request_tokens:
+            capacity = self.kv_max_request_tokens
             raise ContextLengthExceededError(
                 f"The KV cache holds {capacity} tokens in all; this request needs up to "
                 f"{num_prompt + max_tokens} ({num_prompt} in the prompt, {max_tokens} for the completion). "

@@ -6,7 +6,9 @@ Pure Python (no torch). The scheduler asks three things of it:
   free(request)                 -> give the request's blocks back, tail first;
   truncate(request, n)          -> keep only the blocks holding the first n tokens (speculative
                                    decoding rolls back rejected positions with it).
-Block identity for prefix caching is a chained hash: hash(parent block's hash, this block's
+A model with sliding-window layers has several KV groups (kv_cache/layout.py), each with its own
+block table per request, all drawing from the one pool; a sliding group's blocks are freed as
+they fall out of its window. Block identity for prefix caching is a chained hash: hash(parent block's hash, this block's
 token ids), where the first block's parent is the cache salt (model, tokenizer and chat
 template), so blocks are only shared between requests whose whole prefix matches.
 
@@ -21,6 +23,7 @@ import hashlib
 from typing import Protocol, Sequence
 
 from tokios.kv_cache.block_pool import BlockPool
+from tokios.kv_cache.layout import KVCacheGroup, KVCacheLayout
 
 
 class CacheRequest(Protocol):
@@ -44,14 +47,19 @@ def salt_hash(cache_salt: str) -> int:
     return int.from_bytes(hashlib.blake2b(cache_salt.encode(), digest_size=16).digest(), "little")
 
 
+NULL_BLOCK = -1  # a block-table entry a sliding-window group has freed (never read again)
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 cache_salt: str = ""):
+                 cache_salt: str = "", layout: KVCacheLayout | None = None):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.layout = layout or KVCacheLayout.for_windows((None,))
+        self.groups = self.layout.groups
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.root_hash = salt_hash(cache_salt)
-        self.request_to_blocks: dict[str, list[int]] = {}
+        self.request_to_blocks: dict[str, list[list[int]]] = {}  # per request: one block table per group
         self.request_to_hashes: dict[str, list[int]] = {}
         self.request_to_num_cached_blocks: dict[str, int] = {}  # full blocks registered in the cache
         self.prefix_cache_queries = 0  # tokens looked up
@@ -69,62 +77,128 @@ class KVCacheManager:
             hashes.append(chain_hash(parent, token_ids[index * bs:(index + 1) * bs]))
         return hashes
 
+    @staticmethod
+    def _cache_key(group: int, block_hash: int):
+        # Every group caches its own copy of a block (its own layers' K/V) under the same tokens.
+        return block_hash if group == 0 else (group, block_hash)
+
+    def _first_needed_block(self, group: KVCacheGroup, num_tokens: int) -> int:
+        """The first block a query at position num_tokens still reads in this group."""
+        return group.first_needed_position(num_tokens) // self.block_size
+
     # ---- the scheduler's interface ---------------------------------------------------------
-    def get_computed_blocks(self, request: CacheRequest) -> tuple[list[int], int]:
-        """Longest cached prefix: (block ids, number of tokens they hold). At least one token is
-        always left to compute, because the step must produce logits at the last position."""
+    def get_computed_blocks(self, request: CacheRequest) -> tuple[list[list[int]], int]:
+        """Longest cached prefix: (a block table per group, number of tokens they hold). At least
+        one token is always left to compute, because the step must produce logits at the last
+        position. A full-attention group needs every block of the prefix cached; a sliding one
+        only the blocks its window still reads (the earlier entries are NULL_BLOCK), so the hit
+        is the longest prefix every group can serve."""
         if not self.enable_prefix_caching:
-            return [], 0
+            return [[] for _ in self.groups], 0
         num_tokens = len(request.all_token_ids)
         max_blocks = (num_tokens - 1) // self.block_size
-        hit_blocks: list[int] = []
-        for block_hash in self._block_hashes(request, max_blocks * self.block_size):
-            block_id = self.pool.get_cached_block(block_hash)
-            if block_id is None:
+        hashes = self._block_hashes(request, max_blocks * self.block_size)
+        cached = [[self.pool.get_cached_block(self._cache_key(g, h)) for h in hashes] for g in range(len(self.groups))]
+        num_hit = max_blocks
+        while True:  # shrink until every group can serve the same prefix (0 always can)
+            before = num_hit
+            for g, group in enumerate(self.groups):
+                while num_hit and any(block is None
+                                      for block in cached[g][self._first_needed_block(group, num_hit * self.block_size):num_hit]):
+                    num_hit -= 1
+            if num_hit == before:
                 break
-            hit_blocks.append(block_id)
+        tables = []
+        for g, group in enumerate(self.groups):
+            first = self._first_needed_block(group, num_hit * self.block_size) if num_hit else 0
+            tables.append([NULL_BLOCK] * first + cached[g][first:num_hit])
         self.prefix_cache_queries += num_tokens
-        self.prefix_cache_hits += len(hit_blocks) * self.block_size
-        return hit_blocks, len(hit_blocks) * self.block_size
+        self.prefix_cache_hits += num_hit * self.block_size
+        return tables, num_hit * self.block_size
 
-    def can_fit(self, num_tokens: int) -> bool:
-        """Could a request of num_tokens ever fit, with the whole pool to itself?"""
-        return -(-num_tokens // self.block_size) <= self.pool.num_blocks
+    def can_fit(self, num_tokens: int, max_chunk_tokens: int | None = None) -> bool:
+        """Could a request of num_tokens ever fit, with the whole pool to itself? A sliding group
+        holds at most its window plus one step's chunk (max_chunk_tokens, default all)."""
+        bs = self.block_size
+        needed = 0
+        for group in self.groups:
+            held = num_tokens
+            if group.window is not None:
+                held = min(num_tokens, group.window + (max_chunk_tokens or num_tokens) + bs)
+            needed += -(-held // bs)
+        return needed <= self.pool.num_blocks
+
+    def max_request_tokens(self, max_chunk_tokens: int | None = None) -> int:
+        """The longest request can_fit allows (with a sliding group, more than the pool's slots
+        per group: such a group keeps only its window)."""
+        low, high = 0, self.pool.num_blocks * self.block_size
+        while low < high:
+            middle = (low + high + 1) // 2
+            if self.can_fit(middle, max_chunk_tokens):
+                low = middle
+            else:
+                high = middle - 1
+        return low
+
+    def _free_out_of_window(self, tables: list[list[int]], num_computed: int) -> None:
+        """Give back the blocks a sliding group no longer reads: its next query is at num_computed."""
+        for group, table in zip(self.groups, tables):
+            if group.window is None:
+                continue
+            freed = []
+            for index in range(min(self._first_needed_block(group, num_computed), len(table))):
+                if table[index] != NULL_BLOCK:
+                    freed.append(table[index])
+                    table[index] = NULL_BLOCK
+            if freed:
+                self.pool.free_blocks(freed)
 
     def allocate_slots(self, request: CacheRequest, num_new_tokens: int,
-                       computed_blocks: Sequence[int] = ()) -> list[tuple[int, int]] | None:
+                       computed_blocks: Sequence[Sequence[int]] = ()) -> list[tuple[int, int]] | None:
         """Make room for num_new_tokens after the request's computed tokens (plus computed_blocks,
-        the prefix-cache hit of a request being admitted). Returns the copy-on-write pairs
-        (source block, destination block) the runner must copy first, or None without side
-        effects when the pool is short."""
+        the prefix-cache hit of a request being admitted: one block table per group). Returns
+        the copy-on-write pairs (source block, destination block) the runner must copy first, or
+        None when the pool is short (then nothing changed but blocks no query reads any more)."""
         bs = self.block_size
-        blocks = self.request_to_blocks.get(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(computed_blocks) * bs
+        num_groups = len(self.groups)
+        tables = self.request_to_blocks.get(request.request_id) or [[] for _ in self.groups]
+        computed_blocks = [list(c) for c in computed_blocks] or [[] for _ in self.groups]
+        num_computed = request.num_computed_tokens + len(computed_blocks[0]) * bs
         total_tokens = num_computed + num_new_tokens
-        num_held = len(blocks) + len(computed_blocks)
-        num_new_blocks = max(0, -(-total_tokens // bs) - num_held)
-        # Blocks this step writes into that someone else also holds must be copied first.
-        shared_indices = [i for i in range(num_computed // bs, len(blocks)) if self.pool.ref_counts[blocks[i]] > 1]
-        num_revived = sum(1 for b in computed_blocks if self.pool.ref_counts[b] == 0)
-        if num_new_blocks + len(shared_indices) + num_revived > self.pool.num_free_blocks:
+        if request.request_id in self.request_to_blocks:
+            self._free_out_of_window(tables, num_computed)
+        needed = 0
+        shared: list[list[int]] = []
+        for g in range(num_groups):
+            table, hit = tables[g], computed_blocks[g]
+            needed += max(0, -(-total_tokens // bs) - len(table) - len(hit))
+            # Blocks this step writes into that someone else also holds must be copied first.
+            shared.append([i for i in range(num_computed // bs, len(table))
+                           if table[i] != NULL_BLOCK and self.pool.ref_counts[table[i]] > 1])
+            needed += len(shared[-1]) + sum(1 for b in hit if b != NULL_BLOCK and self.pool.ref_counts[b] == 0)
+        if needed > self.pool.num_free_blocks:
             return None
-        if computed_blocks:
-            self.pool.touch(list(computed_blocks))
-            blocks = list(computed_blocks) + blocks
-            self.request_to_num_cached_blocks[request.request_id] = len(computed_blocks)
+        if any(computed_blocks):
+            self.request_to_num_cached_blocks[request.request_id] = len(computed_blocks[0])
         copies = []
-        for index in shared_indices:
-            (destination,) = self.pool.get_new_blocks(1)
-            copies.append((blocks[index], destination))
-            self.pool.free_blocks([blocks[index]])
-            blocks[index] = destination
-        blocks.extend(self.pool.get_new_blocks(num_new_blocks))
-        self.request_to_blocks[request.request_id] = blocks
+        for g in range(num_groups):
+            hit = computed_blocks[g]
+            if hit:
+                self.pool.touch([b for b in hit if b != NULL_BLOCK])
+                tables[g] = hit + tables[g]
+            table = tables[g]
+            for index in shared[g]:
+                (destination,) = self.pool.get_new_blocks(1)
+                copies.append((table[index], destination))
+                self.pool.free_blocks([table[index]])
+                table[index] = destination
+            table.extend(self.pool.get_new_blocks(max(0, -(-total_tokens // bs) - len(table))))
+        self.request_to_blocks[request.request_id] = tables
         if self.enable_prefix_caching:
-            self._cache_full_blocks(request, blocks, total_tokens)
+            self._cache_full_blocks(request, tables, total_tokens)
         return copies
 
-    def _cache_full_blocks(self, request: CacheRequest, blocks: list[int], num_tokens: int) -> None:
+    def _cache_full_blocks(self, request: CacheRequest, tables: list[list[int]], num_tokens: int) -> None:
         # Blocks are registered when allocated for tokens that this step computes: within a step
         # every layer writes all new K/V before attending, so a second request admitted in the
         # same step may already share them.
@@ -133,26 +207,30 @@ class KVCacheManager:
         if num_full <= start:
             return
         hashes = self._block_hashes(request, num_full * self.block_size)
-        for index in range(start, num_full):
-            self.pool.cache_block(blocks[index], hashes[index])
+        for g, table in enumerate(tables):
+            for index in range(start, num_full):
+                if table[index] != NULL_BLOCK:
+                    self.pool.cache_block(table[index], self._cache_key(g, hashes[index]))
         self.request_to_num_cached_blocks[request.request_id] = num_full
 
     def fork(self, parent: CacheRequest, child: CacheRequest, num_tokens: int) -> None:
         """Let child share the parent's blocks holding its first num_tokens tokens (n > 1
         samples of one prompt). A later write into a shared block is copied on write."""
-        shared = self.request_to_blocks[parent.request_id][:-(-num_tokens // self.block_size)]
-        self.pool.touch(shared)
-        self.request_to_blocks[child.request_id] = list(shared)
+        num_blocks = -(-num_tokens // self.block_size)
+        tables = [list(table[:num_blocks]) for table in self.request_to_blocks[parent.request_id]]
+        self.pool.touch([b for table in tables for b in table if b != NULL_BLOCK])
+        self.request_to_blocks[child.request_id] = tables
         num_full = num_tokens // self.block_size
         self.request_to_hashes[child.request_id] = list(self.request_to_hashes.get(parent.request_id, [])[:num_full])
         self.request_to_num_cached_blocks[child.request_id] = min(
             num_full, self.request_to_num_cached_blocks.get(parent.request_id, 0))
 
     def free(self, request: CacheRequest) -> None:
-        blocks = self.request_to_blocks.pop(request.request_id, [])
+        tables = self.request_to_blocks.pop(request.request_id, [])
         self.request_to_hashes.pop(request.request_id, None)
         self.request_to_num_cached_blocks.pop(request.request_id, None)
-        self.pool.free_blocks(list(reversed(blocks)))
+        for table in tables:
+            self.pool.free_blocks([b for b in reversed(table) if b != NULL_BLOCK])
 
     def truncate(self, request: CacheRequest, num_tokens: int) -> list[int]:
         """Keep the blocks that hold the request's first num_tokens tokens and free the rest,
@@ -162,22 +240,29 @@ class KVCacheManager:
         overwritten by the next write). Freed blocks were never registered in the prefix cache:
         allocate_slots only hashes blocks whose tokens are all accepted (request.all_token_ids
         never holds provisional tokens)."""
-        blocks = self.request_to_blocks.get(request.request_id)
-        if blocks is None:
+        tables = self.request_to_blocks.get(request.request_id)
+        if tables is None:
             return []
         num_kept = -(-num_tokens // self.block_size)
-        freed = blocks[num_kept:]
-        if not freed:
-            return []
-        del blocks[num_kept:]
+        all_freed = []
+        for table in tables:
+            freed = [b for b in table[num_kept:] if b != NULL_BLOCK]
+            del table[num_kept:]
+            self.pool.free_blocks(list(reversed(freed)))
+            all_freed.extend(freed)
         num_cached = self.request_to_num_cached_blocks.get(request.request_id, 0)
-        if num_cached > num_kept:
+        if all_freed and num_cached > num_kept:
             self.request_to_num_cached_blocks[request.request_id] = num_kept
-        self.pool.free_blocks(list(reversed(freed)))
-        return freed
+        return all_freed
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return self.request_to_blocks.get(request_id, [])
+    def block_ids(self, request_id: str, group: int = 0) -> list[int]:
+        """The request's block table in one group (NULL_BLOCK where a sliding group freed one)."""
+        tables = self.request_to_blocks.get(request_id)
+        return tables[group] if tables else []
+
+    def block_tables(self, request_id: str) -> list[list[int]]:
+        """One block table per group (kv_cache/layout.py), what the runner addresses slots by."""
+        return self.request_to_blocks.get(request_id) or [[] for _ in self.groups]
 
     def check_invariants(self, expect_idle: bool = False) -> None:
         self.pool.check_invariants(expect_idle=expect_idle)

@@ -39,14 +39,28 @@ class AttentionMetadata:
     decode_slot_indices: torch.Tensor | None = None
     decode_context_lens: torch.Tensor | None = None  # [num_decode_tokens] long
     spans: list[MultiTokenSpan] = field(default_factory=list)
+    # A model whose layers keep separate KV block tables (kv_cache/layout.py: sliding-window
+    # layers) has one AttentionMetadata per KV group; this one is group 0's, and every layer
+    # reads for_layer(its index). Empty: one group, this metadata serves every layer.
+    groups: list["AttentionMetadata"] = field(default_factory=list)
+    layer_to_group: tuple[int, ...] = ()
+
+    def for_layer(self, layer: int) -> "AttentionMetadata":
+        return self.groups[self.layer_to_group[layer]] if self.groups else self
 
 
 def allocate_kv_caches(config, num_slots: int, dtype: torch.dtype,
                        device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One zeroed (key, value) pair per layer of `config` (a ModelConfig), num_slots slots each."""
+    """A (key, value) pair per layer of `config` (a ModelConfig), num_slots slots each, zeroed.
+    Layers in the same place of different KV groups (kv_cache/layout.py) share one pair: each
+    group has its own block ids in the one block pool, so their slots never overlap."""
+    from tokios.kv_cache.layout import KVCacheLayout
+
+    layout = KVCacheLayout.for_config(config)
     shape = (num_slots, config.num_kv_heads, config.head_dim)
-    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(config.num_layers)]
+    tensors = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+               for _ in range(layout.num_tensor_pairs)]
+    return [tensors[layout.layer_to_tensor[layer]] for layer in range(config.num_layers)]
 
 
 def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

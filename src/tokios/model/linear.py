@@ -52,3 +52,16 @@ def make_linear(weight: "torch.Tensor | PackedWeight | SegmentedWeight", bias: t
         return DenseLinear(weight, bias, torch.bfloat16)
     raise InvalidRequestError(f"dtype must be one of auto, float32, bfloat16, int8, int4, got {weight_format!r}",
                               param="dtype")
+
+
+def summarize_linears(linears: list) -> str:
+    """What runs, for the start-up log: the file's linear tensors per block type (or dense dtype;
+    stacked projections count one per tensor) and their bytes."""
+    from collections import Counter
+
+    counts: Counter[str] = Counter()
+    for linear in linears:
+        types = getattr(linear, "tensor_types", None)
+        counts.update([t.name for t in types] if types else [str(linear.weight.dtype).removeprefix("torch.")])
+    kinds = ", ".join(f"{name} {count}" for name, count in sorted(counts.items(), key=lambda item: -item[1]))
+    return f"{kinds}; {sum(linear.num_bytes() for linear in linears) / 2**20:.1f} MiB of linear weights"

@@ -14,7 +14,7 @@ import torch
 from tokios.config import ModelConfig
 from tokios.model.attention import AttentionMetadata
 from tokios.model.kernels import load_extension, precise_activations
-from tokios.model.linear import make_linear
+from tokios.model.linear import make_linear, summarize_linears
 from tokios.model.ops import CpuKernelOps, TorchOps
 from tokios.model.quant import as_dense, concat_rows
 from tokios.model.rope import RotaryEmbedding
@@ -125,13 +125,4 @@ class LlamaModel:
         return sum(lin.num_bytes() for lin in [self.lm_head] + self.layer_linears())
 
     def weight_summary(self) -> str:
-        """What runs, for the start-up log: the file's linear tensors per block type (or dense dtype;
-        stacked projections count one per tensor) and their bytes."""
-        from collections import Counter
-
-        counts: Counter[str] = Counter()
-        for linear in [self.lm_head] + self.layer_linears():
-            types = getattr(linear, "tensor_types", None)
-            counts.update([t.name for t in types] if types else [str(linear.weight.dtype).removeprefix("torch.")])
-        kinds = ", ".join(f"{name} {count}" for name, count in sorted(counts.items(), key=lambda item: -item[1]))
-        return f"{kinds}; {self.weight_bytes() / 2**20:.1f} MiB of linear weights"
+        return summarize_linears([self.lm_head] + self.layer_linears())

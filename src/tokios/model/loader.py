@@ -19,11 +19,12 @@ from gguf import GGMLQuantizationType
 from tokios.config import ModelConfig
 from tokios.errors import ModelLoadError, UnsupportedError
 from tokios.model.gguf_file import GGUFFile
+from tokios.model.gemma3 import Gemma3Model
 from tokios.model.llama import LlamaModel
 from tokios.model.quant import PACKABLE_TYPES, PackedWeight, dequantize
 
 # GGUF architecture name / HF model_type -> model class.
-ARCHITECTURES = {"llama": LlamaModel, "mistral": LlamaModel, "qwen2": LlamaModel}
+ARCHITECTURES = {"llama": LlamaModel, "mistral": LlamaModel, "qwen2": LlamaModel, "gemma3": Gemma3Model}
 HF_ARCHITECTURE_TO_TYPE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                            "Qwen2ForCausalLM": "qwen2"}
 
@@ -38,6 +39,22 @@ _GGUF_LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma's four norms per layer: attn_norm and ffn_norm are the pre-norms; llama.cpp's converter
+# stores every Gemma norm weight as (1 + w), so they multiply as stored.
+_GGUF_LAYER_NAMES_BY_ARCHITECTURE = {
+    "gemma3": {**_GGUF_LAYER_NAMES,
+               "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+               "post_attention_norm.weight": "post_attention_layernorm.weight",
+               "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+               "attn_q_norm.weight": "self_attn.q_norm.weight",
+               "attn_k_norm.weight": "self_attn.k_norm.weight"},
+}
+# Architectures whose converter keeps Q/K rows in the Hugging Face (NEOX, rotate-half) order.
+_UNPERMUTED_ROPE_ARCHITECTURES = ("gemma3",)
+# Gemma 3: every sixth layer attends globally (llama.cpp's fixed pattern when the file has none).
+_GEMMA3_SLIDING_WINDOW_PATTERN = 6
+_GEMMA3_LOCAL_ROPE_BASE = 10000.0
+
 _GGUF_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                    "output.weight": "lm_head.weight"}
 
@@ -80,9 +97,10 @@ def model_config_from_gguf(metadata: dict[str, Any], path: str, has_output_weigh
         rope_scaling = {"type": scaling_type, "factor": float(get("rope.scaling.factor", 1.0)),
                         "original_max_position_embeddings":
                             int(get("rope.scaling.original_context_length", get("context_length")))}
+    num_layers = int(get("block_count"))
     return ModelConfig(
         architecture=arch,
-        num_layers=int(get("block_count")),
+        num_layers=num_layers,
         hidden_size=hidden_size,
         intermediate_size=int(get("feed_forward_length")),
         num_heads=num_heads,
@@ -96,7 +114,38 @@ def model_config_from_gguf(metadata: dict[str, Any], path: str, has_output_weigh
         tie_word_embeddings=not has_output_weight,
         attention_bias=False,
         name=str(metadata.get("general.name", os.path.basename(path))),
+        **_gemma3_fields(metadata, path, num_layers) if arch == "gemma3" else {},
     )
+
+
+def _gemma3_fields(metadata: dict[str, Any], path: str, num_layers: int) -> dict[str, Any]:
+    """What Gemma 3 adds to the Llama shape: sliding windows, the local RoPE base, the attention
+    scale, softcapping. A variant this code does not implement is an error naming the key."""
+    arch = "gemma3"
+    if metadata.get(f"{arch}.attn_logit_softcapping") is not None:
+        raise UnsupportedError(f"{path}: {arch}.attn_logit_softcapping is set; attention-logit softcapping "
+                               "is not implemented (Gemma 3 files do not use it)")
+    key_length = metadata.get(f"{arch}.attention.key_length")
+    value_length = metadata.get(f"{arch}.attention.value_length", key_length)
+    if key_length != value_length:
+        raise UnsupportedError(f"{path}: key_length {key_length} != value_length {value_length} is not supported")
+    window = metadata.get(f"{arch}.attention.sliding_window")
+    if window is None:
+        raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.attention.sliding_window")
+    pattern = metadata.get(f"{arch}.attention.sliding_window_pattern", _GEMMA3_SLIDING_WINDOW_PATTERN)
+    if isinstance(pattern, (list, tuple)):  # one flag per layer: true = sliding
+        if len(pattern) != num_layers:
+            raise ModelLoadError(f"{path}: {arch}.attention.sliding_window_pattern has {len(pattern)} entries "
+                                 f"for {num_layers} layers")
+        is_sliding = [bool(flag) for flag in pattern]
+    else:
+        is_sliding = [(i + 1) % int(pattern) != 0 for i in range(num_layers)]
+    softcap = metadata.get(f"{arch}.final_logit_softcapping")
+    return {"layer_windows": tuple(int(window) if sliding else None for sliding in is_sliding),
+            "rope_local_theta": float(metadata.get(f"{arch}.rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_BASE)),
+            # Gemma 3's query_pre_attn_scalar is head_dim for every size the converter writes.
+            "query_pre_attn_scalar": float(metadata.get(f"{arch}.attention.key_length")),
+            "final_logit_softcapping": None if softcap is None else float(softcap)}
 
 
 def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -108,15 +157,17 @@ def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 def weights_from_gguf(gguf: GGUFFile, config: ModelConfig) -> dict[str, "torch.Tensor | PackedWeight"]:
     weights: dict[str, torch.Tensor | PackedWeight] = {}
+    layer_names = _GGUF_LAYER_NAMES_BY_ARCHITECTURE.get(config.architecture, _GGUF_LAYER_NAMES)
+    unpermute = config.architecture not in _UNPERMUTED_ROPE_ARCHITECTURES
     for name, info in gguf.tensors.items():
         if name in _GGUF_TOP_NAMES:
             hf_name = _GGUF_TOP_NAMES[name]
         elif name.startswith("blk."):
             _, index, local = name.split(".", 2)
-            if local not in _GGUF_LAYER_NAMES:
+            if local not in layer_names:
                 raise UnsupportedError(f"{gguf.path}: tensor {name} is not part of the {config.architecture} "
                                        "architecture as tokios implements it")
-            hf_name = f"model.layers.{index}.{_GGUF_LAYER_NAMES[local]}"
+            hf_name = f"model.layers.{index}.{layer_names[local]}"
         elif name == "rope_freqs.weight":
             hf_name = "rope_freqs"
         else:
@@ -129,7 +180,9 @@ def weights_from_gguf(gguf: GGUFFile, config: ModelConfig) -> dict[str, "torch.T
             if info.ggml_type == GGMLQuantizationType.BF16:
                 weight = rows = rows.to(torch.bfloat16)  # exact; "stored" then multiplies in bfloat16
         # The permutation moves whole output rows, so it applies to packed block rows as well.
-        if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+        if not unpermute:
+            pass
+        elif hf_name.endswith(("q_proj.weight", "q_proj.bias")):
             rows = _unpermute_rope(rows, config.num_heads)
         elif hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             rows = _unpermute_rope(rows, config.num_kv_heads)

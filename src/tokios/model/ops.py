@@ -27,7 +27,7 @@ class TorchOps:
         self.rotary = rotary
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
-        self.scale = config.head_dim ** -0.5
+        self.scale = config.attention_scale
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.config.rms_norm_eps)
@@ -36,23 +36,39 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+    def normalize_heads(self, qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor) -> torch.Tensor:
+        """RMSNorm over head_dim of every query and key head (Gemma 3), before the rotation."""
+        head_dim = self.config.head_dim
+        num_tokens = qkv.shape[0]
+        query = self.rms_norm(qkv[:, :self.q_size].reshape(-1, head_dim), q_norm).view(num_tokens, self.q_size)
+        key = self.rms_norm(qkv[:, self.q_size:self.q_size + self.kv_size].reshape(-1, head_dim),
+                            k_norm).view(num_tokens, self.kv_size)
+        return torch.cat([query, key, qkv[:, self.q_size + self.kv_size:]], dim=1)
+
     def attention(self, qkv: torch.Tensor, positions: torch.Tensor, key_cache: torch.Tensor,
-                  value_cache: torch.Tensor, metadata: AttentionMetadata, rope_tables) -> torch.Tensor:
-        """-> attended [num_tokens, heads * head_dim]"""
+                  value_cache: torch.Tensor, metadata: AttentionMetadata, rope_tables,
+                  rotary: RotaryEmbedding | None = None) -> torch.Tensor:
+        """-> attended [num_tokens, heads * head_dim]. rotary: the layer's own RoPE (a model with
+        one base per layer kind), whose rope_tables(positions, rotary) these are."""
         config = self.config
+        rotary = rotary or self.rotary
         num_tokens = qkv.shape[0]
         cos, sin = rope_tables
         query = qkv[:, :self.q_size].view(num_tokens, config.num_heads, config.head_dim)
         key = qkv[:, self.q_size:self.q_size + self.kv_size].view(num_tokens, config.num_kv_heads, config.head_dim)
         value = qkv[:, self.q_size + self.kv_size:].view(num_tokens, config.num_kv_heads, config.head_dim)
-        query = self.rotary.apply(query.float(), cos, sin)
-        key = self.rotary.apply(key.float(), cos, sin)
+        query = rotary.apply(query.float(), cos, sin)
+        key = rotary.apply(key.float(), cos, sin)
         write_kv(key_cache, value_cache, key, value, metadata.slot_mapping)
         attended = paged_attention(query, key_cache, value_cache, metadata, self.scale)
         return attended.reshape(num_tokens, self.q_size)
 
-    def rope_tables(self, positions: torch.Tensor):
-        return self.rotary.tables(positions)
+    def rope_tables(self, positions: torch.Tensor, rotary: RotaryEmbedding | None = None):
+        return (rotary or self.rotary).tables(positions)
 
 
 class CpuKernelOps(TorchOps):
@@ -66,14 +82,16 @@ class CpuKernelOps(TorchOps):
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.extension.silu_mul(gate_up)
 
-    def rope_tables(self, positions: torch.Tensor):
+    def rope_tables(self, positions: torch.Tensor, rotary: RotaryEmbedding | None = None):
         return None  # the kernel indexes the full tables by position itself
 
     def attention(self, qkv: torch.Tensor, positions: torch.Tensor, key_cache: torch.Tensor,
-                  value_cache: torch.Tensor, metadata: AttentionMetadata, rope_tables) -> torch.Tensor:
+                  value_cache: torch.Tensor, metadata: AttentionMetadata, rope_tables,
+                  rotary: RotaryEmbedding | None = None) -> torch.Tensor:
         config = self.config
+        rotary = rotary or self.rotary
         qkv = qkv.contiguous()
-        self.extension.rope_write_kv(qkv, positions, self.rotary.cos, self.rotary.sin, key_cache, value_cache,
+        self.extension.rope_write_kv(qkv, positions, rotary.cos, rotary.sin, key_cache, value_cache,
                                      metadata.slot_mapping, config.num_heads, config.num_kv_heads, config.head_dim)
         num_tokens = qkv.shape[0]
         num_decode = metadata.num_decode_tokens

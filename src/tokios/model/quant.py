@@ -105,3 +105,22 @@ def concat_rows(weights: list["torch.Tensor | PackedWeight"]) -> "torch.Tensor |
 
 def as_dense(weight: "torch.Tensor | PackedWeight | SegmentedWeight") -> torch.Tensor:
     return weight if isinstance(weight, torch.Tensor) else weight.dequantize()
+
+
+class EmbeddingTable:
+    """Rows gathered by token id, from a dense table or still in the file's blocks. Packed, only
+    the rows a step asks for are dequantized: Gemma 3's 262,144 x 640 table is 178 MB as stored
+    Q8_0 and would be 671 MB as float32 (the tied output head reads the same bytes as stored)."""
+
+    def __init__(self, weight: "torch.Tensor | PackedWeight", dtype: torch.dtype, device: torch.device):
+        self.packed = weight if isinstance(weight, PackedWeight) and device.type == "cpu" else None
+        self.dense = None if self.packed is not None else as_dense(weight).to(device=device, dtype=dtype)
+        self.dtype = dtype
+        self.num_rows, self.dim = weight.shape
+
+    def __call__(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None:
+            return self.dense[token_ids]
+        rows = self.packed.raw[token_ids]
+        return dequantize(rows.numpy().reshape(-1), self.packed.ggml_type, (len(token_ids), self.dim),
+                          self.packed.name).to(self.dtype)

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from tokios.config import ModelConfig
+from tokios.kv_cache.layout import KVCacheLayout
 from tokios.model.attention import AttentionMetadata, MultiTokenSpan, allocate_kv_caches
 from tokios.request import Request
 from tokios.sampler import ops
@@ -53,6 +54,7 @@ class ModelRunner:
         self.config = model_config
         self.block_size = block_size
         self.device = device
+        self.layout = KVCacheLayout.for_config(model_config)
         # One (key, value) pair per layer: [num_slots, kv_heads, head_dim].
         self.kv_caches = allocate_kv_caches(model_config, num_blocks * block_size, kv_dtype, device)
         self.state_store = SamplingStateStore(model_config.vocab_size, device)
@@ -75,10 +77,12 @@ class ModelRunner:
             self.state_store.remove(state)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        # Copies are of block ids in the one pool; each group's blocks live in the same tensors.
         bs = self.block_size
         src = torch.tensor([s * bs + i for s, _ in copies for i in range(bs)], device=self.device)
         dst = torch.tensor([d * bs + i for _, d in copies for i in range(bs)], device=self.device)
-        for key_cache, value_cache in self.kv_caches:
+        unique_pairs = {id(pair[0]): pair for pair in self.kv_caches}.values()  # groups share tensor pairs
+        for key_cache, value_cache in unique_pairs:
             key_cache.index_copy_(0, dst, key_cache.index_select(0, src))
             value_cache.index_copy_(0, dst, value_cache.index_select(0, src))
 
@@ -91,7 +95,7 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return RunnerOutput()
         scheduled = scheduler_output.scheduled
-        batch = self.build_batch([(s.request, s.num_new_tokens, s.block_ids) for s in scheduled])
+        batch = self.build_batch([(s.request, s.num_new_tokens, s.block_tables) for s in scheduled])
         hidden = self.model.forward(batch.input_ids, batch.positions, batch.metadata, self.kv_caches)
         output = RunnerOutput()
         plain = [(s, rows[-1]) for s, rows in zip(scheduled, batch.entry_rows)
@@ -132,49 +136,73 @@ class ModelRunner:
         return num_new * (request.num_computed_tokens + num_new) <= self.MAX_DECODE_ROW_PAIRS
 
     def build_batch(self, entries) -> Batch:
-        """entries: (request, num_new_tokens, block_ids) each. A request's new tokens are
-        (all_token_ids + spec_token_ids)[num_computed : num_computed + num_new_tokens]. Rows:
-        decodes first (and short prompt chunks, _prefill_as_decode_rows), then multi-token
-        spans. A verify (a request with spec_token_ids) is laid
-        out as one DECODE row per token, row j attending to the first num_computed + j + 1
-        positions: it runs the very kernels plain decoding runs (the 8-bit decode kernels and
-        the fused all-layer step), so verified tokens equal plain decoding bit for bit."""
-        bs = self.block_size
+        """entries: (request, num_new_tokens, block_tables) each, block_tables one list of block
+        ids per KV group (kv_cache/layout.py; NULL_BLOCK where a sliding group freed a block). A
+        request's new tokens are (all_token_ids + spec_token_ids)[num_computed : num_computed +
+        num_new_tokens]. Rows: decodes first (and short prompt chunks, _prefill_as_decode_rows),
+        then multi-token spans. A verify (a request with spec_token_ids) is laid out as one
+        DECODE row per token, row j attending to the first num_computed + j + 1 positions: it
+        runs the very kernels plain decoding runs (the 8-bit decode kernels and the fused
+        all-layer step), so verified tokens equal plain decoding bit for bit. Each KV group gets
+        its own metadata: its slots, and for a sliding group only the positions in its window."""
         is_decode = [n == 1 or bool(request.spec_token_ids) or self._prefill_as_decode_rows(request, n)
                      for request, n, _ in entries]
         order = sorted(range(len(entries)), key=lambda i: not is_decode[i])
-        token_chunks, position_chunks, slot_chunks = [], [], []
-        decode_slots: list[np.ndarray] = []
-        spans: list[MultiTokenSpan] = []
+        token_chunks, position_chunks = [], []
+        groups = self.layout.groups
+        slot_chunks: list[list[np.ndarray]] = [[] for _ in groups]
+        decode_slots: list[list[np.ndarray]] = [[] for _ in groups]
+        spans: list[list[MultiTokenSpan]] = [[] for _ in groups]
         entry_rows: list[list[int]] = [[] for _ in entries]
         row = 0
         for index in order:
-            request, num_new, block_ids = entries[index]
+            request, num_new, block_tables = entries[index]
             start = request.num_computed_tokens
             end = start + num_new
-            block_table = np.asarray(block_ids, dtype=np.int64)
-            # Cache slot of every context position [0, end) of this request.
-            context_slots = (block_table[:, None] * bs + np.arange(bs)).reshape(-1)[:end]
             token_ids = request.all_token_ids[start:end]
             if request.spec_token_ids:
                 token_ids = token_ids + request.spec_token_ids[:end - start - len(token_ids)]
             token_chunks.append(token_ids)
             position_chunks.append(np.arange(start, end))
-            slot_chunks.append(context_slots[start:end])
-            if is_decode[index]:
-                decode_slots.extend(context_slots[:position + 1] for position in range(start, end))
-            else:
-                mask = None
-                if start > 0:
-                    key_positions = torch.arange(end, device=self.device)
-                    query_positions = torch.arange(start, end, device=self.device)
-                    mask = key_positions[None, :] <= query_positions[:, None]
-                spans.append(MultiTokenSpan(row, num_new, end, torch.from_numpy(context_slots).to(self.device), mask))
+            for g, group in enumerate(groups):
+                context_slots = self._context_slots(block_tables[g], end)
+                slot_chunks[g].append(context_slots[start:end])
+                if is_decode[index]:
+                    decode_slots[g].extend(context_slots[group.first_needed_position(position):position + 1]
+                                           for position in range(start, end))
+                else:
+                    spans[g].append(self._span(group, row, start, end, context_slots))
             entry_rows[index] = list(range(row, row + num_new))
             row += num_new
 
         input_ids = torch.tensor([t for chunk in token_chunks for t in chunk], dtype=torch.long, device=self.device)
         positions = torch.from_numpy(np.concatenate(position_chunks)).to(self.device)
+        group_metadata = [self._group_metadata(slot_chunks[g], decode_slots[g], spans[g]) for g in range(len(groups))]
+        metadata = group_metadata[0]
+        if len(groups) > 1:
+            metadata.groups = group_metadata
+            metadata.layer_to_group = self.layout.layer_to_group
+        return Batch(input_ids, positions, metadata, entry_rows)
+
+    def _context_slots(self, block_ids, end: int) -> np.ndarray:
+        """Cache slot of every position [0, end) (negative where the block was freed)."""
+        bs = self.block_size
+        block_table = np.asarray(block_ids, dtype=np.int64)
+        return (block_table[:, None] * bs + np.arange(bs)).reshape(-1)[:end]
+
+    def _span(self, group, row: int, start: int, end: int, context_slots: np.ndarray) -> MultiTokenSpan:
+        first = group.first_needed_position(start)
+        mask = None
+        if start > 0 or (group.window is not None and end > group.window):
+            key_positions = torch.arange(first, end, device=self.device)
+            query_positions = torch.arange(start, end, device=self.device)
+            mask = key_positions[None, :] <= query_positions[:, None]
+            if group.window is not None:
+                mask &= query_positions[:, None] - key_positions[None, :] < group.window
+        return MultiTokenSpan(row, end - start, end - first, torch.from_numpy(context_slots[first:]).to(self.device),
+                              mask)
+
+    def _group_metadata(self, slot_chunks, decode_slots, spans) -> AttentionMetadata:
         slot_mapping = torch.from_numpy(np.concatenate(slot_chunks)).to(self.device)
         metadata = AttentionMetadata(slot_mapping=slot_mapping, num_decode_tokens=len(decode_slots), spans=spans)
         if decode_slots:
@@ -184,7 +212,7 @@ class ModelRunner:
                 padded[i, :len(slots)] = slots
             metadata.decode_slot_indices = torch.from_numpy(padded).to(self.device)
             metadata.decode_context_lens = torch.tensor([len(s) for s in decode_slots], device=self.device)
-        return Batch(input_ids, positions, metadata, entry_rows)
+        return metadata
 
     def _sample(self, plain: list[tuple[ScheduledRequest, int]], hidden: torch.Tensor):
         requests = [s.request for s, _ in plain]

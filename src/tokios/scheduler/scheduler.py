@@ -37,7 +37,7 @@ from tokios.request import Request, RequestStatus
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
-    block_ids: list[int]
+    block_tables: list[list[int]]  # one per KV group (kv_cache/layout.py)
     # Room reserved for proposed tokens (speculative decoding); the speculator fills
     # request.spec_token_ids with at most this many and sets num_new_tokens = 1 + their count.
     num_spec_slots: int = 0
@@ -132,7 +132,7 @@ class Scheduler:
             if copies is None:
                 break  # the request preempted itself: nothing older can be helped either
             output.block_copies.extend(copies)
-            output.scheduled.append(ScheduledRequest(request, num_new + num_spec, self.kv.block_ids(request.request_id),
+            output.scheduled.append(ScheduledRequest(request, num_new + num_spec, self.kv.block_tables(request.request_id),
                                                      num_spec))
             budget -= num_new + num_spec
             index += 1
@@ -178,7 +178,7 @@ class Scheduler:
             output.block_copies.extend(copies)
             num_new = request.num_tokens - request.num_computed_tokens
             num_new = min(num_new, budget)
-            output.scheduled.append(ScheduledRequest(request, num_new, self.kv.block_ids(request.request_id)))
+            output.scheduled.append(ScheduledRequest(request, num_new, self.kv.block_tables(request.request_id)))
             budget -= num_new
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:

@@ -40,10 +40,11 @@ from tokios.request import Request
 class Proposer(Protocol):
     method: str
 
-    def propose(self, requests: list[Request], num_tokens: list[int], block_ids: list[list[int]]) -> list[list[int]]:
+    def propose(self, requests: list[Request], num_tokens: list[int],
+                block_tables: list[list[list[int]]]) -> list[list[int]]:
         """Up to num_tokens[i] proposed token ids for requests[i], which is decoding: its last
         token (all_token_ids[-1]) is not computed yet and is verified in the same pass.
-        block_ids[i]: the blocks the scheduler gave requests[i] for this step."""
+        block_tables[i]: the blocks (a table per KV group) the scheduler gave requests[i] this step."""
 
     def on_verified(self, request: Request) -> None:
         """After Scheduler.update rolled back rejected positions (request.num_computed_tokens)."""
@@ -98,7 +99,8 @@ class NgramProposer:
         self.max_n = max_n
         self.request_to_index: dict[str, NgramIndex] = {}
 
-    def propose(self, requests: list[Request], num_tokens: list[int], block_ids: list[list[int]]) -> list[list[int]]:
+    def propose(self, requests: list[Request], num_tokens: list[int],
+                block_tables: list[list[list[int]]]) -> list[list[int]]:
         proposals = []
         for request, k in zip(requests, num_tokens):
             index = self.request_to_index.get(request.request_id)
@@ -164,7 +166,8 @@ class ModelDraftProposer:
         return cache
 
     @torch.inference_mode()
-    def propose(self, requests: list[Request], num_tokens: list[int], block_ids: list[list[int]]) -> list[list[int]]:
+    def propose(self, requests: list[Request], num_tokens: list[int],
+                block_tables: list[list[list[int]]]) -> list[list[int]]:
         proposed: list[list[int]] = [[] for _ in requests]
         caches = [self._cache(r) for r in requests]
         for step in range(max(num_tokens, default=0)):
@@ -176,7 +179,7 @@ class ModelDraftProposer:
                 # Everything not yet in the draft's cache up to the newest token, as one chunk.
                 start = caches[i].num_valid_tokens
                 views.append((_DraftView(request.request_id, token_ids, start, [], request.num_prompt_tokens,
-                                         request.sampling_params), len(token_ids) - start, block_ids[i]))
+                                         request.sampling_params), len(token_ids) - start, block_tables[i]))
             batch = self.build_batch(views)
             sample_rows = [rows[-1] for rows in batch.entry_rows]
             hidden = self.model.forward(batch.input_ids, batch.positions, batch.metadata, self.kv_caches,

@@ -130,7 +130,7 @@ class Speculator:
         for method, group in method_to_scheduled.items():
             started = time.perf_counter()
             proposals = self.proposers[method].propose([s.request for s in group], [s.num_spec_slots for s in group],
-                                                       [s.block_ids for s in group])
+                                                       [s.block_tables for s in group])
             seconds = time.perf_counter() - started
             num_proposed = 0
             for scheduled, token_ids in zip(group, proposals):

@@ -1,8 +1,8 @@
 """The Tokenizer: text <-> token ids, special tokens and the chat template of one model.
 
-Owns building a Hugging Face `tokenizers` pipeline from GGUF metadata (byte-level BPE, the
-pre-tokenizer llama.cpp would use, control and user-defined tokens, BOS/EOS rules) or from a Hugging
-Face directory, and `load_tokenizer(path)` which picks between them. Talks to gguf_metadata.py
+Owns building a Hugging Face `tokenizers` pipeline from GGUF metadata (byte-level BPE with the
+pre-tokenizer llama.cpp would use, or SentencePiece-style BPE with byte fallback from
+sentencepiece.py; control and user-defined tokens, BOS/EOS rules) or from a Hugging Face directory, and `load_tokenizer(path)` which picks between them. Talks to gguf_metadata.py
 (reads the file), pretokenizers.py, chat_template.py and byte_level.py. Used by the engine front end,
 the server (chat template, prompt tokens) and the detokenizer / stop matcher.
 """
@@ -26,6 +26,7 @@ from tokios.tokenizer.byte_level import build_token_bytes_table, is_byte_level_s
 from tokios.tokenizer.chat_template import ChatTemplate
 from tokios.tokenizer.gguf_metadata import GGUF_MAGIC, read_gguf_metadata
 from tokios.tokenizer.pretokenizers import build_pre_tokenizer
+from tokios.tokenizer.sentencepiece import build_sentencepiece_bpe
 
 # llama.cpp token types (tokenizer.ggml.token_type).
 TOKEN_TYPE_CONTROL = 3
@@ -94,23 +95,26 @@ class Tokenizer:
         tokenizer_model = metadata.get("tokenizer.ggml.model")
         if tokenizer_model is None:
             raise ModelLoadError(f"GGUF metadata has no tokenizer.ggml.model {_where(source)}")
-        if tokenizer_model != "gpt2":
+        if tokenizer_model not in ("gpt2", "llama"):
             raise UnsupportedError(
-                f"tokenizer model {tokenizer_model!r} is not supported (supported: 'gpt2', byte-level BPE) "
-                f"{_where(source)}"
+                f"tokenizer model {tokenizer_model!r} is not supported (supported: 'gpt2', byte-level BPE; "
+                f"'llama', SentencePiece with byte fallback) {_where(source)}"
             )
         tokens = _require(metadata, "tokenizer.ggml.tokens", source)
-        merges = _require(metadata, "tokenizer.ggml.merges", source)
         token_types = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
         if len(token_types) != len(tokens):
             raise ModelLoadError(
                 f"tokenizer.ggml.token_type has {len(token_types)} entries but tokenizer.ggml.tokens has "
                 f"{len(tokens)} {_where(source)}"
             )
-        pre_tokenizer = build_pre_tokenizer(metadata.get("tokenizer.ggml.pre"))
-        backend = _build_byte_level_bpe(tokens, token_types, merges, source)
-        backend.pre_tokenizer = pre_tokenizer
-        backend.decoder = decoders.ByteLevel()
+        if tokenizer_model == "llama":
+            backend = build_sentencepiece_bpe(metadata, metadata.get("general.architecture"), _where(source))
+        else:
+            merges = _require(metadata, "tokenizer.ggml.merges", source)
+            pre_tokenizer = build_pre_tokenizer(metadata.get("tokenizer.ggml.pre"))
+            backend = _build_byte_level_bpe(tokens, token_types, merges, source)
+            backend.pre_tokenizer = pre_tokenizer
+            backend.decoder = decoders.ByteLevel()
 
         def token_id(key: str) -> int | None:
             value = metadata.get(key)
@@ -124,7 +128,8 @@ class Tokenizer:
         eos_token_id = token_id("tokenizer.ggml.eos_token_id")
         backend.post_processor = _bos_eos_processor(
             backend,
-            bos_token_id if metadata.get("tokenizer.ggml.add_bos_token", False) else None,
+            # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise.
+            bos_token_id if metadata.get("tokenizer.ggml.add_bos_token", tokenizer_model == "llama") else None,
             eos_token_id if metadata.get("tokenizer.ggml.add_eos_token", False) else None,
             source,
         )

@@ -1,0 +1,116 @@
+"""Gemma 3 as one forward pass (the text model; what a Gemma 3 GGUF holds).
+
+Where it differs from Llama (model/llama.py), all read from the file by the loader: the
+embedding is scaled by sqrt(hidden); RMSNorm weights are stored as (1 + w) by llama.cpp's
+converter, so they multiply as stored; queries and keys get a per-head RMSNorm before RoPE;
+each layer has four norms (before and after attention, before and after the feed-forward);
+the feed-forward is GeGLU with tanh GELU; RoPE is NEOX (the converter leaves Q/K unpermuted)
+with base 10,000 on sliding layers and the file's base on global ones; sliding layers attend
+to the last `window` positions only (the runner hands them their KV group's metadata,
+kv_cache/layout.py); the output head is the tied embedding; an optional final softcap.
+Linear layers, norms and the paged attention are the same ops as Llama's (model/ops.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from tokios.config import ModelConfig
+from tokios.model.attention import AttentionMetadata
+from tokios.model.kernels import load_extension, precise_activations
+from tokios.model.linear import make_linear, summarize_linears
+from tokios.model.llama import ACTIVATION_DTYPE
+from tokios.model.ops import CpuKernelOps, TorchOps
+from tokios.model.quant import EmbeddingTable, as_dense, concat_rows
+from tokios.model.rope import RotaryEmbedding
+
+
+class Gemma3Layer:
+    def __init__(self, config: ModelConfig, weights: dict, prefix: str, weight_format: str, device: torch.device,
+                 rotary: RotaryEmbedding):
+        def weight(name: str):
+            return weights.pop(f"{prefix}.{name}")
+
+        dtype = ACTIVATION_DTYPE[weight_format]
+        precise = precise_activations(weight_format)
+
+        def norm(name: str) -> torch.Tensor:
+            return as_dense(weight(name)).to(device=device, dtype=dtype)
+
+        self.input_norm = norm("input_layernorm.weight")
+        self.post_attention_norm = norm("post_attention_layernorm.weight")
+        self.pre_feedforward_norm = norm("pre_feedforward_layernorm.weight")
+        self.post_feedforward_norm = norm("post_feedforward_layernorm.weight")
+        # Per-head norms run in float32 whatever the activations: they feed RoPE and the cache.
+        self.q_norm = as_dense(weight("self_attn.q_norm.weight")).to(device=device, dtype=torch.float32)
+        self.k_norm = as_dense(weight("self_attn.k_norm.weight")).to(device=device, dtype=torch.float32)
+        qkv = concat_rows([weight("self_attn.q_proj.weight"), weight("self_attn.k_proj.weight"),
+                           weight("self_attn.v_proj.weight")])
+        self.qkv = make_linear(qkv, None, weight_format, device, precise)
+        self.o_proj = make_linear(weight("self_attn.o_proj.weight"), None, weight_format, device, precise)
+        gate_up = concat_rows([weight("mlp.gate_proj.weight"), weight("mlp.up_proj.weight")])
+        self.gate_up = make_linear(gate_up, None, weight_format, device, precise)
+        self.down = make_linear(weight("mlp.down_proj.weight"), None, weight_format, device, precise)
+        self.rotary = rotary
+
+
+class Gemma3Model:
+    def __init__(self, config: ModelConfig, weights: dict, weight_format: str, device: torch.device):
+        if config.layer_windows is None:
+            raise ValueError("a Gemma 3 config carries layer_windows (model/loader.py sets them)")
+        self.config = config
+        self.weight_format = weight_format
+        self.device = device
+        self.dtype = ACTIVATION_DTYPE[weight_format]
+        embed = weights.pop("model.embed_tokens.weight")
+        self.embed_tokens = EmbeddingTable(embed, self.dtype, device)
+        self.embed_scale = torch.tensor(config.hidden_size ** 0.5, dtype=self.dtype)
+        lm_head = weights.pop("lm_head.weight", None)
+        self.lm_head = make_linear(embed if lm_head is None else lm_head, None, weight_format, device,
+                                   precise_activations(weight_format))
+        self.norm = as_dense(weights.pop("model.norm.weight")).to(device=device, dtype=self.dtype)
+        self.rotary = RotaryEmbedding(config, config.max_model_len, device, torch.float32)
+        local_config = replace(config, rope_theta=config.rope_local_theta or config.rope_theta, rope_scaling=None)
+        self.local_rotary = RotaryEmbedding(local_config, config.max_model_len, device, torch.float32)
+        self.layers = [Gemma3Layer(config, weights, f"model.layers.{i}", weight_format, device,
+                                   self.rotary if config.window_of(i) is None else self.local_rotary)
+                       for i in range(config.num_layers)]
+        extension = load_extension() if weight_format in ("int4", "int8", "stored") and device.type == "cpu" else None
+        self.ops = CpuKernelOps(config, self.rotary, extension) if extension is not None else TorchOps(config, self.rotary)
+        self.has_decode_attention_kernel = extension is not None
+        self.can_fuse_decode = False
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_layers: int | None = None) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden]."""
+        ops = self.ops
+        hidden = self.embed_tokens(input_ids) * self.embed_scale
+        tables = {id(rotary): ops.rope_tables(positions, rotary) for rotary in (self.rotary, self.local_rotary)}
+        for index, (layer, (key_cache, value_cache)) in enumerate(zip(self.layers[:num_layers], kv_caches)):
+            qkv = layer.qkv(ops.rms_norm(hidden, layer.input_norm)).float()
+            qkv = ops.normalize_heads(qkv, layer.q_norm, layer.k_norm)
+            attended = ops.attention(qkv, positions, key_cache, value_cache, metadata.for_layer(index),
+                                     tables[id(layer.rotary)], layer.rotary)
+            attended = layer.o_proj(attended.to(self.dtype)).to(self.dtype)
+            hidden = hidden + ops.rms_norm(attended, layer.post_attention_norm)
+            gate_up = layer.gate_up(ops.rms_norm(hidden, layer.pre_feedforward_norm))
+            feed_forward = layer.down(ops.gelu_tanh_mul(gate_up)).to(self.dtype)
+            hidden = hidden + ops.rms_norm(feed_forward, layer.post_feedforward_norm)
+        return ops.rms_norm(hidden, self.norm)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [num_rows, hidden] -> float32 logits [num_rows, vocab]."""
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def layer_linears(self) -> list:
+        return [lin for layer in self.layers for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+
+    def weight_bytes(self) -> int:
+        return sum(lin.num_bytes() for lin in [self.lm_head] + self.layer_linears())
+
+    def weight_summary(self) -> str:
+        return summarize_linears([self.lm_head] + self.layer_linears())

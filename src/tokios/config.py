@@ -92,6 +92,8 @@ class LoadConfig:
     dtype: str = "auto"
     device: str = "auto"
     num_threads: int | None = None  # None: physical cores
+    # A Jinja file or a built-in name (tokenizer/chat_template.py) replacing the file's template.
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         _require(self.dtype in SUPPORTED_DTYPES, "dtype", f"must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")

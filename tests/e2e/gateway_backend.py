@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import hashlib
 import json
-import time
 from typing import Any, AsyncIterator, Callable
 
 import uvicorn

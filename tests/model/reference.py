@@ -23,15 +23,23 @@ def default_gguf() -> Path:
     return default_model_path()
 
 
-@functools.lru_cache(maxsize=1)
-def load_reference_model():
-    """transformers' model for the default GGUF, float32, eval mode. Loaded at most once."""
+@functools.lru_cache(maxsize=2)
+def load_reference_model(path: Path | None = None):
+    """transformers' model for a GGUF (default: the default model), float32, eval mode. Loaded at
+    most once per file (Gemma 3 270M takes about 55 s here)."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    path = default_gguf()
+    path = Path(path or default_gguf())
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                               dtype=torch.float32)
     return model.eval()
+
+
+@functools.lru_cache(maxsize=2)
+def load_reference_tokenizer(path: Path):
+    """transformers' tokenizer for a GGUF (its own conversion; about 25 s for Gemma 3's vocabulary)."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 def reference_greedy(model, prompt_token_ids: list[int], num_tokens: int) -> list[int]:
@@ -83,11 +91,22 @@ def engine_prompt_logits(llm, token_ids: list[int]) -> torch.Tensor:
     num_tokens = len(token_ids)
     kv_dtype = model.dtype
     shape = (num_tokens, config.num_kv_heads, config.head_dim)
+    # Every layer its own cache; a sliding layer gets the causal mask cut to its window.
     kv_caches = [(torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype))
                  for _ in range(config.num_layers)]
     slots = torch.arange(num_tokens)
-    metadata = AttentionMetadata(slot_mapping=slots, num_decode_tokens=0,
-                                 spans=[MultiTokenSpan(0, num_tokens, num_tokens, slots, None)])
+    positions = torch.arange(num_tokens)
+    causal = positions[None, :] <= positions[:, None]
+
+    def metadata_for(window):
+        mask = None if window is None else causal & (positions[:, None] - positions[None, :] < window)
+        return AttentionMetadata(slot_mapping=slots, num_decode_tokens=0,
+                                 spans=[MultiTokenSpan(0, num_tokens, num_tokens, slots, mask)])
+
+    metadata = metadata_for(None)
+    if config.layer_windows is not None:
+        metadata.groups = [metadata_for(config.window_of(layer)) for layer in range(config.num_layers)]
+        metadata.layer_to_group = tuple(range(config.num_layers))
     with torch.no_grad():
         hidden = model.forward(torch.tensor(token_ids), slots, metadata, kv_caches)
         return model.compute_logits(hidden)

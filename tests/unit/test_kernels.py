@@ -243,7 +243,8 @@ def test_elementwise_ops_match_torch():
     torch.testing.assert_close(extension.rms_norm(x, weight, 1e-5), F.rms_norm(x, (64,), weight, 1e-5))
     gate_up = torch.randn(5, 2 * 48)
     gate, up = gate_up.chunk(2, dim=-1)
-    torch.testing.assert_close(extension.silu_mul(gate_up), F.silu(gate) * up)
+    torch.testing.assert_close(extension.glu_mul(gate_up, False), F.silu(gate) * up)
+    torch.testing.assert_close(extension.glu_mul(gate_up, True), F.gelu(gate, approximate="tanh") * up)
 
 
 @needs_extension
@@ -311,5 +312,6 @@ def test_portable_scalar_path_matches_the_vector_path():
     relative = ((linear(x) - on_vector).norm() / on_vector.norm()).item()
     assert relative < 1e-2  # bfloat16 against 8-bit activations
     gate_up, weight = torch.randn(5, 96), torch.randn(96)
-    torch.testing.assert_close(portable.silu_mul(gate_up), extension.silu_mul(gate_up))
+    torch.testing.assert_close(portable.glu_mul(gate_up, False), extension.glu_mul(gate_up, False))
+    torch.testing.assert_close(portable.glu_mul(gate_up, True), extension.glu_mul(gate_up, True))
     torch.testing.assert_close(portable.rms_norm(gate_up, weight, 1e-5), extension.rms_norm(gate_up, weight, 1e-5))

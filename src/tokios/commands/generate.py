@@ -28,6 +28,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how weights are held: auto, float32, bfloat16, int8 or int4 (default auto)")
     parser.add_argument("--kv-cache-memory", default="512MiB", help="memory for the KV cache (default 512MiB)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    add_chat_template_argument(parser)
+
+
+def add_chat_template_argument(parser) -> None:
+    parser.add_argument("--chat-template", default=None,
+                        help="a Jinja chat template file, or a built-in: chatml, gemma (default: the model "
+                        "file's own; a pretrained model has none)")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,7 +68,7 @@ def load_engine(args: argparse.Namespace, err: TextIO = sys.stderr):
     from tokios.config import CacheConfig, EngineConfig, LoadConfig, parse_size
 
     # Validate the flags before paying for torch and the model (callers validate sampling first).
-    load = LoadConfig(model=args.model, dtype=args.dtype, num_threads=args.threads)
+    load = LoadConfig(model=args.model, dtype=args.dtype, num_threads=args.threads, chat_template=args.chat_template)
     cache = CacheConfig(kv_cache_memory_bytes=parse_size(args.kv_cache_memory, field_name="kv_cache_memory"))
     started = time.perf_counter()
     from tokios.engine import EngineCore

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from tokios.model_files import default_model_path
+from tokios.model_files import resolve_model_path
 from tokios.tokenizer import load_tokenizer
 
 
@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    tokenizer = load_tokenizer(args.model or default_model_path())
+    tokenizer = load_tokenizer(resolve_model_path(args.model))
     text = args.text
     if args.chat:
         text = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)

@@ -23,7 +23,7 @@ from tokios.kv_cache.layout import KVCacheLayout
 from tokios.kv_cache.manager import KVCacheManager
 from tokios.model.llama import kv_cache_dtype
 from tokios.model.loader import load_model
-from tokios.model_files import default_model_path
+from tokios.model_files import resolve_model_path
 from tokios.request import Request, RequestStatus
 from tokios.runner.model_runner import ModelRunner
 from tokios.sampling_params import SamplingParams
@@ -32,6 +32,7 @@ from tokios.speculative.draft_model import load_draft_proposer
 from tokios.speculative.proposers import ModelDraftProposer, NgramProposer
 from tokios.speculative.speculator import Speculator
 from tokios.tokenizer import tokenizer_for_loaded_model
+from tokios.tokenizer.chat_template import resolve_chat_template
 
 logger = logging.getLogger("tokios.engine")
 
@@ -88,13 +89,17 @@ class EngineCore:
         self.weight_format = config.load.dtype
         if self.weight_format == "auto":
             self.weight_format = AUTO_DTYPE_BY_DEVICE[self.device.type]
-        path = str(config.load.model or default_model_path())
+        path = resolve_model_path(config.load.model)
+        # A bad --chat-template fails before the model is read.
+        chat_template = None if config.load.chat_template is None else resolve_chat_template(config.load.chat_template)
         loaded = load_model(path, self.weight_format, self.device)
         self.model_path = path
         self.model = loaded.model
         self.model_config = loaded.config
         self.load_seconds = loaded.load_seconds
         self.tokenizer = tokenizer_for_loaded_model(loaded.tokenizer_source, path)
+        if chat_template is not None:
+            self.tokenizer = self.tokenizer.with_chat_template(chat_template)
         if hasattr(self.model, "weight_summary"):
             logger.info("weights (--dtype %s): %s", self.weight_format, self.model.weight_summary())
         self.max_model_len = min(config.scheduler.max_model_len or self.model_config.max_model_len,

@@ -29,9 +29,11 @@ class LLM:
                  kv_cache_memory: str | int = "512MiB", block_size: int = 16, enable_prefix_caching: bool = True,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_model_len: int | None = None,
                  num_threads: int | None = None, seed: int = 0,
-                 speculative_config: SpeculativeConfig | None = None, kv_cache_dtype: str = "auto"):
+                 speculative_config: SpeculativeConfig | None = None, kv_cache_dtype: str = "auto",
+                 chat_template: str | None = None):
         self.engine_config = EngineConfig(
-            load=LoadConfig(model=model, dtype=dtype, device=device, num_threads=num_threads),
+            load=LoadConfig(model=model, dtype=dtype, device=device, num_threads=num_threads,
+                            chat_template=chat_template),
             cache=CacheConfig(block_size=block_size,
                               kv_cache_memory_bytes=parse_size(kv_cache_memory, field_name="kv_cache_memory"),
                               enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype),

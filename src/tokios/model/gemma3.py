@@ -22,7 +22,7 @@ from tokios.model.attention import AttentionMetadata
 from tokios.model.kernels import load_extension, precise_activations
 from tokios.model.linear import make_linear, summarize_linears
 from tokios.model.llama import ACTIVATION_DTYPE
-from tokios.model.ops import CpuKernelOps, TorchOps
+from tokios.model.ops import CpuKernelOps, TorchOps, fused_decode_inputs
 from tokios.model.quant import EmbeddingTable, as_dense, concat_rows
 from tokios.model.rope import RotaryEmbedding
 
@@ -80,13 +80,23 @@ class Gemma3Model:
         extension = load_extension() if weight_format in ("int4", "int8", "stored") and device.type == "cpu" else None
         self.ops = CpuKernelOps(config, self.rotary, extension) if extension is not None else TorchOps(config, self.rotary)
         self.has_decode_attention_kernel = extension is not None
-        self.can_fuse_decode = False
+        # As for Llama: the fused all-layer decode step when every layer's products are on the kernels.
+        self.can_fuse_decode = extension is not None and all(
+            getattr(linear, "linear", None) is not None for linear in self.layer_linears())
+        self._fused_by_num_layers: dict[int | None, tuple[object, list]] = {}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_layers: int | None = None) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden]."""
         ops = self.ops
         hidden = self.embed_tokens(input_ids) * self.embed_scale
+        if self.can_fuse_decode and metadata.num_decode_tokens == input_ids.shape[0]:
+            fused, fused_caches = self._fused_by_num_layers.get(num_layers, (None, None))
+            if fused is None or fused_caches is not kv_caches:
+                fused = ops.fused_decoder(self, kv_caches, num_layers)
+                self._fused_by_num_layers[num_layers] = (fused, kv_caches)
+            hidden = fused.forward(hidden, positions, *fused_decode_inputs(metadata))
+            return ops.rms_norm(hidden, self.norm)
         tables = {id(rotary): ops.rope_tables(positions, rotary) for rotary in (self.rotary, self.local_rotary)}
         for index, (layer, (key_cache, value_cache)) in enumerate(zip(self.layers[:num_layers], kv_caches)):
             qkv = layer.qkv(ops.rms_norm(hidden, layer.input_norm)).float()

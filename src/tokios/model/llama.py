@@ -15,7 +15,7 @@ from tokios.config import ModelConfig
 from tokios.model.attention import AttentionMetadata
 from tokios.model.kernels import load_extension, precise_activations
 from tokios.model.linear import make_linear, summarize_linears
-from tokios.model.ops import CpuKernelOps, TorchOps
+from tokios.model.ops import CpuKernelOps, TorchOps, fused_decode_inputs
 from tokios.model.quant import as_dense, concat_rows
 from tokios.model.rope import RotaryEmbedding
 
@@ -102,8 +102,7 @@ class LlamaModel:
             if fused is None or fused_caches is not kv_caches:
                 fused = ops.fused_decoder(self, kv_caches, num_layers)
                 self._fused_by_num_layers[num_layers] = (fused, kv_caches)
-            hidden = fused.forward(hidden, positions, metadata.slot_mapping, metadata.decode_slot_indices,
-                                   metadata.decode_context_lens)
+            hidden = fused.forward(hidden, positions, *fused_decode_inputs(metadata))
             return ops.rms_norm(hidden, self.norm)
         rope_tables = ops.rope_tables(positions)
         for layer, (key_cache, value_cache) in zip(self.layers[:num_layers], kv_caches):

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from tokios.config import ModelConfig
+from tokios.kv_cache.layout import KVCacheLayout
 from tokios.model.attention import AttentionMetadata, paged_attention, write_kv
 from tokios.model.rope import RotaryEmbedding
 
@@ -80,7 +81,10 @@ class CpuKernelOps(TorchOps):
         return self.extension.rms_norm(x, weight, self.config.rms_norm_eps)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return self.extension.silu_mul(gate_up)
+        return self.extension.glu_mul(gate_up, False)
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.extension.glu_mul(gate_up, True)
 
     def rope_tables(self, positions: torch.Tensor, rotary: RotaryEmbedding | None = None):
         return None  # the kernel indexes the full tables by position itself
@@ -110,13 +114,29 @@ class CpuKernelOps(TorchOps):
 
     def fused_decoder(self, model, kv_caches, num_layers: int | None = None):
         """The all-layers C++ decode step over these caches (built once per cache list); with
-        num_layers, over the first layers only (speculative self-draft)."""
+        num_layers, over the first layers only (speculative self-draft). A Gemma-style layer
+        (pre_feedforward_norm) brings its extra norms, its own RoPE table and tanh-GELU."""
         layers = model.layers[:num_layers]
         kv_caches = kv_caches[:len(layers)]
+        config = self.config
+        is_gemma = hasattr(layers[0], "pre_feedforward_norm")
+        rotaries = [getattr(layer, "rotary", self.rotary) for layer in layers]
+        optional = (lambda name: [getattr(layer, name) for layer in layers]) if is_gemma else (lambda name: [])
+        layer_groups = list(KVCacheLayout.for_config(config).layer_to_group[:len(layers)])
         return self.extension.FusedDecoder(
-            [layer.input_norm for layer in layers], [layer.post_attention_norm for layer in layers],
+            [layer.input_norm for layer in layers],
+            [layer.pre_feedforward_norm if is_gemma else layer.post_attention_norm for layer in layers],
             [layer.qkv.linear for layer in layers], [layer.o_proj.linear for layer in layers],
             [layer.gate_up.linear for layer in layers], [layer.down.linear for layer in layers],
             [k for k, _ in kv_caches], [v for _, v in kv_caches],
-            self.rotary.cos, self.rotary.sin, self.config.num_heads, self.config.num_kv_heads, self.config.head_dim,
-            self.config.hidden_size, self.config.intermediate_size, self.config.rms_norm_eps)
+            [r.cos for r in rotaries], [r.sin for r in rotaries], config.num_heads, config.num_kv_heads,
+            config.head_dim, config.hidden_size, config.intermediate_size, config.rms_norm_eps, self.scale, is_gemma,
+            optional("post_attention_norm"), optional("post_feedforward_norm"), optional("q_norm"),
+            optional("k_norm"), layer_groups)
+
+
+def fused_decode_inputs(metadata: AttentionMetadata) -> tuple[list, list, list]:
+    """Per KV group: (slot mappings, decode slot tables, decode context lengths) of a decode-only step."""
+    groups = metadata.groups or [metadata]
+    return ([g.slot_mapping for g in groups], [g.decode_slot_indices for g in groups],
+            [g.decode_context_lens for g in groups])

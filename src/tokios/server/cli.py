@@ -18,6 +18,7 @@ import sys
 
 import uvicorn
 
+from tokios.commands.generate import add_chat_template_argument
 from tokios.errors import InvalidRequestError
 
 DEFAULT_MAX_BODY_SIZE = "8MiB"
@@ -34,6 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine = parser.add_argument_group("engine")
     engine.add_argument("--model", default=None, help="GGUF file or model directory (default: SmolLM2-135M-Instruct)")
     engine.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, int8 or int4 (default auto)")
+    add_chat_template_argument(engine)
     engine.add_argument("--kv-cache-memory", default="512MiB", help="memory for the KV cache, e.g. 512MiB, 2GiB")
     engine.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="KV cache element type; auto = float32 for float32 weights, else bfloat16")
@@ -74,7 +76,7 @@ def _engine_config(args: argparse.Namespace):
     from tokios.speculative.config import SpeculativeConfig
 
     return EngineConfig(
-        load=LoadConfig(model=args.model, dtype=args.dtype),
+        load=LoadConfig(model=args.model, dtype=args.dtype, chat_template=args.chat_template),
         cache=CacheConfig(block_size=args.block_size,
                           kv_cache_memory_bytes=parse_size(args.kv_cache_memory, field_name="kv_cache_memory"),
                           enable_prefix_caching=not args.no_prefix_caching, kv_cache_dtype=args.kv_cache_dtype),

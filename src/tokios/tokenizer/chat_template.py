@@ -188,3 +188,28 @@ class ChatTemplate:
             raise InvalidRequestError(
                 f"chat template cannot render these messages: {type(exc).__name__}: {exc}", param="messages"
             ) from None
+
+
+BUILTIN_TEMPLATE_NAMES = ("chatml", "gemma")
+
+
+def resolve_chat_template(value: str) -> str:
+    """--chat-template: a built-in name (chatml, gemma) or the path of a Jinja file -> its source,
+    checked to compile (an error names the file and the problem)."""
+    from importlib.resources import files
+    from pathlib import Path
+
+    if value in BUILTIN_TEMPLATE_NAMES:
+        source = files("tokios.tokenizer").joinpath("templates", f"{value}.jinja").read_text(encoding="utf-8")
+    else:
+        path = Path(value)
+        if not path.is_file():
+            raise InvalidRequestError(
+                f"chat_template {value!r} is neither a built-in template ({', '.join(BUILTIN_TEMPLATE_NAMES)}) "
+                "nor a readable file", param="chat_template")
+        source = path.read_text(encoding="utf-8")
+    try:
+        ChatTemplate(source)
+    except ModelLoadError as exc:
+        raise InvalidRequestError(f"chat_template {value!r}: {exc}", param="chat_template") from None
+    return source

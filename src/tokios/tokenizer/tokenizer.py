@@ -9,6 +9,7 @@ the server (chat template, prompt tokens) and the detokenizer / stop matcher.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import itertools
 import json
@@ -230,7 +231,10 @@ class Tokenizer:
         """Render a conversation with the model's own template, exactly as transformers does."""
         if self._compiled_chat_template is None:
             raise InvalidRequestError(
-                "this model has no chat template; send a plain completion prompt instead", param="messages"
+                "this model has no chat template (its file carries none: a pretrained model); start tokios "
+                "with --chat-template FILE or a built-in name (chatml, gemma), or send a plain completion "
+                "prompt (/v1/completions, tokios generate --raw) instead",
+                param="messages",
             )
         special_tokens = {
             name: self.backend.id_to_token(token_id)
@@ -244,6 +248,14 @@ class Tokenizer:
             special_tokens=special_tokens,
             **kwargs,
         )
+
+    def with_chat_template(self, chat_template: str) -> Tokenizer:
+        """The same tokenizer with another chat template (--chat-template)."""
+        other = copy.copy(self)
+        other.chat_template = chat_template
+        other._compiled_chat_template = ChatTemplate(chat_template)
+        other.__dict__.pop("chat_template_fingerprint", None)
+        return other
 
     @cached_property
     def chat_template_fingerprint(self) -> str:

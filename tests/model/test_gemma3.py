@@ -1,10 +1,11 @@
 """Gemma 3 270M (Q4_K_M GGUF, the pretrained model) against transformers float32 on the same file.
 
-- Greedy continuations of 24 tokens for 8 raw-completion prompts are identical to transformers'
+- Greedy continuations of 24 tokens for 10 raw-completion prompts are identical to transformers'
   in float32, and the logits at every position of prompt plus continuation agree within
-  LOGITS_ATOL. The prompts were chosen so that no continuation position is a near-tie: the
-  smallest top-two logit gap over all of them is printed (measured here: 0.14 at the closest
-  position, a hundred times LOGITS_ATOL; most positions are several logits apart).
+  LOGITS_ATOL. The prompts were chosen so that no continuation position is a near-tie: of 20
+  candidates, those whose smallest top-two logit gap over the 24 positions was under 0.05 were
+  dropped ("The capital of France is" has 0.012 at token 15, "Die Hauptstadt von Deutschland
+  ist" 0.002); the smallest gap of those kept (0.062) is asserted and printed.
 - A 1,400-token prompt (well past the 512-token window; chunked prefill of 256-token chunks, so
   chunks straddle window edges) has logits equal to the reference at every position; then it
   decodes past the window and matches transformers' greedy tokens.
@@ -33,14 +34,16 @@ NUM_TOKENS = 24
 # Measured here: largest difference 2.9e-4 over all prompts (logits up to ~40 in magnitude).
 LOGITS_ATOL = 3e-3
 PROMPTS = [
-    "The capital of France is",
     "def fibonacci(n):\n    if n < 2:\n        return n\n",
     "Water boils at a temperature of",
     "東京は日本の首都で、",
-    "La Révolution française a commencé en",
     "1, 2, 3, 4, 5, 6,",
-    "Once upon a time, in a small village by the sea,",
     "The chemical symbol for gold is",
+    "The quick brown fox jumps over",
+    "In 1969, Neil Armstrong became",
+    "import numpy as np\n\nx = np.",
+    "<html>\n<head>\n<title>",
+    "The largest planet in the solar system is",
 ]
 GEMMA_CORPUS = CORPUS + [
     "<start_of_turn>user\nHello there<end_of_turn>\n<start_of_turn>model\n",
@@ -94,7 +97,7 @@ def test_greedy_continuations_match_transformers(continuations, gemma_reference)
         smallest_gap = min(smallest_gap, (top_two[:, 0] - top_two[:, 1]).min().item())
         assert ours == theirs, f"prompt {index} {PROMPTS[index]!r}"
     print(f"\nsmallest top-two logit gap over the continuations: {smallest_gap:.3f}")
-    assert smallest_gap > 10 * LOGITS_ATOL, "a prompt sits on a near-tie; pick another"
+    assert smallest_gap > 0.05, "a prompt sits on a near-tie; pick another"
 
 
 def test_logits_at_every_position_match_transformers(continuations, gemma_float32, gemma_reference):
@@ -191,7 +194,7 @@ def test_long_request_frees_sliding_blocks_out_of_the_window(gemma_stored, long_
     (request,) = core.make_requests("long", long_prompt, SamplingParams(max_tokens=4, temperature=0.0))
     core.add_requests([request])
     peak_sliding = 0
-    while core.has_unfinished():
+    while core.has_unfinished:
         core.step()
         tables = kv.block_tables(request.request_id)
         if tables[0]:
@@ -202,3 +205,72 @@ def test_long_request_frees_sliding_blocks_out_of_the_window(gemma_stored, long_
     # The window plus one chunk being written, at most: never the whole 1,400-token context.
     assert window_blocks <= peak_sliding <= window_blocks + chunk_blocks + 1 < len(long_prompt) // kv.block_size
     kv.check_invariants(expect_idle=True)
+
+
+# ---- scheduling invariance and speculative decoding on Gemma 3 ------------------------------
+def greedy(max_tokens: int = 16, **extra) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **extra)
+
+
+@pytest.fixture(scope="module")
+def invariance_prompts(gemma_float32, long_prompt):
+    short = [gemma_float32.tokenizer.encode(prompt) for prompt in PROMPTS]
+    return short + [long_prompt[:700]]  # one past the window, so chunks and cache hits straddle it
+
+
+@pytest.fixture(scope="module")
+def one_by_one(gemma_float32, invariance_prompts):
+    return [gemma_float32.generate([ids], greedy())[0].outputs[0].token_ids for ids in invariance_prompts]
+
+
+def test_batched_chunked_and_prefix_cached_equal_one_by_one(gemma_path, invariance_prompts, one_by_one):
+    from tokios.engine import LLM
+
+    llm = LLM(model=str(gemma_path), dtype="float32", max_num_batched_tokens=96, kv_cache_memory="256MiB")
+    for _ in range(2):  # cold, then the same batch over a hot prefix cache
+        outputs = llm.generate(invariance_prompts, greedy())
+        assert [o.outputs[0].token_ids for o in outputs] == one_by_one
+        llm.check_invariants()
+    assert llm.stats().prefix_cache_hits >= sum(len(p) for p in invariance_prompts) // 2
+    assert llm.stats().num_blocks_used == 0
+
+
+def test_forced_preemption_equals_one_by_one(gemma_path, gemma_float32, invariance_prompts, one_by_one):
+    from tokios.engine import LLM
+
+    layout_block = gemma_float32.kv_bytes_per_token() // 18 * 3 * 16  # a block of one KV group
+    llm = LLM(model=str(gemma_path), dtype="float32", kv_cache_memory=36 * layout_block)
+    short = invariance_prompts[:-1]
+    outputs = llm.generate(short, greedy())
+    assert [o.outputs[0].token_ids for o in outputs] == one_by_one[:-1]
+    assert llm.stats().num_preemptions > 0
+    llm.check_invariants()
+
+
+def test_stored_blocks_part_from_one_by_one_only_at_near_ties(gemma_stored, invariance_prompts):
+    from test_engine_invariance import assert_parts_only_at_near_ties
+
+    params = greedy(logprobs=2)
+    alone = [gemma_stored.generate([ids], params)[0].outputs[0] for ids in invariance_prompts]
+    together = [o.outputs[0] for o in gemma_stored.generate(invariance_prompts, params)]
+    gemma_stored.check_invariants()
+    num_identical = assert_parts_only_at_near_ties(together, alone, "gemma3 stored")
+    print(f"\nGemma 3 as stored: {num_identical} of {len(invariance_prompts)} prompts identical batched")
+
+
+@pytest.mark.parametrize("method", ["ngram", "self_draft"])
+def test_speculative_decoding_is_lossless(gemma_path, invariance_prompts, method):
+    from tokios.engine import LLM
+    from tokios.speculative.config import SpeculativeConfig
+
+    # No prefix cache: a repeated prompt would then compute its tail as decode rows instead of one
+    # span, which rounds differently in the file's blocks (speculation is not what differs).
+    llm = LLM(model=str(gemma_path), kv_cache_memory="256MiB", max_num_batched_tokens=2048,
+              enable_prefix_caching=False, speculative_config=SpeculativeConfig(num_speculative_tokens=3, enable_adaptive=False,
+                                                   self_draft_num_layers=6))
+    prompts = invariance_prompts[:4] + invariance_prompts[-1:]
+    plain = [llm.generate([ids], greedy(24))[0].outputs[0].token_ids for ids in prompts]
+    params = greedy(24, speculative={"method": method, "num_tokens": 3})
+    assert [llm.generate([ids], params)[0].outputs[0].token_ids for ids in prompts] == plain
+    assert llm.stats().spec_num_drafts > 0
+    llm.check_invariants()

@@ -113,3 +113,17 @@ def test_prefill_flops_count_causal_attention_and_one_logits_row():
                 + 2 * model.num_layers * model.num_heads * model.head_dim * prompt_len**2
                 + 2 * model.hidden_size * model.vocab_size)
     assert plan_math.prefill_flops(model, prompt_len) == expected
+
+
+def test_sliding_window_layers_hold_only_their_window():
+    from tokios.tools.model_presets import ModelShape
+
+    windows = tuple(None if (i + 1) % 6 == 0 else 512 for i in range(18))
+    gemma = ModelShape("gemma3-like", 18, 640, 2048, 4, 1, 256, 262144, 32768, layer_windows=windows)
+    full = dataclasses.replace(gemma, layer_windows=None)
+    per_token = plan_math.kv_bytes_per_token(gemma, 2)
+    assert plan_math.kv_bytes_per_sequence(gemma, 2, 100) == plan_math.kv_bytes_per_sequence(full, 2, 100)
+    # At 32k tokens: 3 full layers hold 32,768 tokens, 15 sliding ones 512 each.
+    expected = per_token / 18 * (3 * 32768 + 15 * 512)
+    assert plan_math.kv_bytes_per_sequence(gemma, 2, 32768) == pytest.approx(expected)
+    assert plan_math.kv_bytes_per_sequence(full, 2, 32768) == pytest.approx(per_token * 32768)

@@ -20,6 +20,7 @@ from tokios.config import ModelConfig
 from tokios.errors import ModelLoadError, UnsupportedError
 from tokios.model.gguf_file import GGUFFile
 from tokios.model.gemma3 import Gemma3Model
+from tokios.model.gemma3_metadata import gemma3_fields
 from tokios.model.llama import LlamaModel
 from tokios.model.quant import PACKABLE_TYPES, PackedWeight, dequantize
 
@@ -51,9 +52,6 @@ _GGUF_LAYER_NAMES_BY_ARCHITECTURE = {
 }
 # Architectures whose converter keeps Q/K rows in the Hugging Face (NEOX, rotate-half) order.
 _UNPERMUTED_ROPE_ARCHITECTURES = ("gemma3",)
-# Gemma 3: every sixth layer attends globally (llama.cpp's fixed pattern when the file has none).
-_GEMMA3_SLIDING_WINDOW_PATTERN = 6
-_GEMMA3_LOCAL_ROPE_BASE = 10000.0
 
 _GGUF_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                    "output.weight": "lm_head.weight"}
@@ -114,38 +112,8 @@ def model_config_from_gguf(metadata: dict[str, Any], path: str, has_output_weigh
         tie_word_embeddings=not has_output_weight,
         attention_bias=False,
         name=str(metadata.get("general.name", os.path.basename(path))),
-        **_gemma3_fields(metadata, path, num_layers) if arch == "gemma3" else {},
+        **gemma3_fields(metadata, path, num_layers) if arch == "gemma3" else {},
     )
-
-
-def _gemma3_fields(metadata: dict[str, Any], path: str, num_layers: int) -> dict[str, Any]:
-    """What Gemma 3 adds to the Llama shape: sliding windows, the local RoPE base, the attention
-    scale, softcapping. A variant this code does not implement is an error naming the key."""
-    arch = "gemma3"
-    if metadata.get(f"{arch}.attn_logit_softcapping") is not None:
-        raise UnsupportedError(f"{path}: {arch}.attn_logit_softcapping is set; attention-logit softcapping "
-                               "is not implemented (Gemma 3 files do not use it)")
-    key_length = metadata.get(f"{arch}.attention.key_length")
-    value_length = metadata.get(f"{arch}.attention.value_length", key_length)
-    if key_length != value_length:
-        raise UnsupportedError(f"{path}: key_length {key_length} != value_length {value_length} is not supported")
-    window = metadata.get(f"{arch}.attention.sliding_window")
-    if window is None:
-        raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.attention.sliding_window")
-    pattern = metadata.get(f"{arch}.attention.sliding_window_pattern", _GEMMA3_SLIDING_WINDOW_PATTERN)
-    if isinstance(pattern, (list, tuple)):  # one flag per layer: true = sliding
-        if len(pattern) != num_layers:
-            raise ModelLoadError(f"{path}: {arch}.attention.sliding_window_pattern has {len(pattern)} entries "
-                                 f"for {num_layers} layers")
-        is_sliding = [bool(flag) for flag in pattern]
-    else:
-        is_sliding = [(i + 1) % int(pattern) != 0 for i in range(num_layers)]
-    softcap = metadata.get(f"{arch}.final_logit_softcapping")
-    return {"layer_windows": tuple(int(window) if sliding else None for sliding in is_sliding),
-            "rope_local_theta": float(metadata.get(f"{arch}.rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_BASE)),
-            # Gemma 3's query_pre_attn_scalar is head_dim for every size the converter writes.
-            "query_pre_attn_scalar": float(metadata.get(f"{arch}.attention.key_length")),
-            "final_logit_softcapping": None if softcap is None else float(softcap)}
 
 
 def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 
 from tokios.config import AUTO_DTYPE_BY_DEVICE
-from tokios.errors import InvalidRequestError
+from tokios.errors import InvalidRequestError, UnsupportedError
 from tokios.model.attention import allocate_kv_caches
 from tokios.model.llama import kv_cache_dtype
 from tokios.model.loader import load_model
@@ -37,6 +37,10 @@ def load_draft_proposer(spec: SpeculativeConfig, core, num_blocks: int, block_si
     check_tokenizers_compatible(core.tokenizer, tokenizer, core.model_config.vocab_size, loaded.config.vocab_size,
                                 str(spec.draft_model))
     config = loaded.config
+    if config.layer_windows is not None:
+        # The draft's cache is addressed by the target's group-0 (full-attention) block table.
+        raise UnsupportedError(f"draft model {spec.draft_model} has sliding-window layers; a draft must attend "
+                               "fully (a Llama-family model)")
     kv_dtype = kv_cache_dtype(weight_format, core.config.cache.kv_cache_dtype)
     kv_caches = allocate_kv_caches(config, num_blocks * block_size, kv_dtype, core.device)
     logger.info("draft model %s (%s, %d layers) loaded in %.1f s; its KV cache: %d bytes per token",

@@ -45,6 +45,8 @@ class ModelShape:
     # projection, but not the token embedding table (a step gathers only its rows) unless tied.
     file_step_weight_bytes: int | None = None
     file_weight_bits: float | None = None  # average bits per weight in the file
+    # Per layer: its sliding window in tokens, or None for full attention (None: all full).
+    layer_windows: tuple[int | None, ...] | None = None
 
     @property
     def q_size(self) -> int:
@@ -120,6 +122,7 @@ def load_model_shape(spec: str) -> ModelShape:
 
 def _shape_from_gguf(path: Path) -> ModelShape:
     from tokios.gguf_file import GGUFFile
+    from tokios.model.gemma3_metadata import gemma3_fields
 
     gguf = GGUFFile(path)
     metadata = gguf.metadata
@@ -161,6 +164,8 @@ def _shape_from_gguf(path: Path) -> ModelShape:
         file_weight_bytes=total_bytes,
         file_step_weight_bytes=step_bytes,
         file_weight_bits=8 * total_bytes / num_params,
+        layer_windows=gemma3_fields(metadata, str(path), field("block_count"))["layer_windows"]
+        if arch == "gemma3" else None,
     )
 
 

@@ -182,7 +182,8 @@ def make_plan(inputs: PlanInputs, *, with_suggestions: bool = True) -> Plan:
     weights = plan_math.weight_bytes(model, inputs.weight_bits)
     step_weights = plan_math.step_weight_bytes(model, inputs.weight_bits)
     kv_per_token = plan_math.kv_bytes_per_token(model, KV_DTYPE_TO_BYTES[inputs.kv_dtype], tp=tp)
-    kv_per_sequence = kv_per_token * inputs.context_len
+    kv_per_sequence = plan_math.kv_bytes_per_sequence(model, KV_DTYPE_TO_BYTES[inputs.kv_dtype], inputs.context_len,
+                                                      tp=tp)
     activations = _activation_bytes(model, dtype)
     overhead = tp * hardware.runtime_overhead_bytes
     memory = tp * hardware.memory_bytes
@@ -194,15 +195,21 @@ def make_plan(inputs: PlanInputs, *, with_suggestions: bool = True) -> Plan:
     decode_context = float(inputs.context_len)
     if inputs.prompt_len is not None and inputs.output_len is not None:
         decode_context = inputs.prompt_len + inputs.output_len / 2  # mean over the generation
-    batch1_bytes = plan_math.decode_step_bytes(step_weights, kv_per_token, 1, inputs.context_len)
+    def kv_read_per_token(context: float) -> float:
+        # What a step reads per context token: less than kv_per_token once sliding windows cap layers.
+        context = max(1, int(context))
+        return plan_math.kv_bytes_per_sequence(model, KV_DTYPE_TO_BYTES[inputs.kv_dtype], context, tp=tp) / context
+
+    batch1_bytes = plan_math.decode_step_bytes(step_weights, kv_read_per_token(inputs.context_len), 1,
+                                               inputs.context_len)
     batch1_tpot = plan_math.decode_step_seconds(
         plan_math.decode_step_flops(model, 1, inputs.context_len), batch1_bytes, peak, bandwidth)
     prompt_len = inputs.prompt_len or inputs.context_len
     prefill_flops = plan_math.prefill_flops(model, prompt_len)
     ttft = max(prefill_flops / peak,
-               plan_math.prefill_bytes(step_weights, kv_per_token, prompt_len) / bandwidth)
+               plan_math.prefill_bytes(step_weights, kv_read_per_token(prompt_len), prompt_len) / bandwidth)
     step_flops = plan_math.decode_step_flops(model, users_per_replica, decode_context)
-    step_bytes = plan_math.decode_step_bytes(step_weights, kv_per_token, users_per_replica,
+    step_bytes = plan_math.decode_step_bytes(step_weights, kv_read_per_token(decode_context), users_per_replica,
                                              decode_context)
     step_seconds = plan_math.decode_step_seconds(step_flops, step_bytes, peak, bandwidth)
 
@@ -230,8 +237,8 @@ def make_plan(inputs: PlanInputs, *, with_suggestions: bool = True) -> Plan:
         usable_bytes=usable,
         headroom_bytes=usable - total,
         fits=fits,
-        max_concurrency=capacity_tokens // inputs.context_len * inputs.num_replicas,
-        max_context_len=min(model.max_context_len, capacity_tokens // users_per_replica),
+        max_concurrency=int(max(0.0, free_for_kv) // kv_per_sequence) * inputs.num_replicas,
+        max_context_len=_max_context_len(model, KV_DTYPE_TO_BYTES[inputs.kv_dtype], tp, free_for_kv, users_per_replica),
         kv_capacity_tokens=capacity_tokens,
         decode_context_len=decode_context,
         batch1_step_bytes=batch1_bytes,
@@ -256,6 +263,18 @@ def make_plan(inputs: PlanInputs, *, with_suggestions: bool = True) -> Plan:
     if with_suggestions and not fits:
         plan = dataclasses.replace(plan, suggestions=suggest(inputs, plan))
     return plan
+
+
+def _max_context_len(model: ModelShape, kv_bytes_per_element: float, tp: int, free_bytes: float, users: int) -> int:
+    """The longest context every one of `users` sequences can hold (sliding layers keep only their window)."""
+    low, high = 0, model.max_context_len
+    while low < high:
+        middle = (low + high + 1) // 2
+        if users * plan_math.kv_bytes_per_sequence(model, kv_bytes_per_element, middle, tp=tp) <= free_bytes:
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 def _activation_bytes(model: ModelShape, compute_dtype: str) -> float:

@@ -28,6 +28,15 @@ def kv_bytes_per_token(model: ModelShape, kv_bytes_per_element: float, *, tp: in
     return 2 * model.num_layers * num_kv_heads * model.head_dim * kv_bytes_per_element
 
 
+def kv_bytes_per_sequence(model: ModelShape, kv_bytes_per_element: float, context_len: int, *,
+                          tp: int = 1) -> float:
+    """K and V bytes one sequence of context_len tokens keeps: a sliding-window layer holds at most
+    its window (Gemma 3: 5 of every 6 layers keep 512 tokens), the others every token."""
+    windows = model.layer_windows or (None,) * model.num_layers
+    per_layer_token = kv_bytes_per_token(model, kv_bytes_per_element, tp=tp) / model.num_layers
+    return per_layer_token * sum(context_len if window is None else min(context_len, window) for window in windows)
+
+
 def weight_bytes(model: ModelShape, weight_bits: float | None) -> float:
     """All weight bytes. None means 'as in the file' (exact when the model came from a file)."""
     if weight_bits is None:

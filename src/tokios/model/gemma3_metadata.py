@@ -1,0 +1,44 @@
+"""What a Gemma 3 GGUF says beyond the Llama shape: per-layer sliding windows, the local RoPE
+base, the attention scale, softcapping. No torch here: the model loader (model/loader.py) and the
+planner's fast header reader (tools/model_presets.py) both read it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokios.errors import ModelLoadError, UnsupportedError
+
+# Every sixth layer attends globally (llama.cpp's fixed pattern when the file has none).
+SLIDING_WINDOW_PATTERN = 6
+LOCAL_ROPE_BASE = 10000.0
+
+
+def gemma3_fields(metadata: dict[str, Any], path: str, num_layers: int) -> dict[str, Any]:
+    """What Gemma 3 adds to the Llama shape: sliding windows, the local RoPE base, the attention
+    scale, softcapping. A variant this code does not implement is an error naming the key."""
+    arch = "gemma3"
+    if metadata.get(f"{arch}.attn_logit_softcapping") is not None:
+        raise UnsupportedError(f"{path}: {arch}.attn_logit_softcapping is set; attention-logit softcapping "
+                               "is not implemented (Gemma 3 files do not use it)")
+    key_length = metadata.get(f"{arch}.attention.key_length")
+    value_length = metadata.get(f"{arch}.attention.value_length", key_length)
+    if key_length != value_length:
+        raise UnsupportedError(f"{path}: key_length {key_length} != value_length {value_length} is not supported")
+    window = metadata.get(f"{arch}.attention.sliding_window")
+    if window is None:
+        raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.attention.sliding_window")
+    pattern = metadata.get(f"{arch}.attention.sliding_window_pattern", SLIDING_WINDOW_PATTERN)
+    if isinstance(pattern, (list, tuple)):  # one flag per layer: true = sliding
+        if len(pattern) != num_layers:
+            raise ModelLoadError(f"{path}: {arch}.attention.sliding_window_pattern has {len(pattern)} entries "
+                                 f"for {num_layers} layers")
+        is_sliding = [bool(flag) for flag in pattern]
+    else:
+        is_sliding = [(i + 1) % int(pattern) != 0 for i in range(num_layers)]
+    softcap = metadata.get(f"{arch}.final_logit_softcapping")
+    return {"layer_windows": tuple(int(window) if sliding else None for sliding in is_sliding),
+            "rope_local_theta": float(metadata.get(f"{arch}.rope.freq_base_swa", LOCAL_ROPE_BASE)),
+            # Gemma 3's query_pre_attn_scalar is head_dim for every size the converter writes.
+            "query_pre_attn_scalar": float(metadata.get(f"{arch}.attention.key_length")),
+            "final_logit_softcapping": None if softcap is None else float(softcap)}

@@ -38,7 +38,7 @@ def test_short_prompt_chunks_run_as_decode_rows_as_close_to_float32_as_spans(eng
     runner = llm.core.runner
     short, long = llm.core.make_requests("short", list(range(100, 140)), SamplingParams())[0], \
         llm.core.make_requests("long", list(range(100, 400)), SamplingParams())[0]
-    batch = runner.build_batch([(short, 40, [0, 1, 2]), (long, 300, list(range(3, 22)))])
+    batch = runner.build_batch([(short, 40, [[0, 1, 2]]), (long, 300, [list(range(3, 22))])])
     assert batch.metadata.num_decode_tokens == 40 and [s.query_len for s in batch.metadata.spans] == [300]
     assert batch.entry_rows[0] == list(range(40))
 

@@ -19,10 +19,10 @@ import torch
 
 from tokios.config import ModelConfig
 from tokios.model.attention import AttentionMetadata
-from tokios.model.kernels import load_extension, precise_activations
-from tokios.model.linear import make_linear, summarize_linears
+from tokios.model.kernels import precise_activations
+from tokios.model.linear import make_linear
 from tokios.model.llama import ACTIVATION_DTYPE
-from tokios.model.ops import CpuKernelOps, TorchOps, fused_decode_inputs
+from tokios.model.decoder import DecoderModel
 from tokios.model.quant import EmbeddingTable, as_dense, concat_rows
 from tokios.model.rope import RotaryEmbedding
 
@@ -56,7 +56,7 @@ class Gemma3Layer:
         self.rotary = rotary
 
 
-class Gemma3Model:
+class Gemma3Model(DecoderModel):
     def __init__(self, config: ModelConfig, weights: dict, weight_format: str, device: torch.device):
         if config.layer_windows is None:
             raise ValueError("a Gemma 3 config carries layer_windows (model/loader.py sets them)")
@@ -77,26 +77,16 @@ class Gemma3Model:
         self.layers = [Gemma3Layer(config, weights, f"model.layers.{i}", weight_format, device,
                                    self.rotary if config.window_of(i) is None else self.local_rotary)
                        for i in range(config.num_layers)]
-        extension = load_extension() if weight_format in ("int4", "int8", "stored") and device.type == "cpu" else None
-        self.ops = CpuKernelOps(config, self.rotary, extension) if extension is not None else TorchOps(config, self.rotary)
-        self.has_decode_attention_kernel = extension is not None
-        # As for Llama: the fused all-layer decode step when every layer's products are on the kernels.
-        self.can_fuse_decode = extension is not None and all(
-            getattr(linear, "linear", None) is not None for linear in self.layer_linears())
-        self._fused_by_num_layers: dict[int | None, tuple[object, list]] = {}
+        self.init_ops(config, self.rotary, weight_format, device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_layers: int | None = None) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden]."""
         ops = self.ops
         hidden = self.embed_tokens(input_ids) * self.embed_scale
-        if self.can_fuse_decode and metadata.num_decode_tokens == input_ids.shape[0]:
-            fused, fused_caches = self._fused_by_num_layers.get(num_layers, (None, None))
-            if fused is None or fused_caches is not kv_caches:
-                fused = ops.fused_decoder(self, kv_caches, num_layers)
-                self._fused_by_num_layers[num_layers] = (fused, kv_caches)
-            hidden = fused.forward(hidden, positions, *fused_decode_inputs(metadata))
-            return ops.rms_norm(hidden, self.norm)
+        fused = self.fused_decode(hidden, positions, metadata, kv_caches, num_layers)
+        if fused is not None:
+            return ops.rms_norm(fused, self.norm)
         tables = {id(rotary): ops.rope_tables(positions, rotary) for rotary in (self.rotary, self.local_rotary)}
         for index, (layer, (key_cache, value_cache)) in enumerate(zip(self.layers[:num_layers], kv_caches)):
             qkv = layer.qkv(ops.rms_norm(hidden, layer.input_norm)).float()
@@ -115,12 +105,3 @@ class Gemma3Model:
         logits = self.lm_head(hidden).float()
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
-
-    def layer_linears(self) -> list:
-        return [lin for layer in self.layers for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
-
-    def weight_bytes(self) -> int:
-        return sum(lin.num_bytes() for lin in [self.lm_head] + self.layer_linears())
-
-    def weight_summary(self) -> str:
-        return summarize_linears([self.lm_head] + self.layer_linears())

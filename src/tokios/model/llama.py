@@ -13,9 +13,9 @@ import torch
 
 from tokios.config import ModelConfig
 from tokios.model.attention import AttentionMetadata
-from tokios.model.kernels import load_extension, precise_activations
-from tokios.model.linear import make_linear, summarize_linears
-from tokios.model.ops import CpuKernelOps, TorchOps, fused_decode_inputs
+from tokios.model.kernels import precise_activations
+from tokios.model.linear import make_linear
+from tokios.model.decoder import DecoderModel
 from tokios.model.quant import as_dense, concat_rows
 from tokios.model.rope import RotaryEmbedding
 
@@ -59,7 +59,7 @@ class LlamaLayer:
         self.down = make_linear(weight("mlp.down_proj.weight"), None, weight_format, device, precise)
 
 
-class LlamaModel:
+class LlamaModel(DecoderModel):
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], weight_format: str,
                  device: torch.device):
         self.config = config
@@ -79,16 +79,7 @@ class LlamaModel:
         self.layers = [LlamaLayer(config, weights, f"model.layers.{i}", weight_format, device)
                        for i in range(config.num_layers)]
         self.rotary = RotaryEmbedding(config, config.max_model_len, device, torch.float32)
-        extension = load_extension() if weight_format in ("int4", "int8", "stored") and device.type == "cpu" else None
-        self.ops = CpuKernelOps(config, self.rotary, extension) if extension is not None else TorchOps(config, self.rotary)
-        # The C++ decode attention makes one-query rows cheap (the runner lays short prompt
-        # chunks out so); the fused all-layer step serves steps of only such rows, when every
-        # layer's products are on the quantized kernels (a dense tensor in a "stored" file is not).
-        self.has_decode_attention_kernel = extension is not None
-        self.can_fuse_decode = extension is not None and all(
-            getattr(linear, "linear", None) is not None for linear in self.layer_linears())
-        # num_layers -> (fused decoder, the cache list it was built over)
-        self._fused_by_num_layers: dict[int | None, tuple[object, list]] = {}
+        self.init_ops(config, self.rotary, weight_format, device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_layers: int | None = None) -> torch.Tensor:
@@ -96,14 +87,9 @@ class LlamaModel:
         num_layers: run only the first layers, then the final norm (speculative self-draft)."""
         hidden = self.embed_tokens[input_ids]
         ops = self.ops
-        if self.can_fuse_decode and metadata.num_decode_tokens == input_ids.shape[0]:
-            # Decode-only step: every layer in one C++ call (no Python between operations).
-            fused, fused_caches = self._fused_by_num_layers.get(num_layers, (None, None))
-            if fused is None or fused_caches is not kv_caches:
-                fused = ops.fused_decoder(self, kv_caches, num_layers)
-                self._fused_by_num_layers[num_layers] = (fused, kv_caches)
-            hidden = fused.forward(hidden, positions, *fused_decode_inputs(metadata))
-            return ops.rms_norm(hidden, self.norm)
+        fused = self.fused_decode(hidden, positions, metadata, kv_caches, num_layers)
+        if fused is not None:
+            return ops.rms_norm(fused, self.norm)
         rope_tables = ops.rope_tables(positions)
         for layer, (key_cache, value_cache) in zip(self.layers[:num_layers], kv_caches):
             qkv = layer.qkv(ops.rms_norm(hidden, layer.input_norm))
@@ -116,12 +102,3 @@ class LlamaModel:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_rows, hidden] -> float32 logits [num_rows, vocab]."""
         return self.lm_head(hidden).float()
-
-    def layer_linears(self) -> list:
-        return [lin for layer in self.layers for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
-
-    def weight_bytes(self) -> int:
-        return sum(lin.num_bytes() for lin in [self.lm_head] + self.layer_linears())
-
-    def weight_summary(self) -> str:
-        return summarize_linears([self.lm_head] + self.layer_linears())

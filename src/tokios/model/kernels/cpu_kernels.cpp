@@ -14,6 +14,11 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <cstdlib>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
 #include <array>
 #include <cfloat>
 #include <cmath>
@@ -340,6 +345,29 @@ void check_f32(const torch::Tensor& t, const char* name) {
 
 // The integer form of a tensor (model/blocks/codec.py) -> the kernel's packed groups
 // [ceil(N / 16), row_bytes] for `format`.
+// A uint8 tensor for packed weights. On Linux, one of 2 MiB or more is 2 MiB-aligned and asked
+// to be backed by transparent huge pages before it is first written (this host's THP mode is
+// "madvise": nothing is huge unless asked). A decode step streams every weight once; on 4 KiB
+// pages the hardware prefetcher stops at every page boundary and each page costs a TLB walk.
+// Measured on Gemma 3's 178 MB Q8_0 output head: 10.0-10.5 -> 8.6-9.4 ms. Carving the smaller
+// per-layer weights out of shared huge-page chunks showed no gain above this machine's noise.
+torch::Tensor weight_buffer(int64_t rows, int64_t row_bytes) {
+  const size_t bytes = static_cast<size_t>(rows * row_bytes);
+  constexpr size_t kHugePage = size_t{2} << 20;
+#if defined(__linux__)
+  if (bytes >= kHugePage) {
+    void* data = nullptr;
+    const size_t rounded = (bytes + kHugePage - 1) / kHugePage * kHugePage;
+    if (posix_memalign(&data, kHugePage, rounded) == 0) {
+      madvise(data, rounded, MADV_HUGEPAGE);  // advice only: without THP the pages stay 4 KiB
+      return torch::from_blob(data, {rows, row_bytes}, [](void* p) { std::free(p); },
+                              torch::TensorOptions().dtype(torch::kUInt8));
+    }
+  }
+#endif
+  return torch::empty({rows, row_bytes}, torch::kUInt8);
+}
+
 torch::Tensor pack_ints(const torch::Tensor& values, const torch::Tensor& scales, const c10::optional<torch::Tensor>& minimums,
                         const c10::optional<torch::Tensor>& sub_scales, const c10::optional<torch::Tensor>& sub_minimums,
                         int64_t format) {
@@ -367,7 +395,7 @@ torch::Tensor pack_ints(const torch::Tensor& values, const torch::Tensor& scales
                            sub_scales ? reinterpret_cast<const int8_t*>(sub_scales->data_ptr()) : nullptr,
                            sub_minimums ? reinterpret_cast<const uint8_t*>(sub_minimums->data_ptr()) : nullptr};
   const int64_t num_groups = (N + kGroup - 1) / kGroup;
-  torch::Tensor out = torch::empty({num_groups, layout.row_bytes}, values.options());
+  torch::Tensor out = weight_buffer(num_groups, layout.row_bytes);
   uint8_t* rows = out.data_ptr<uint8_t>();
   at::parallel_for(0, num_groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) pack_group(view, N, K, layout, g, rows + g * layout.row_bytes);

@@ -248,7 +248,7 @@ def test_elementwise_ops_match_torch():
 
 
 @needs_extension
-@pytest.mark.parametrize("head_dim", [16, 24])  # 16: the AVX-512 path; 24: the portable loops
+@pytest.mark.parametrize("head_dim", [16, 24, 256])  # 16: the vector path; 24: the portable loops; 256: Gemma 3
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 def test_rope_write_and_decode_attention_match_torch_path(head_dim, cache_dtype):
     from tokios.config import ModelConfig

@@ -241,6 +241,9 @@ void decode_attention_rows(const float* q, int64_t q_stride, const KV* key_cache
   if (hd == 32) attend = &attend_head<KV, 2>;
   if (hd == 64) attend = &attend_head<KV, 4>;
   if (hd == 128) attend = &attend_head<KV, 8>;
+  // Gemma 3: q and the accumulators need more vector registers than there are, and the compiler
+  // keeps some on the stack (L1), still far faster than the portable loop.
+  if (hd == 256) attend = &attend_head<KV, 16>;
   at::parallel_for(0, num_requests * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(max_context);
     for (int64_t index = begin; index < end; ++index) {

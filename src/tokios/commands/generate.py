@@ -75,7 +75,8 @@ def load_engine(args: argparse.Namespace, err: TextIO = sys.stderr):
 
     core = EngineCore(EngineConfig(load=load, cache=cache, seed=args.seed or 0))
     total_seconds = time.perf_counter() - started
-    capacity = core.kv.pool.num_blocks * core.kv.block_size
+    # Every token takes a block slot in each KV group (a sliding group only within its window).
+    capacity = core.kv.pool.num_blocks // len(core.kv.groups) * core.kv.block_size
     print(f"loaded {core.model_path} ({core.weight_format}) in {total_seconds:.2f} s "
           f"(weights {core.load_seconds:.2f} s); KV cache holds {capacity} tokens", file=err)
     return core

@@ -178,7 +178,7 @@ class EngineCore:
         if num_prompt + max_tokens > self.kv_max_request_tokens:
             capacity = self.kv_max_request_tokens
             raise ContextLengthExceededError(
-                f"The KV cache holds {capacity} tokens in all; this request needs up to "
+                f"The KV cache holds {capacity} tokens for one request; this request needs up to "
                 f"{num_prompt + max_tokens} ({num_prompt} in the prompt, {max_tokens} for the completion). "
                 "Please reduce the length of the prompt or the completion.")
         eos_token_ids = frozenset(self.tokenizer.eos_token_ids)

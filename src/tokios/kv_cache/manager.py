@@ -145,13 +145,16 @@ class KVCacheManager:
         for group, table in zip(self.groups, tables):
             if group.window is None:
                 continue
+            # Freed entries are always a prefix of the table: walk back from the window's edge to
+            # it, so a step costs the blocks it frees, not the whole context.
             freed = []
-            for index in range(min(self._first_needed_block(group, num_computed), len(table))):
-                if table[index] != NULL_BLOCK:
-                    freed.append(table[index])
-                    table[index] = NULL_BLOCK
+            index = min(self._first_needed_block(group, num_computed), len(table)) - 1
+            while index >= 0 and table[index] != NULL_BLOCK:
+                freed.append(table[index])
+                table[index] = NULL_BLOCK
+                index -= 1
             if freed:
-                self.pool.free_blocks(freed)
+                self.pool.free_blocks(freed[::-1])  # oldest first: evicted first
 
     def allocate_slots(self, request: CacheRequest, num_new_tokens: int,
                        computed_blocks: Sequence[Sequence[int]] = ()) -> list[tuple[int, int]] | None:

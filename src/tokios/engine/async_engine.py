@@ -152,6 +152,8 @@ class AsyncEngine:
                 engine_outputs = self.core.step()
                 outputs, stopped = self.output_processor.process(engine_outputs)
                 self.core.abort(stopped)
+                for request_id, error in self.output_processor.take_failures():
+                    self._deliver_error(request_id, error)
             except Exception as exc:  # a bug or device failure: fail every stream, keep serving
                 logger.exception("engine step failed; aborting all running requests")
                 self._fail_all(EngineDeadError(f"engine step failed: {type(exc).__name__}: {exc}"))

@@ -218,6 +218,10 @@ class EngineCore:
         runner_output = self.runner.execute(scheduler_output)
         finished = self.scheduler.update(scheduler_output, runner_output.sampled_token_ids)
         self.speculator.observe(scheduler_output, runner_output.sampled_token_ids, time.perf_counter() - started)
+        for sequence_id, error in runner_output.failed.items():
+            # A row with nothing to sample ends its own request only; the batch goes on.
+            logger.warning("request %s failed in the sampler: %s", sequence_id, error.message)
+            self.scheduler.finish(sequence_id, RequestStatus.FINISHED_ABORTED)
         finish_by_id = {f.request.request_id: f for f in finished}
         outputs = []
         for scheduled in scheduler_output.scheduled:
@@ -227,6 +231,10 @@ class EngineCore:
             prompt_logprobs = runner_output.prompt_logprobs.get(request_id)
             done = finish_by_id.get(request_id)
             self.num_generation_tokens += len(new_token_ids)
+            if (error := runner_output.failed.get(request_id)) is not None:
+                outputs.append(EngineOutput(sequence_id=request_id, new_token_ids=[], finish_reason="abort",
+                                            error=error))
+                continue
             if not new_token_ids and not prompt_logprobs and done is None:
                 continue
             outputs.append(EngineOutput(

@@ -15,7 +15,7 @@ from typing import Sequence
 
 from tokios.config import CacheConfig, EngineConfig, LoadConfig, SchedulerConfig, parse_size
 from tokios.engine.core import EngineCore, EngineStats
-from tokios.engine.output_processor import OutputProcessor
+from tokios.engine.output_processor import OutputProcessor, sequence_ids
 from tokios.errors import InvalidRequestError
 from tokios.outputs import RequestOutput
 from tokios.sampling_params import SamplingParams
@@ -60,16 +60,33 @@ class LLM:
             raise InvalidRequestError(f"got {len(prompts)} prompts but {len(params_list)} sampling params",
                                       param="sampling_params")
         request_ids = []
-        for prompt, params in zip(prompts, params_list):
-            request_ids.append(self._add(prompt, params))
-        finished: dict[str, RequestOutput] = {}
-        while self.core.has_unfinished:
-            outputs, stopped = self.output_processor.process(self.core.step())
-            self.core.abort(stopped)
-            for output in outputs:
-                if output.finished:
-                    finished[output.request_id] = output
+        try:
+            for prompt, params in zip(prompts, params_list):
+                request_ids.append(self._add(prompt, params))
+            finished: dict[str, RequestOutput] = {}
+            while self.core.has_unfinished:
+                outputs, stopped = self.output_processor.process(self.core.step())
+                self.core.abort(stopped)
+                for output in outputs:
+                    if output.finished:
+                        finished[output.request_id] = output
+                failures = self.output_processor.take_failures()
+                if failures:
+                    raise failures[0][1]
+        except BaseException:
+            # Leave the engine as it was before the call: every request of this call aborted.
+            self._abort_all(request_ids)
+            raise
         return [finished[request_id] for request_id in request_ids]
+
+    def _abort_all(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            state = self.output_processor.requests.get(request_id)
+            if state is not None:
+                self.core.abort(sequence_ids(request_id, state.params.n))
+                self.output_processor.remove_request(request_id)
+            else:
+                self.core.abort([request_id])
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              add_generation_prompt: bool = True) -> list[RequestOutput]:

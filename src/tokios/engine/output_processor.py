@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from tokios.errors import TokiosError
 from tokios.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenLogprobs
 from tokios.sampling_params import SamplingParams
 from tokios.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
@@ -30,6 +31,8 @@ class EngineOutput:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     spec_counts: tuple[int, int, int] = (0, 0, 0)  # so far: drafts, draft tokens, accepted tokens
+    # Set when this sequence failed on its own (sampler found nothing to sample); its request fails.
+    error: TokiosError | None = None
 
 
 @dataclass
@@ -64,6 +67,9 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.requests: dict[str, _RequestState] = {}
         self.sequence_to_request: dict[str, tuple[str, int]] = {}
+        # Requests that failed during process(), with their error; the caller takes them
+        # (take_failures), reports each to its own client, and aborts their other sequences.
+        self._failures: list[tuple[str, TokiosError]] = []
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, arrival_time: float | None = None) -> None:
@@ -92,7 +98,9 @@ class OutputProcessor:
 
     def process(self, engine_outputs: list[EngineOutput]) -> tuple[list[RequestOutput], list[str]]:
         """Returns the RequestOutputs of requests that changed, and the sequence ids that a stop
-        string finished (the caller aborts them in the core)."""
+        string finished (the caller aborts them in the core). A request one of whose sequences
+        failed is removed and reported by take_failures() instead; its other sequences are in the
+        abort list."""
         now = time.monotonic()
         touched: dict[str, _RequestState] = {}
         sequences_to_abort: list[str] = []
@@ -104,6 +112,13 @@ class OutputProcessor:
             state = self.requests[request_id]
             sequence = state.sequences[index]
             if sequence.output.finished:
+                continue
+            if engine_output.error is not None:
+                touched.pop(request_id, None)
+                sequences_to_abort.extend(sequence_id for sequence_id in sequence_ids(request_id, state.params.n)
+                                          if sequence_id != engine_output.sequence_id)
+                self._failures.append((request_id, engine_output.error))
+                self.remove_request(request_id)
                 continue
             touched[request_id] = state
             state.changed.add(index)
@@ -126,6 +141,11 @@ class OutputProcessor:
                 state.num_finished += 1
         results = [self._snapshot(state, now) for state in touched.values()]
         return results, sequences_to_abort
+
+    def take_failures(self) -> list[tuple[str, TokiosError]]:
+        """(request id, error) of every request that failed since the last call."""
+        failures, self._failures = self._failures, []
+        return failures
 
     def _append(self, sequence: _SequenceState, engine_output: EngineOutput) -> bool:
         """Fold new tokens into one sequence; True when a stop string ended it here."""

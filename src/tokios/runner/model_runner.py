@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from tokios.config import ModelConfig
+from tokios.errors import InvalidRequestError, TokiosError
 from tokios.kv_cache.layout import KVCacheLayout
 from tokios.model.attention import AttentionMetadata, MultiTokenSpan, allocate_kv_caches
 from tokios.request import Request
@@ -37,6 +38,19 @@ class RunnerOutput:
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[SampleLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    # Sequences whose row had nothing to sample this step (see row_failure): each fails alone.
+    failed: dict[str, TokiosError] = field(default_factory=dict)
+
+
+def row_failure(logits_row: torch.Tensor) -> TokiosError:
+    """Why a row had nothing to sample: the model's own logits were not finite (an engine fault,
+    500), or the request's settings removed every token (its own doing, 400)."""
+    if not bool(torch.isfinite(logits_row).all()):
+        return TokiosError("The model produced non-finite logits for this request; it was stopped so that "
+                           "the other requests could continue.", code="non_finite_logits")
+    return InvalidRequestError("The sampling parameters leave no token that can be sampled (every token is "
+                               "suppressed, e.g. by min_tokens with stop_token_ids covering the vocabulary).",
+                               param=None, code="no_token_to_sample")
 
 
 @dataclass
@@ -103,13 +117,14 @@ class ModelRunner:
         verify = [(s, rows) for s, rows in zip(scheduled, batch.entry_rows) if s.request.spec_token_ids]
         pending_plain = self._sample(plain, hidden) if plain else None
         pending_verify = self._verify(verify, hidden) if verify else None
-        # The step's one host sync: every sampled / verified token id at once.
+        # The step's one host sync: every sampled / verified token id (and row validity) at once.
         parts = [t for t in (pending_plain and pending_plain[0], pending_verify and pending_verify[0]) if t is not None]
         flat = torch.cat(parts).tolist() if parts else []
+        num_plain_values = 2 * len(plain)
         if pending_plain is not None:
-            self._finish_sample(pending_plain, flat[:len(plain)], output)
+            self._finish_sample(pending_plain, flat[:num_plain_values], output)
         if pending_verify is not None:
-            self._finish_verify(pending_verify, flat[len(plain):] if plain else flat, output)
+            self._finish_verify(pending_verify, flat[num_plain_values:], output)
         for s, rows in zip(scheduled, batch.entry_rows):
             request = s.request
             start = request.num_computed_tokens
@@ -220,10 +235,12 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[[row for _, row in plain]])  # [num_sampling, vocab] float32
         metadata = SamplingMetadata.from_states(self.state_store, states, [r.output_token_ids for r in requests])
         result = self.sampler(logits, metadata)
-        return result.sampled_token_ids, result, metadata, requests
+        values = torch.cat([result.sampled_token_ids, result.row_is_valid.long()])
+        return values, result, metadata, requests, logits
 
-    def _finish_sample(self, pending, token_ids: list[int], output: RunnerOutput) -> None:
-        _, result, metadata, requests = pending
+    def _finish_sample(self, pending, values: list[int], output: RunnerOutput) -> None:
+        _, result, metadata, requests, logits = pending
+        token_ids, row_is_valid = values[:len(requests)], values[len(requests):]
         wants_logprobs = metadata.max_num_logprobs is not None
         if wants_logprobs:
             sampled_logprobs = result.sampled_logprobs.tolist()
@@ -231,6 +248,9 @@ class ModelRunner:
             top_ids = result.top_logprob_ids.tolist()
             top_values = result.top_logprobs.tolist()
         for i, request in enumerate(requests):
+            if not row_is_valid[i]:
+                output.failed[request.request_id] = row_failure(logits[i])
+                continue
             output.sampled_token_ids[request.request_id] = [token_ids[i]]
             num_top = request.sampling_params.logprobs
             if wants_logprobs and num_top is not None:
@@ -267,19 +287,30 @@ class ModelRunner:
             candidate = ops.gather_logprobs(raw_logprobs, result.candidate_token_ids, metadata.max_num_logprobs)
             proposal = ops.gather_logprobs(raw_logprobs, proposal_per_row, 1)
             logprobs = (candidate, proposal[:2])
-        flat = torch.cat([result.is_accepted.long(), result.candidate_token_ids])
-        return flat, requests, proposed, layout, logprobs
+        row_is_valid = (result.row_is_valid if result.row_is_valid is not None
+                        else torch.ones(layout.num_rows, dtype=torch.bool, device=logits.device))
+        flat = torch.cat([result.is_accepted.long(), result.candidate_token_ids, row_is_valid.long()])
+        return flat, requests, proposed, layout, logprobs, logits
 
     def _finish_verify(self, pending, flat: list[int], output: RunnerOutput) -> None:
-        _, requests, proposed, layout, logprobs = pending
+        _, requests, proposed, layout, logprobs, logits = pending
         num_proposed = len(layout.proposal_rows)
-        token_ids = resolve_token_ids(proposed, [bool(x) for x in flat[:num_proposed]], flat[num_proposed:])
+        candidates_end = num_proposed + layout.num_rows
+        row_is_valid = flat[candidates_end:]
+        token_ids = resolve_token_ids(proposed, [bool(x) for x in flat[:num_proposed]],
+                                      flat[num_proposed:candidates_end])
         if logprobs is not None:
             (candidate_logprobs, candidate_ranks, top_ids, top_values), (proposal_logprobs, proposal_ranks) = logprobs
             candidate_logprobs, candidate_ranks = candidate_logprobs.tolist(), candidate_ranks.tolist()
             proposal_logprobs, proposal_ranks = proposal_logprobs.tolist(), proposal_ranks.tolist()
             top_ids, top_values = top_ids.tolist(), top_values.tolist()
-        for request, new_token_ids, row in zip(requests, token_ids, layout.request_first_rows):
+        for request, new_token_ids, row, request_proposed in zip(requests, token_ids, layout.request_first_rows,
+                                                                 proposed):
+            request_rows = range(row, row + len(request_proposed) + 1)
+            invalid_row = next((r for r in request_rows if not row_is_valid[r]), None)
+            if invalid_row is not None:
+                output.failed[request.request_id] = row_failure(logits[invalid_row])
+                continue
             output.sampled_token_ids[request.request_id] = new_token_ids
             num_top = request.sampling_params.logprobs
             if logprobs is not None and num_top is not None:

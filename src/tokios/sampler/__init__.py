@@ -7,7 +7,7 @@ Speculative decoding reuses compute_processed_probs and ops.sample_from_probs.
 
 from tokios.sampler.metadata import SamplingMetadata
 from tokios.sampler.ops import draw_uniforms, gather_logprobs, sample_from_probs
-from tokios.sampler.sampler import Sampler, SamplerOutput, compute_processed_probs
+from tokios.sampler.sampler import Sampler, SamplerOutput, compute_processed_probs, greedy_tokens
 from tokios.sampler.state import RequestSamplingState, SamplingStateStore, make_generator
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "SamplingMetadata",
     "SamplingStateStore",
     "compute_processed_probs",
+    "greedy_tokens",
     "draw_uniforms",
     "gather_logprobs",
     "make_generator",

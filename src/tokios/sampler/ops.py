@@ -12,6 +12,12 @@ from __future__ import annotations
 import torch
 
 NEG_INF = float("-inf")
+# Penalties and temperature divide logits by request-chosen numbers; a quotient past float32's
+# range would become inf (and inf - inf = nan in the softmax). Every such result saturates at
+# the largest finite float32 instead, which is the nearest value float32 can hold, so an extreme
+# but valid setting means "this token wins" rather than a crashed step.
+FLOAT32_MAX = torch.finfo(torch.float32).max
+FLOAT32_TINY = torch.finfo(torch.float32).tiny
 # On CPU a full sort of a 49k vocab costs tens of ms per row batch while topk(64) costs ~1 ms,
 # and top-p nuclei of real LM distributions are usually small: start from this many candidates
 # and widen only when some row's nucleus is not inside them.
@@ -21,9 +27,11 @@ TOP_P_CANDIDATE_GROWTH = 8
 
 def apply_repetition_penalty(logits: torch.Tensor, seen_mask: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
     """HF/vLLM repetition penalty: for tokens seen in prompt or output, divide positive logits and
-    multiply negative ones by the penalty. seen_mask: [rows, vocab] bool; penalty: [rows]."""
-    penalty = penalty.unsqueeze(1)
-    penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+    multiply negative ones by the penalty. seen_mask: [rows, vocab] bool; penalty: [rows].
+    A penalty below float32's smallest normal (a denormal request value rounds to 0) or above its
+    largest is clamped into range, and the results saturate at +-FLOAT32_MAX (never inf or nan)."""
+    penalty = penalty.clamp(min=FLOAT32_TINY, max=FLOAT32_MAX).unsqueeze(1)
+    penalized = torch.where(logits > 0, logits / penalty, logits * penalty).clamp_(-FLOAT32_MAX, FLOAT32_MAX)
     return torch.where(seen_mask, penalized, logits)
 
 
@@ -51,8 +59,11 @@ def add_logit_bias_(
 
 
 def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """Divide each row by its temperature ([rows], all > 0; greedy rows carry 1.0)."""
-    return logits / temperature.unsqueeze(1)
+    """Divide each row by its temperature ([rows], all > 0; greedy rows carry 1.0). Quotients past
+    float32's range saturate at FLOAT32_MAX; -inf (a suppressed token) stays -inf, also under a
+    temperature too large for float32 (clamped, since -inf / inf would be nan)."""
+    temperature = temperature.clamp(max=FLOAT32_MAX).unsqueeze(1)
+    return (logits / temperature).clamp_(max=FLOAT32_MAX)
 
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
@@ -181,7 +192,7 @@ def draw_uniforms(
 CDF_BLOCK_SIZE = 256
 
 
-def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor, return_validity: bool = False):
     """Exact inverse-CDF draw: the first token whose cumulative probability exceeds u * total.
 
     probs: [rows, vocab] (need not sum to 1); uniforms: [rows] in [0, 1). Returns [rows] long.
@@ -190,6 +201,12 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     float64: block sums pick the block, a cumsum inside it picks the token. A zero-probability
     token (or block) can never be chosen: its CDF equals its predecessor's, never strictly above
     the target.
+
+    Never indexes out of range, whatever the input: a row without positive finite mass (all
+    zero, or nan from a broken upstream step) draws some in-range token, and with
+    `return_validity` the call also returns [rows] bool, False for exactly those rows, so the
+    caller can fail their requests instead of emitting the token. The check is free: it reads
+    the block sums the draw computes anyway.
     """
     num_rows, vocab_size = probs.shape
     num_blocks = -(-vocab_size // CDF_BLOCK_SIZE)
@@ -200,7 +217,7 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     block_cdf = blocks.sum(dim=-1).double().cumsum(dim=-1)  # [rows, blocks]
     total = block_cdf[:, -1:]
     target = torch.minimum(uniforms.unsqueeze(1) * total, _just_below(total))
-    block_ids = torch.searchsorted(block_cdf, target, right=True)  # [rows, 1]
+    block_ids = torch.searchsorted(block_cdf, target, right=True).clamp_(max=num_blocks - 1)  # [rows, 1]
     block_cdf = torch.nn.functional.pad(block_cdf, (1, 0))  # column 0: mass before block 0
     mass_before = block_cdf.gather(1, block_ids)
     block_mass = block_cdf.gather(1, block_ids + 1) - mass_before
@@ -211,7 +228,10 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     in_block_target = (target - mass_before) / block_mass * in_block_total
     in_block_target = torch.minimum(in_block_target, _just_below(in_block_total))
     offsets = torch.searchsorted(in_block_cdf, in_block_target, right=True)
-    return (block_ids * CDF_BLOCK_SIZE + offsets).squeeze(1)
+    token_ids = (block_ids * CDF_BLOCK_SIZE + offsets).squeeze(1).clamp_(max=vocab_size - 1)
+    if return_validity:
+        return token_ids, (total > 0).squeeze(1)  # nan > 0 is False
+    return token_ids
 
 
 def _just_below(values: torch.Tensor) -> torch.Tensor:

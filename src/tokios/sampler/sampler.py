@@ -40,6 +40,10 @@ class SamplerOutput:
     top_logprob_ids: torch.Tensor | None = None  # [num_requests, K] long
     top_logprobs: torch.Tensor | None = None  # [num_requests, K] float32
     sampled_token_ranks: torch.Tensor | None = None  # [num_requests] long
+    # [num_requests] bool: False where the row had nothing to sample (nan logits from the model, or
+    # settings that removed every token); that row's token is meaningless and its request must
+    # fail alone (docs/reliability.md). None only from callers that build outputs by hand.
+    row_is_valid: torch.Tensor | None = None
 
 
 def apply_logit_edits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -78,7 +82,8 @@ def apply_temperature_and_truncation(edited_logits: torch.Tensor, metadata: Samp
 
 def compute_processed_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """The distribution each row's token is drawn from (steps 1-5): [rows, vocab] float32.
-    Greedy rows get a one-hot at their argmax, so rejection sampling treats them exactly."""
+    Greedy rows get a one-hot at their argmax, so rejection sampling treats them exactly. A row
+    with nothing to sample has no positive finite mass (all zeros, or nan)."""
     edited = apply_logit_edits(logits.float(), metadata)
     if metadata.all_greedy:
         return _one_hot_argmax(edited)
@@ -88,9 +93,19 @@ def compute_processed_probs(logits: torch.Tensor, metadata: SamplingMetadata) ->
     return probs
 
 
+def greedy_tokens(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's argmax, and whether the row had one: a row that is all -inf (everything
+    suppressed) or holds a nan (torch's max propagates it) has none. One pass, like argmax."""
+    values, token_ids = logits.max(dim=-1)
+    return token_ids, values > ops.NEG_INF
+
+
 def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """A one-hot at each row's argmax; all zeros for a row without one (see greedy_tokens), so a
+    caller's `probs.sum(-1) > 0` finds invalid greedy rows as it finds invalid random ones."""
+    token_ids, row_is_valid = greedy_tokens(logits)
     one_hot = torch.zeros_like(logits)
-    return one_hot.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    return one_hot.scatter_(1, token_ids.unsqueeze(1), row_is_valid.to(logits.dtype).unsqueeze(1))
 
 
 class Sampler:
@@ -110,30 +125,33 @@ class Sampler:
             )
         raw_logits = logits.float()
         if metadata.is_plain_greedy:
-            sampled_token_ids = raw_logits.argmax(dim=-1)
+            sampled_token_ids, row_is_valid = greedy_tokens(raw_logits)
         else:
-            sampled_token_ids = self._sample(raw_logits, metadata)
-        return self._with_logprobs(raw_logits, sampled_token_ids, metadata)
+            sampled_token_ids, row_is_valid = self._sample(raw_logits, metadata)
+        return self._with_logprobs(raw_logits, sampled_token_ids, row_is_valid, metadata)
 
-    def _sample(self, raw_logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    def _sample(self, raw_logits: torch.Tensor, metadata: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         edited = apply_logit_edits(raw_logits, metadata)
         if metadata.all_greedy:
-            return edited.argmax(dim=-1)
+            return greedy_tokens(edited)
         probs = apply_temperature_and_truncation(edited, metadata).softmax(dim=-1)
         uniforms = ops.draw_uniforms(metadata.generators, raw_logits.device, self.shared_generator)
-        sampled_token_ids = ops.sample_from_probs(probs, uniforms)
+        sampled_token_ids, row_is_valid = ops.sample_from_probs(probs, uniforms, return_validity=True)
         if metadata.is_greedy_row is not None:
-            sampled_token_ids = torch.where(metadata.is_greedy_row, edited.argmax(dim=-1), sampled_token_ids)
-        return sampled_token_ids
+            greedy_ids, greedy_is_valid = greedy_tokens(edited)
+            sampled_token_ids = torch.where(metadata.is_greedy_row, greedy_ids, sampled_token_ids)
+            row_is_valid = torch.where(metadata.is_greedy_row, greedy_is_valid, row_is_valid)
+        return sampled_token_ids, row_is_valid
 
     @staticmethod
     def _with_logprobs(
-        raw_logits: torch.Tensor, sampled_token_ids: torch.Tensor, metadata: SamplingMetadata
+        raw_logits: torch.Tensor, sampled_token_ids: torch.Tensor, row_is_valid: torch.Tensor,
+        metadata: SamplingMetadata
     ) -> SamplerOutput:
         if metadata.max_num_logprobs is None:
-            return SamplerOutput(sampled_token_ids, None)
+            return SamplerOutput(sampled_token_ids, None, row_is_valid=row_is_valid)
         raw_logprobs = raw_logits.log_softmax(dim=-1)
         sampled_logprobs, ranks, top_ids, top_logprobs = ops.gather_logprobs(
             raw_logprobs, sampled_token_ids, metadata.max_num_logprobs
         )
-        return SamplerOutput(sampled_token_ids, sampled_logprobs, top_ids, top_logprobs, ranks)
+        return SamplerOutput(sampled_token_ids, sampled_logprobs, top_ids, top_logprobs, ranks, row_is_valid)

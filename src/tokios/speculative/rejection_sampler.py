@@ -29,13 +29,16 @@ from dataclasses import dataclass
 
 import torch
 
-from tokios.sampler import SamplingMetadata, compute_processed_probs, draw_uniforms, sample_from_probs
+from tokios.sampler import SamplingMetadata, compute_processed_probs, draw_uniforms, greedy_tokens, sample_from_probs
 
 
 @dataclass
 class VerifyOutput:
     is_accepted: torch.Tensor  # [num_proposed] bool, one per proposed token, request order
     candidate_token_ids: torch.Tensor  # [num_rows] long: the token emitted if verification stops at this row
+    # [num_rows] bool: False where the target distribution had nothing to sample (nan logits, or
+    # every token removed); the runner fails that row's request alone. None: all valid.
+    row_is_valid: torch.Tensor | None = None
 
 
 def verify_probs(target_probs: torch.Tensor, proposed_rows: torch.Tensor, proposed_token_ids: torch.Tensor,
@@ -125,10 +128,13 @@ class RejectionSampler:
         proposed_ids_t = torch.tensor(layout.proposal_token_ids, dtype=torch.long, device=device)
         if metadata.is_plain_greedy:
             # Greedy, nothing edits the logits: accept while the argmax matches.
-            argmax = logits.argmax(dim=-1)
-            return VerifyOutput(argmax[proposed_rows_t] == proposed_ids_t, argmax)
+            argmax, row_is_valid = greedy_tokens(logits)
+            return VerifyOutput(argmax[proposed_rows_t] == proposed_ids_t, argmax, row_is_valid)
         probs = compute_processed_probs(logits, metadata)
+        row_is_valid = probs.sum(dim=-1) > 0  # nan > 0 is False
         row_generators = metadata.generators
         accept_uniforms = draw_uniforms([row_generators[r] for r in proposed_rows], device, self.shared_generator)
         row_uniforms = draw_uniforms(row_generators, device, self.shared_generator)
-        return verify_probs(probs, proposed_rows_t, proposed_ids_t, draft_probs, accept_uniforms, row_uniforms)
+        output = verify_probs(probs, proposed_rows_t, proposed_ids_t, draft_probs, accept_uniforms, row_uniforms)
+        output.row_is_valid = row_is_valid
+        return output

@@ -5,6 +5,12 @@ server's event loop stays responsive). Other threads never touch the core: gener
 abort() post commands to a queue that the loop drains before each step, and the loop hands
 RequestOutputs back to each request's asyncio.Queue with call_soon_threadsafe. A consumer that
 stops iterating (client gone, task cancelled) aborts its request, which frees its KV blocks.
+
+Failure is loud and short (docs/reliability.md): an exception inside a step fails every request
+in flight with EngineDeadError, stops the loop for good, and calls `on_failure` (the server
+turns /health 503 and exits non-zero); later generate() calls fail at once. `stall_report()` is
+the watchdog's view: with work waiting and no loop progress for longer than a timeout, it says
+what the loop was doing, with the engine thread's stack.
 """
 
 from __future__ import annotations
@@ -15,11 +21,16 @@ import logging
 import os
 import queue
 import re
+import sys
 import threading
+import time
+import traceback
+from collections.abc import Callable
 from typing import AsyncIterator
 
 from tokios.config import EngineConfig
 from tokios.engine.core import EngineCore, EngineStats
+from tokios.engine.faults import FaultInjector
 from tokios.engine.output_processor import OutputProcessor, sequence_ids
 from tokios.errors import InvalidRequestError, TokiosError
 from tokios.outputs import RequestOutput
@@ -50,6 +61,14 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopping = False
         self._ids = itertools.count()
+        self._faults = FaultInjector.from_environment()
+        # Set once, by the engine thread, when a step raised; from then on nothing runs.
+        self.failure: EngineDeadError | None = None
+        # Called in the engine thread after a failure has been delivered to every stream.
+        self.on_failure: Callable[[EngineDeadError], None] | None = None
+        # The watchdog's view: when the loop last went round, and what it is doing now.
+        self._last_progress = time.monotonic()
+        self._activity = "loading the model"
         # The engine thread loads the model itself and then steps it: all of torch's parallel work
         # then happens in one thread. Loading in the caller's thread and stepping in another gives
         # each thread its own OpenMP team, whose idle workers spin against each other (measured:
@@ -80,7 +99,10 @@ class AsyncEngine:
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
-        """Idempotent: the step loop runs from construction; after shutdown() this starts it again."""
+        """Idempotent: the step loop runs from construction; after shutdown() this starts it again.
+        A failed engine never starts again."""
+        if self.failure is not None:
+            raise self.failure
         if self._thread is not None and self._thread.is_alive():
             return
         self._stopping = False
@@ -108,6 +130,9 @@ class AsyncEngine:
         requests = self.core.make_requests(request_id, list(prompt_token_ids), sampling_params)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        if self.failure is not None:  # failed after the check in start(): the loop will not serve it
+            self._streams.pop(request_id, None)
+            raise self.failure
         self._commands.put(("add", request_id, prompt, list(prompt_token_ids), sampling_params, requests))
         self._wake.set()
         finished = False
@@ -140,24 +165,53 @@ class AsyncEngine:
     def check_invariants(self) -> None:
         self.core.check_invariants()
 
+    # ---- health (any thread) ----------------------------------------------------------------------
+    @property
+    def is_alive(self) -> bool:
+        """False once the engine failed, or if its thread is gone without a shutdown."""
+        if self.failure is not None:
+            return False
+        return self._stopping or (self._thread is not None and self._thread.is_alive())
+
+    def stall_report(self, timeout_s: float) -> str | None:
+        """None while healthy; otherwise what the loop has been doing for longer than `timeout_s`
+        while requests wait, with the engine thread's current stack."""
+        if not self._streams:
+            return None
+        stalled_s = time.monotonic() - self._last_progress
+        if stalled_s <= timeout_s:
+            return None
+        thread = self._thread
+        frame = sys._current_frames().get(thread.ident) if thread is not None and thread.ident else None
+        stack = "".join(traceback.format_stack(frame)) if frame is not None else "(engine thread not running)\n"
+        return (f"the step loop has not advanced for {stalled_s:.1f} s with {len(self._streams)} requests "
+                f"waiting; it is {self._activity}. Engine thread stack:\n{stack}")
+
     # ---- the step loop (engine thread) ------------------------------------------------------------
     def _run(self) -> None:
         while not self._stopping:
+            self._last_progress = time.monotonic()
+            self._activity = "idle"
             self._wake.clear()
             self._drain_commands()
             if not self.core.has_unfinished:
                 self._wake.wait(timeout=1.0)
                 continue
             try:
+                scheduler = self.core.scheduler
+                self._activity = (f"in step {self._faults.num_steps + 1} ({len(scheduler.running)} running, "
+                                  f"{len(scheduler.waiting)} waiting)")
+                self._faults.before_step()
                 engine_outputs = self.core.step()
                 outputs, stopped = self.output_processor.process(engine_outputs)
                 self.core.abort(stopped)
                 for request_id, error in self.output_processor.take_failures():
                     self._deliver_error(request_id, error)
-            except Exception as exc:  # a bug or device failure: fail every stream, keep serving
-                logger.exception("engine step failed; aborting all running requests")
-                self._fail_all(EngineDeadError(f"engine step failed: {type(exc).__name__}: {exc}"))
-                continue
+            except Exception as exc:  # a bug or device failure: the engine's state is suspect
+                logger.exception("engine step failed; failing every request in flight and stopping the engine")
+                self._fail(EngineDeadError(f"engine step failed: {type(exc).__name__}: {exc}",
+                                           code="engine_failed"))
+                return
             for output in outputs:
                 self._deliver(output)
 
@@ -186,12 +240,15 @@ class AsyncEngine:
         if output is not None:
             self._deliver(output)
 
-    def _fail_all(self, error: Exception) -> None:
-        for request_id in list(self.output_processor.requests):
-            state = self.output_processor.requests[request_id]
-            self.core.abort(sequence_ids(request_id, state.params.n))
-            self.output_processor.remove_request(request_id)
+    def _fail(self, error: EngineDeadError) -> None:
+        """Every stream gets `error`, including those whose add command never reached the core."""
+        self.failure = error  # first: generate() checks it after registering its stream
+        self._stopping = True
+        self._activity = "stopped after a failed step"
+        for request_id in list(self._streams):
             self._deliver_error(request_id, error)
+        if self.on_failure is not None:
+            self.on_failure(error)
 
     def _deliver(self, output: RequestOutput) -> None:
         entry = self._streams.get(output.request_id)

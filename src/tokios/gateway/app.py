@@ -33,6 +33,7 @@ from tokios.gateway.link import BackendLink, LinkClosedError, LinkStream
 from tokios.gateway.metrics import GatewayMetrics
 from tokios.gateway.protocol import Frame, FrameKind
 from tokios.gateway.router import BackendRouter
+from tokios.server.streams import run_watching_disconnect
 
 logger = logging.getLogger("tokios.gateway")
 
@@ -177,7 +178,11 @@ class Gateway:
         self.limiter.admit(key)
         exchange = _Exchange(self, key)
         try:
-            return await self._attempt(exchange, request, path, body, model, payload.get("stream") is True)
+            # Until the first byte goes out, only watching the connection notices a client that
+            # left (a whole-body answer is buffered here): cancelling the attempt cancels the
+            # backend stream, so the backend aborts its generation instead of finishing it.
+            return await run_watching_disconnect(
+                request, self._attempt(exchange, request, path, body, model, payload.get("stream") is True))
         except BaseException as exc:
             status = str(exc.status) if isinstance(exc, TokiosError) else "client_closed"
             exchange.finish(status)

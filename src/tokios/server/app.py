@@ -15,12 +15,14 @@ import asyncio
 import dataclasses
 import json
 import logging
+import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
 from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
@@ -60,6 +62,10 @@ class ServerState:
         self.companions: list[Callable[["ServerState"], Any]] = []
         self.companion_tasks: list[asyncio.Task] = []
         self.on_drain: list[Callable[[], None]] = []
+        # Set when the engine failed for good (a step raised); the CLI exits non-zero.
+        self.engine_failure: BaseException | None = None
+        self.on_engine_failure: Callable[[], None] = lambda: None
+        self._is_stall_logged = False
 
     def engine_stats(self) -> Any | None:
         return self.serving.engine.stats() if self.serving else None
@@ -79,9 +85,64 @@ class ServerState:
                 self.on_load_failure()
                 return
         self.engine.start()
+        loop = asyncio.get_running_loop()
+        self.engine.on_failure = lambda error: loop.call_soon_threadsafe(self._engine_failed, error)
         self.serving = Serving(self.engine, self.settings, self.metrics, self.admission)
         logger.info("model %s ready (max_model_len %d)", self.engine.model_name, self.engine.max_model_len)
         self.companion_tasks = [asyncio.create_task(companion(self)) for companion in self.companions]
+
+    def _engine_failed(self, error: BaseException) -> None:
+        self.engine_failure = error
+        logger.error("the engine failed (%s); every request in flight got the error; the server exits",
+                     getattr(error, "message", error))
+        self.on_engine_failure()
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        """(status code, body) of GET /health: cheap, but 503 unless the engine is making progress."""
+        if self.admission.is_draining:
+            return 503, {"status": "draining"}
+        if self.serving is None:
+            return 503, {"status": "loading" if self.load_error is None else "failed"}
+        engine = self.serving.engine
+        if self.engine_failure is not None or not engine.is_alive:
+            error = self.engine_failure or engine.failure
+            return 503, {"status": "failed", "error": str(getattr(error, "message", error) or "engine thread gone")}
+        stall = engine.stall_report(self.settings.stall_timeout_s)
+        if stall is not None:
+            if not self._is_stall_logged:  # once per stall, with the stack; the next ok resets it
+                logger.error("health: %s", stall)
+                self._is_stall_logged = True
+            return 503, {"status": "stalled", "error": stall.split(". Engine thread stack", 1)[0]}
+        self._is_stall_logged = False
+        return 200, {"status": "ok"}
+
+    async def generation_probe(self) -> tuple[int, dict[str, Any]]:
+        """GET /health?generate=1: one greedy token through the engine, within a deadline."""
+        status, body = self.health()
+        if status != 200:
+            return status, body
+        from tokios.sampling_params import SamplingParams
+
+        engine = self.serving.engine
+        timeout_s = self.settings.health_generate_timeout_s
+        started = time.monotonic()
+
+        async def one_token() -> int:
+            num_tokens = 0
+            async for output in engine.generate(None, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+                                                prompt_token_ids=engine.tokenizer.encode("Hello")):
+                num_tokens = len(output.outputs[0].token_ids)
+            return num_tokens
+
+        try:
+            num_tokens = await asyncio.wait_for(one_token(), timeout_s)
+        except asyncio.TimeoutError:
+            return 503, {"status": "stalled", "error": f"a one-token generation did not finish within {timeout_s:g} s "
+                                                       "(--health-generate-timeout)"}
+        except Exception as exc:
+            return 503, {"status": "failed", "error": str(getattr(exc, "message", exc))}
+        return 200, {"status": "ok", "generated_tokens": num_tokens,
+                     "latency_ms": round(1000 * (time.monotonic() - started), 1)}
 
     async def drain(self) -> None:
         """Stops admitting work, waits for in-flight requests (up to the timeout), aborts the rest."""
@@ -189,19 +250,25 @@ def create_app(settings: ServerSettings, *, engine: Any | None = None,
     async def handle_error(request: Request, exc: Exception) -> Response:
         return error_response(exc)
 
-    for exception_type in (TokiosError, ValidationError, StarletteHTTPException, Exception):
+    for exception_type in (TokiosError, ValidationError, RequestValidationError, StarletteHTTPException, Exception):
         app.add_exception_handler(exception_type, handle_error)
 
     @app.get("/health")
-    async def health() -> Response:
-        if state.admission.is_draining:
-            status = "draining"
-        elif state.serving is None:
-            status = "loading" if state.load_error is None else "failed"
-        else:
-            return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": status}, status_code=503,
-                            headers={"Retry-After": str(int(max(1, settings.retry_after_s)))})
+    async def health(generate: bool = False) -> Response:
+        status_code, body = await state.generation_probe() if generate else state.health()
+        headers = {} if status_code == 200 else {"Retry-After": str(int(max(1, settings.retry_after_s)))}
+        return JSONResponse(body, status_code=status_code, headers=headers)
+
+    openapi_document: dict[str, Any] = {}
+
+    @app.get("/openapi.json")
+    async def openapi() -> Response:
+        if not openapi_document:
+            from tokios import __version__
+            from tokios.server.openapi import build_openapi
+
+            openapi_document.update(build_openapi("tokios", __version__, settings.protect_metrics))
+        return JSONResponse(openapi_document)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -66,6 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests that may wait beyond --max-num-seqs; more get 429 (default 1024)")
     server.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds in-flight requests get to finish after SIGTERM (default 30)")
+    server.add_argument("--stall-timeout", type=float, default=60.0,
+                        help="/health answers 503 when requests wait and the engine's step loop has not "
+                             "advanced for this many seconds (default 60)")
+    server.add_argument("--health-generate-timeout", type=float, default=10.0,
+                        help="deadline in seconds of the one-token generation of GET /health?generate=1 "
+                             "(default 10)")
     server.add_argument("--log-requests", action=argparse.BooleanOptionalAction, default=True,
                         help="log one line per finished request to logger tokios.requests (default on)")
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -113,8 +119,9 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.max_queued_requests < 0:
         raise InvalidRequestError("max_queued_requests must be >= 0", param="max_queued_requests")
-    if args.shutdown_timeout < 0:
-        raise InvalidRequestError("shutdown_timeout must be >= 0", param="shutdown_timeout")
+    for name in ("shutdown_timeout", "stall_timeout", "health_generate_timeout"):
+        if getattr(args, name) < 0:
+            raise InvalidRequestError(f"{name} must be >= 0", param=name)
     engine_config = _engine_config(args)  # validates every engine flag before anything loads
     settings = ServerSettings(
         served_model_names=args.served_model_name,
@@ -124,6 +131,8 @@ def run(args: argparse.Namespace) -> int:
         shutdown_timeout_s=args.shutdown_timeout,
         protect_metrics=args.protect_metrics,
         log_requests=args.log_requests,
+        stall_timeout_s=args.stall_timeout,
+        health_generate_timeout_s=args.health_generate_timeout,
     )
     api_keys = ApiKeyChecker.from_sources(args.api_key, args.api_key_file)
 
@@ -146,9 +155,10 @@ def run(args: argparse.Namespace) -> int:
                             timeout_graceful_shutdown=5, timeout_keep_alive=5)
     server = DrainingServer(config, state)
     state.on_load_failure = lambda: setattr(server, "should_exit", True)
+    state.on_engine_failure = lambda: setattr(server, "should_exit", True)
     server.run(sockets=[sock])
-    if state.load_error is not None:
-        error = state.load_error
+    error = state.load_error or state.engine_failure
+    if error is not None:
         print(f"tokios serve: error: {getattr(error, 'message', error)}", file=sys.stderr)
         return 1
     return 0

@@ -12,6 +12,7 @@ import logging
 import math
 from typing import Any
 
+from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
@@ -70,6 +71,11 @@ def to_tokios_error(exc: BaseException) -> TokiosError:
         return exc
     if isinstance(exc, ValidationError):
         return validation_error_to_invalid_request(exc)
+    if isinstance(exc, RequestValidationError):  # a query parameter FastAPI parsed (e.g. /health?generate=)
+        first = exc.errors()[0] if exc.errors() else {}
+        location = ".".join(str(part) for part in first.get("loc", ()) if part not in ("query", "body"))
+        return InvalidRequestError(f"{location or 'request'}: {first.get('msg', 'invalid value')}",
+                                   param=location or None)
     if isinstance(exc, StarletteHTTPException):
         error = TokiosError(str(exc.detail))
         error.status = exc.status_code
@@ -88,6 +94,8 @@ def error_payload(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, st
     """(status, body, headers) for any exception."""
     error = to_tokios_error(exc)
     headers: dict[str, str] = {}
+    if isinstance(exc, StarletteHTTPException) and exc.headers:
+        headers.update(exc.headers)  # e.g. the Allow header of a 405
     if isinstance(error, OverloadedError):
         headers["Retry-After"] = str(max(1, math.ceil(error.retry_after_s)))
     return error.status, error_body(error.message, error.error_type, error.param, error.code), headers

@@ -37,21 +37,24 @@ class SamplingFields(_Body):
     model: str | None = None
     n: int = Field(default=1, ge=1, le=MAX_N)
     max_tokens: int | None = Field(default=None, ge=0)
-    temperature: float | None = None
-    top_p: float | None = None
+    # The ranges below are documented in the OpenAPI schema; SamplingParams enforces them with
+    # messages that name the field (pydantic would word them differently).
+    temperature: float | None = Field(default=None, json_schema_extra={"minimum": 0})
+    top_p: float | None = Field(default=None, json_schema_extra={"exclusiveMinimum": 0, "maximum": 1})
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    frequency_penalty: float | None = Field(default=None, json_schema_extra={"minimum": -2, "maximum": 2})
+    presence_penalty: float | None = Field(default=None, json_schema_extra={"minimum": -2, "maximum": 2})
+    logit_bias: dict[str, float] | None = Field(default=None, json_schema_extra={
+        "propertyNames": {"pattern": "^[0-9]+$"}, "additionalProperties": {"minimum": -100, "maximum": 100}})
     user: str | None = None
     # Extensions (vLLM names).
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int | None = None
+    top_k: int | None = Field(default=None, json_schema_extra={"minimum": -1})
+    min_p: float | None = Field(default=None, json_schema_extra={"minimum": 0, "maximum": 1})
+    repetition_penalty: float | None = Field(default=None, json_schema_extra={"exclusiveMinimum": 0})
+    min_tokens: int | None = Field(default=None, json_schema_extra={"minimum": 0})
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True

@@ -42,6 +42,10 @@ class ServerSettings:
     protect_metrics: bool = False
     log_requests: bool = True
     retry_after_s: float = 1.0
+    # /health answers 503 when requests wait and the step loop has not advanced for this long.
+    stall_timeout_s: float = 60.0
+    # GET /health?generate=1: the deadline of its one-token generation.
+    health_generate_timeout_s: float = 10.0
 
 
 def make_sampling_params(kwargs: dict[str, Any]):

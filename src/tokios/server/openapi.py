@@ -1,0 +1,199 @@
+"""The server's OpenAPI document (GET /openapi.json): every route with its real request and
+response schemas.
+
+The routes parse their bodies by hand (server/app.py `parse_body`) so that every malformed body
+gets OpenAI's error shape and wording; FastAPI therefore sees no body parameters and would
+publish nothing useful. This module writes the document instead: request bodies from the same
+pydantic models the routes validate with (server/protocol.py), responses from the models below,
+which describe what server/responses.py builds, and the error body of server/errors.py for every
+other status. `tests/e2e/test_server_fuzz.py` fuzzes the server against this document with
+schemathesis, so a schema that drifts from the handlers fails the suite.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+from pydantic.json_schema import models_json_schema
+
+from tokios.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+
+REF_TEMPLATE = "#/components/schemas/{model}"
+
+
+class _Out(BaseModel):
+    # Responses may grow fields; the document promises the ones listed.
+    model_config = ConfigDict(extra="allow")
+
+
+class ErrorDetail(_Out):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(_Out):
+    error: ErrorDetail
+
+
+class Usage(_Out):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatMessageOut(_Out):
+    role: Literal["assistant"]
+    content: str | None
+
+
+class ChatChoice(_Out):
+    index: int
+    message: ChatMessageOut
+    finish_reason: str | None
+    logprobs: dict[str, Any] | None = None
+
+
+class ChatCompletion(_Out):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionChoice(_Out):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: dict[str, Any] | None = None
+
+
+class TextCompletion(_Out):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(_Out):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(_Out):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class TokenizeResponse(_Out):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(_Out):
+    prompt: str
+
+
+class Health(_Out):
+    status: str
+    error: str | None = None
+    generated_tokens: int | None = None
+    latency_ms: float | None = None
+
+
+class EngineStatsResponse(_Out):
+    num_running: int
+    num_waiting: int
+    num_blocks_total: int
+    num_blocks_used: int
+    num_unfinished_requests: int
+    num_requests_in_flight: int
+    invariants_error: str | None
+
+
+REQUEST_MODELS = [ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest]
+RESPONSE_MODELS = [ErrorResponse, ChatCompletion, TextCompletion, ModelList, TokenizeResponse, DetokenizeResponse,
+                   Health, EngineStatsResponse]
+
+# One schema per event (as OpenAPI 3.2's itemSchema): `data` holds a JSON chunk, an error body
+# after a failure mid-stream, or the final `[DONE]`.
+SSE = {"text/event-stream": {"schema": {
+    "type": "object", "required": ["data"],
+    "properties": {"data": {"type": "string", "contentMediaType": "application/json"},
+                   "event": {"type": "string"}},
+    "description": "Server-sent events: `data: {chunk}` lines, then `data: [DONE]`"}}}
+
+
+def _ref(model: type[BaseModel]) -> dict[str, str]:
+    return {"$ref": REF_TEMPLATE.format(model=model.__name__)}
+
+
+def _json(model: type[BaseModel]) -> dict[str, Any]:
+    return {"application/json": {"schema": _ref(model)}}
+
+
+def _errors(statuses: list[int]) -> dict[str, Any]:
+    descriptions = {400: "Invalid request", 401: "Missing or wrong API key", 404: "Unknown model",
+                    413: "Body larger than --max-body-size", 429: "Queue full (Retry-After)",
+                    500: "Engine failure", 503: "Loading, draining, stalled or failed (Retry-After)"}
+    return {str(status): {"description": descriptions[status], "content": _json(ErrorResponse)}
+            for status in statuses}
+
+
+def _operation(summary: str, ok: dict[str, Any], errors: list[int], body: type[BaseModel] | None = None,
+               parameters: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    operation: dict[str, Any] = {"summary": summary, "responses": {"200": {"description": "OK", "content": ok},
+                                                                   **_errors(errors)}}
+    if body is not None:
+        operation["requestBody"] = {"required": True, "content": _json(body)}
+    if parameters:
+        operation["parameters"] = parameters
+    return operation
+
+
+def build_openapi(title: str, version: str, protect_metrics: bool) -> dict[str, Any]:
+    """The document; `protect_metrics` says whether /health, /metrics and the stats need a key."""
+    _, definitions = models_json_schema([(model, "validation") for model in REQUEST_MODELS] +
+                                        [(model, "serialization") for model in RESPONSE_MODELS],
+                                        ref_template=REF_TEMPLATE)
+    generate_errors = [400, 401, 404, 413, 429, 500, 503]
+    open_errors = [401] if protect_metrics else []
+    paths = {
+        "/v1/chat/completions": {"post": _operation(
+            "Chat completion (OpenAI)", {**_json(ChatCompletion), **SSE}, generate_errors, ChatCompletionRequest)},
+        "/v1/completions": {"post": _operation(
+            "Text completion (OpenAI)", {**_json(TextCompletion), **SSE}, generate_errors, CompletionRequest)},
+        "/v1/models": {"get": _operation("Served models", _json(ModelList), [401, 503])},
+        "/tokenize": {"post": _operation("Text or messages to token ids", _json(TokenizeResponse),
+                                         [400, 401, 404, 413, 503], TokenizeRequest)},
+        "/detokenize": {"post": _operation("Token ids to text", _json(DetokenizeResponse),
+                                           [400, 401, 404, 413, 503], DetokenizeRequest)},
+        "/health": {"get": _operation(
+            "Readiness: 200 while the engine makes progress; with generate=1, after one generated token",
+            _json(Health), open_errors + [400, 503],
+            parameters=[{"name": "generate", "in": "query", "required": False, "schema": {"type": "boolean"},
+                         "description": "run a one-token generation within --health-generate-timeout"}])},
+        "/metrics": {"get": _operation("Prometheus metrics", {"text/plain": {"schema": {"type": "string"}}},
+                                       open_errors)},
+        "/v1/engine/stats": {"get": _operation("Engine counters and the KV invariants", _json(EngineStatsResponse),
+                                               open_errors + [503])},
+    }
+    # The 503 of /health is its answer, not an error body: same schema as its 200.
+    paths["/health"]["get"]["responses"]["503"] = {"description": "Not ready", "content": _json(Health)}
+    document: dict[str, Any] = {
+        "openapi": "3.1.0",
+        "info": {"title": title, "version": version},
+        "paths": paths,
+        "components": {"schemas": definitions.get("$defs", {})},
+    }
+    return document

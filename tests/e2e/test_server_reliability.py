@@ -15,6 +15,8 @@ from __future__ import annotations
 import datetime
 import json
 import re
+import subprocess
+import sys
 import threading
 import time
 
@@ -140,3 +142,154 @@ def test_a_hung_step_turns_health_503_and_the_log_says_what_the_loop_was_doing()
         assert httpx.get(f"{server.base_url}/health", timeout=5).status_code == 200
         log = server.log_text()
         assert "step loop has not advanced" in log and "Engine thread stack" in log and "before_step" in log
+
+
+def _closed_within(sock, timeout_s: float) -> bool:
+    """Whether the server closes `sock` (recv gives b'') within timeout_s."""
+    sock.settimeout(timeout_s)
+    try:
+        return sock.recv(1024) == b""
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_connections_that_hold_without_sending_are_timed_out_and_the_count_is_bounded():
+    import socket
+    from urllib.parse import urlsplit
+
+    with serve("--dtype", "bfloat16", "--request-header-timeout", "1", "--request-body-timeout", "1",
+               "--max-connections", "4") as server:
+        address = urlsplit(server.base_url)
+        host_port = (address.hostname, address.port)
+        silent = socket.create_connection(host_port)
+        trickling = socket.create_connection(host_port)
+        trickling.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        # Three held sockets and this request make four connections: at the bound, so a 503.
+        extra = [socket.create_connection(host_port) for _ in range(1)]
+        over_limit = httpx.get(f"{server.base_url}/v1/models", timeout=5)
+        assert over_limit.status_code == 503
+        assert _closed_within(silent, 4) and _closed_within(trickling, 4)
+        for sock in extra:
+            assert _closed_within(sock, 4)
+        assert httpx.get(f"{server.base_url}/v1/models", timeout=5).status_code == 200  # room again
+
+        slow_body = socket.create_connection(host_port)
+        slow_body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+        slow_body.settimeout(5)
+        answer = slow_body.recv(4096).decode()
+        assert answer.startswith("HTTP/1.1 408"), answer
+        assert "request-body-timeout" in answer
+        for sock in (silent, trickling, slow_body, *extra):
+            sock.close()
+
+
+# ---- cancellation during a long prefill, direct and through the gateway ------------------------
+
+LONG_PROMPT_TOKENS = 6000
+
+
+def long_prompt(seed: int) -> list[int]:
+    """6,000 token ids that share no prefix with another seed's (so no prefix-cache hit)."""
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(1000, 40000) for _ in range(LONG_PROMPT_TOKENS)]
+
+
+def engine_stats(server) -> dict:
+    return httpx.get(f"{server.base_url}/v1/engine/stats", timeout=5).json()
+
+
+def engine_busy(server) -> int:
+    stats = engine_stats(server)
+    return stats["num_running"] + stats["num_waiting"]
+
+
+def seconds_until_idle(server, since: float, timeout_s: float = 60) -> float:
+    deadline = time.monotonic() + timeout_s
+    while engine_busy(server) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return time.monotonic() - since
+
+
+def leave_after(url: str, body: dict, headers: dict, seconds: float) -> float:
+    """Sends `body` and drops the connection after `seconds`; returns when it was sent."""
+    sent_at = time.monotonic()
+    try:
+        with httpx.stream("POST", url, json=body, headers=headers,
+                          timeout=httpx.Timeout(30, read=seconds)) as response:
+            for _ in response.iter_lines():
+                pass
+    except httpx.ReadTimeout:
+        pass
+    return sent_at
+
+
+def start_gateway(tmp_path) -> tuple[subprocess.Popen, str, str, str]:
+    """A `tokios gateway` subprocess with a fresh key store: (process, url, client key, connector token)."""
+    import socket
+
+    from tokios.gateway.keys import KIND_CLIENT, KIND_CONNECTOR, KeyStore
+
+    store = KeyStore(tmp_path / "gateway.db")
+    client_key = store.create(KIND_CLIENT, "tests")[1]
+    connector_token = store.create(KIND_CONNECTOR, "tests")[1]
+    store.close()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = open(tmp_path / "gateway.log", "wb")
+    process = subprocess.Popen([sys.executable, "-m", "tokios.cli", "gateway", "--port", str(port), "--db",
+                                str(tmp_path / "gateway.db"), "--log-level", "warning"],
+                               stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return process, url, client_key, connector_token
+        except httpx.TransportError:
+            time.sleep(0.1)
+    process.kill()
+    raise TimeoutError("the gateway did not start")
+
+
+def test_a_client_gone_during_a_long_prefill_frees_it_before_the_prefill_ends(tmp_path):
+    gateway, gateway_url, client_key, connector_token = start_gateway(tmp_path)
+    try:
+        with serve("--connect", gateway_url, env={"TOKIOS_CONNECTOR_TOKEN": connector_token}) as server:
+            gateway_headers = {"Authorization": f"Bearer {client_key}"}
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:  # the connector registers once the model is ready
+                status = httpx.get(f"{gateway_url}/status", headers=gateway_headers, timeout=5).json()
+                if status["backends"]:
+                    break
+                time.sleep(0.1)
+            model = httpx.get(f"{server.base_url}/v1/models", timeout=5).json()["data"][0]["id"]
+            # 6,000 tokens in chunks of --max-num-batched-tokens (512): the prefill takes 12 steps.
+            # A request freed before its prefill ended ran fewer; counting steps, not seconds,
+            # keeps the test independent of the machine's speed.
+            num_prefill_steps = -(-LONG_PROMPT_TOKENS // 512)
+            routes = {"direct": (f"{server.base_url}/v1/completions", {}),
+                      "gateway": (f"{gateway_url}/v1/completions", gateway_headers)}
+            steps_run = {}
+            for seed, (route, stream) in enumerate([(r, s) for r in routes for s in (False, True)], start=1):
+                url, headers = routes[route]
+                steps_before = engine_stats(server)["num_steps"]
+                body = {"model": model, "prompt": long_prompt(seed), "max_tokens": 1, "stream": stream}
+                sent_at = leave_after(url, body, headers, 0.1)
+                seconds_until_idle(server, sent_at)
+                steps_run[(route, "stream" if stream else "whole")] = engine_stats(server)["num_steps"] - steps_before
+            print(f"steps run before the request was freed (of {num_prefill_steps}): {steps_run}")
+            for key, num_steps in steps_run.items():
+                assert 1 <= num_steps <= num_prefill_steps // 3, (key, num_steps)
+            stats = engine_stats(server)
+            assert (stats["num_running"], stats["num_waiting"], stats["num_blocks_used"]) == (0, 0, 0), stats
+    finally:
+        gateway.terminate()
+        gateway.wait(10)
+
+

@@ -51,6 +51,8 @@ class EngineStats:
     num_preemptions: int
     num_prompt_tokens: int
     num_generation_tokens: int
+    # Steps run since start: how much work a request got before it was aborted, without a clock.
+    num_steps: int = 0
     # Speculative decoding (docs/speculative.md): verifications with proposals, proposed and
     # accepted tokens, and per position j the drafts that reached j / whose token j was accepted.
     spec_num_drafts: int = 0
@@ -141,6 +143,7 @@ class EngineCore:
         self.speculator = Speculator(config.speculative, self._make_proposers(num_blocks, block_size))
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.num_steps = 0
 
     def _make_proposers(self, num_blocks: int, block_size: int) -> dict:
         spec = self.config.speculative
@@ -212,6 +215,7 @@ class EngineCore:
 
     # ---- one step ------------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
+        self.num_steps += 1
         scheduler_output = self.scheduler.schedule()
         self.speculator.propose(scheduler_output)
         started = time.perf_counter()
@@ -259,6 +263,7 @@ class EngineCore:
             prefix_cache_queries=self.kv.prefix_cache_queries, prefix_cache_hits=self.kv.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,
             num_prompt_tokens=self.num_prompt_tokens, num_generation_tokens=self.num_generation_tokens,
+            num_steps=self.num_steps,
             spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
             spec_num_accepted_tokens=spec.num_accepted_tokens,
             spec_drafts_per_position=list(spec.drafts_per_position),

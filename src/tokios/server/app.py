@@ -33,6 +33,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tokios.errors import InvalidRequestError, OverloadedError, TokiosError
 from tokios.server.admission import Admission
 from tokios.server.auth import ApiKeyChecker
+from tokios.server.connection_limits import BodyDeadline
 from tokios.server.errors import RequestTooLargeError, error_response
 from tokios.server.metrics import CONTENT_TYPE, ServerMetrics
 from tokios.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -162,7 +163,7 @@ class ServerState:
 
 
 class GuardMiddleware:
-    """API keys, body size limit and the per-status counter, in front of every route."""
+    """API keys, body size and body time limits and the per-status counter, in front of every route."""
 
     def __init__(self, app: ASGIApp, state: ServerState, key_checker: ApiKeyChecker):
         self.app = app
@@ -201,10 +202,11 @@ class GuardMiddleware:
             return
 
         num_body_bytes = 0
+        body_deadline = BodyDeadline(self.state.settings.request_body_timeout_s)
 
         async def limited_receive() -> Message:
             nonlocal num_body_bytes
-            message = await receive()
+            message = await body_deadline.receive(receive)
             if message["type"] == "http.request":
                 num_body_bytes += len(message.get("body", b""))
                 if num_body_bytes > max_body_size:  # chunked bodies carry no Content-Length

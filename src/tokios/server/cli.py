@@ -20,6 +20,8 @@ import uvicorn
 
 from tokios.commands.generate import add_chat_template_argument
 from tokios.errors import InvalidRequestError
+from tokios.server.connection_limits import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
+                                             DEFAULT_MAX_CONNECTIONS, header_timeout_protocol, raise_open_file_limit)
 
 DEFAULT_MAX_BODY_SIZE = "8MiB"
 
@@ -66,6 +68,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests that may wait beyond --max-num-seqs; more get 429 (default 1024)")
     server.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds in-flight requests get to finish after SIGTERM (default 30)")
+    server.add_argument("--request-header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+                        help="close a connection whose request headers have not arrived within this many "
+                             f"seconds (default {DEFAULT_HEADER_TIMEOUT_S:g})")
+    server.add_argument("--request-body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                        help="answer 408 to a request whose body has not fully arrived within this many "
+                             f"seconds (default {DEFAULT_BODY_TIMEOUT_S:g})")
+    server.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                        help="open connections at most; requests beyond get 503 "
+                             f"(default {DEFAULT_MAX_CONNECTIONS})")
     server.add_argument("--stall-timeout", type=float, default=60.0,
                         help="/health answers 503 when requests wait and the engine's step loop has not "
                              "advanced for this many seconds (default 60)")
@@ -122,6 +133,11 @@ def run(args: argparse.Namespace) -> int:
     for name in ("shutdown_timeout", "stall_timeout", "health_generate_timeout"):
         if getattr(args, name) < 0:
             raise InvalidRequestError(f"{name} must be >= 0", param=name)
+    for name in ("request_header_timeout", "request_body_timeout"):
+        if not getattr(args, name) > 0:
+            raise InvalidRequestError(f"{name} must be > 0", param=name)
+    if args.max_connections < 1:
+        raise InvalidRequestError("max_connections must be >= 1", param="max_connections")
     engine_config = _engine_config(args)  # validates every engine flag before anything loads
     settings = ServerSettings(
         served_model_names=args.served_model_name,
@@ -133,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
         log_requests=args.log_requests,
         stall_timeout_s=args.stall_timeout,
         health_generate_timeout_s=args.health_generate_timeout,
+        request_body_timeout_s=args.request_body_timeout,
     )
     api_keys = ApiKeyChecker.from_sources(args.api_key, args.api_key_file)
 
@@ -151,8 +168,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"tokios serve: listening on http://{display_host}:{port}"
           f"{' (API key required)' if api_keys.is_enabled else ''}", file=sys.stderr, flush=True)
 
+    # Room for every allowed connection plus the model files, logs and the gateway link.
+    raise_open_file_limit(args.max_connections + 256)
     config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
-                            timeout_graceful_shutdown=5, timeout_keep_alive=5)
+                            timeout_graceful_shutdown=5, timeout_keep_alive=5,
+                            http=header_timeout_protocol(args.request_header_timeout),
+                            limit_concurrency=args.max_connections)
     server = DrainingServer(config, state)
     state.on_load_failure = lambda: setattr(server, "should_exit", True)
     state.on_engine_failure = lambda: setattr(server, "should_exit", True)

@@ -116,6 +116,7 @@ class EngineStatsResponse(_Out):
     num_waiting: int
     num_blocks_total: int
     num_blocks_used: int
+    num_steps: int
     num_unfinished_requests: int
     num_requests_in_flight: int
     invariants_error: str | None
@@ -144,6 +145,7 @@ def _json(model: type[BaseModel]) -> dict[str, Any]:
 
 def _errors(statuses: list[int]) -> dict[str, Any]:
     descriptions = {400: "Invalid request", 401: "Missing or wrong API key", 404: "Unknown model",
+                    408: "Body not received within --request-body-timeout",
                     413: "Body larger than --max-body-size", 429: "Queue full (Retry-After)",
                     500: "Engine failure", 503: "Loading, draining, stalled or failed (Retry-After)"}
     return {str(status): {"description": descriptions[status], "content": _json(ErrorResponse)}
@@ -166,7 +168,7 @@ def build_openapi(title: str, version: str, protect_metrics: bool) -> dict[str, 
     _, definitions = models_json_schema([(model, "validation") for model in REQUEST_MODELS] +
                                         [(model, "serialization") for model in RESPONSE_MODELS],
                                         ref_template=REF_TEMPLATE)
-    generate_errors = [400, 401, 404, 413, 429, 500, 503]
+    generate_errors = [400, 401, 404, 408, 413, 429, 500, 503]
     open_errors = [401] if protect_metrics else []
     paths = {
         "/v1/chat/completions": {"post": _operation(
@@ -175,9 +177,9 @@ def build_openapi(title: str, version: str, protect_metrics: bool) -> dict[str, 
             "Text completion (OpenAI)", {**_json(TextCompletion), **SSE}, generate_errors, CompletionRequest)},
         "/v1/models": {"get": _operation("Served models", _json(ModelList), [401, 503])},
         "/tokenize": {"post": _operation("Text or messages to token ids", _json(TokenizeResponse),
-                                         [400, 401, 404, 413, 503], TokenizeRequest)},
+                                         [400, 401, 404, 408, 413, 503], TokenizeRequest)},
         "/detokenize": {"post": _operation("Token ids to text", _json(DetokenizeResponse),
-                                           [400, 401, 404, 413, 503], DetokenizeRequest)},
+                                           [400, 401, 404, 408, 413, 503], DetokenizeRequest)},
         "/health": {"get": _operation(
             "Readiness: 200 while the engine makes progress; with generate=1, after one generated token",
             _json(Health), open_errors + [400, 503],

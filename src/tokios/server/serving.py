@@ -46,6 +46,8 @@ class ServerSettings:
     stall_timeout_s: float = 60.0
     # GET /health?generate=1: the deadline of its one-token generation.
     health_generate_timeout_s: float = 10.0
+    # A request body must fully arrive within this long (server/connection_limits.py).
+    request_body_timeout_s: float = 30.0
 
 
 def make_sampling_params(kwargs: dict[str, Any]):

@@ -15,6 +15,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
@@ -216,6 +217,16 @@ class GuardMiddleware:
         await self.app(scope, limited_receive, counting_send)
 
 
+def process_stats() -> dict[str, int]:
+    """What a leak would grow: resident memory, open descriptors, live asyncio tasks (the soak
+    test, tools/soak.py, reads these before and after thousands of requests)."""
+    with open("/proc/self/statm") as handle:
+        resident_pages = int(handle.read().split()[1])
+    return {"rss_bytes": resident_pages * os.sysconf("SC_PAGE_SIZE"),
+            "num_open_fds": len(os.listdir("/proc/self/fd")),
+            "num_asyncio_tasks": len(asyncio.all_tasks())}
+
+
 async def parse_body(request: Request, model: type[ModelT]) -> ModelT:
     raw = await request.body()
     if not raw.strip():
@@ -282,6 +293,7 @@ def create_app(settings: ServerSettings, *, engine: Any | None = None,
         stats = dataclasses.asdict(serving.engine.stats())
         stats["num_unfinished_requests"] = serving.engine.num_unfinished_requests
         stats["num_requests_in_flight"] = state.admission.num_in_flight
+        stats["process"] = process_stats()
         stats["invariants_error"] = None
         if stats["num_unfinished_requests"] == 0:
             try:

@@ -111,6 +111,12 @@ class Health(_Out):
     latency_ms: float | None = None
 
 
+class ProcessStats(_Out):
+    rss_bytes: int
+    num_open_fds: int
+    num_asyncio_tasks: int
+
+
 class EngineStatsResponse(_Out):
     num_running: int
     num_waiting: int
@@ -120,6 +126,7 @@ class EngineStatsResponse(_Out):
     num_unfinished_requests: int
     num_requests_in_flight: int
     invariants_error: str | None
+    process: ProcessStats
 
 
 REQUEST_MODELS = [ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest]

@@ -392,6 +392,42 @@ def test_connector_killed_mid_stream_ends_with_error_event_and_done(cluster):
     assert "".join(texts) == "".join(expected_tokens("mid", 3000)[: len(texts) - 1])  # a prefix, nothing spliced
 
 
+def test_backend_killed_mid_request_ends_streamed_and_whole_requests_through_the_connector(cluster):
+    # The connector survives; its backend dies (as `tokios serve` exits after an engine failure).
+    backend_url = cluster.backend(token_delay_ms=20)
+    backend = next(p for p in reversed(cluster.processes) if p.name == "backend")
+    _, gateway_url = cluster.gateway()
+    cluster.connector(gateway_url, backend_url, "fragile")
+    cluster.wait_registered(gateway_url, ["fragile"])
+    headers = {"Authorization": f"Bearer {cluster.client_key}"}
+    whole: dict = {}
+
+    def whole_request() -> None:
+        whole["response"] = httpx.post(gateway_url + "/v1/completions", headers=headers, timeout=40, json={
+            "model": MODEL, "prompt": "whole", "max_tokens": 3000})
+        whole["ended_at"] = time.monotonic()
+
+    whole_thread = threading.Thread(target=whole_request)
+    whole_thread.start()
+    events: list = []
+    killed_at = None
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "doomed"}], "max_tokens": 3000, "stream": True}
+    with httpx.stream("POST", gateway_url + "/v1/chat/completions", json=body, timeout=40, headers=headers) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
+            if len(events) == 5:
+                backend.popen.kill()
+                killed_at = time.monotonic()
+    stream_ended_s = time.monotonic() - killed_at
+    whole_thread.join(40)
+    assert stream_ended_s < 5 and whole["ended_at"] - killed_at < 5, (stream_ended_s, whole)
+    assert events[-1] == "[DONE]" and "error" in events[-2], events[-3:]
+    assert whole["response"].status_code == 502, whole["response"].text
+    assert whole["response"].json()["error"]["type"]
+
+
 def test_gateway_restart_connectors_reregister(cluster):
     backend_url = cluster.backend(token_delay_ms=5)
     gateway, gateway_url = cluster.gateway()

@@ -28,7 +28,7 @@ from conftest import serve
 FUZZ_MAX_MODEL_LEN = 96
 # TOKIOS_FUZZ_EXAMPLES scales the budget for a longer run outside the suite (docs/reliability.md).
 SCALE = float(os.environ.get("TOKIOS_FUZZ_EXAMPLES_SCALE", "1"))
-EXAMPLES_PER_OPERATION = {GenerationMode.POSITIVE: int(25 * SCALE), GenerationMode.NEGATIVE: int(15 * SCALE)}
+EXAMPLES_PER_OPERATION = {GenerationMode.POSITIVE: int(20 * SCALE), GenerationMode.NEGATIVE: int(12 * SCALE)}
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
           negative_data_rejection]
 # Every route the server has, as the document must list them (test_the_document_lists_every_route).

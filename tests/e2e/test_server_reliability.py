@@ -117,7 +117,7 @@ def test_a_failed_step_ends_every_request_with_an_error_and_the_server_exits_non
 
 
 def test_a_hung_step_turns_health_503_and_the_log_says_what_the_loop_was_doing():
-    with serve("--stall-timeout", "1", env={"TOKIOS_INJECT_FAULT": "sleep:3:6"}) as server:
+    with serve("--stall-timeout", "1", env={"TOKIOS_INJECT_FAULT": "sleep:3:4"}) as server:
         result = {}
 
         def request():
@@ -127,7 +127,7 @@ def test_a_hung_step_turns_health_503_and_the_log_says_what_the_loop_was_doing()
         thread = threading.Thread(target=request)
         thread.start()
         statuses = []
-        deadline = time.monotonic() + 6
+        deadline = time.monotonic() + 4
         while time.monotonic() < deadline:
             health = httpx.get(f"{server.base_url}/health", timeout=5)
             statuses.append(health.json()["status"])
@@ -260,7 +260,8 @@ def start_gateway(tmp_path) -> tuple[subprocess.Popen, str, str, str]:
 def test_a_client_gone_during_a_long_prefill_frees_it_before_the_prefill_ends(tmp_path):
     gateway, gateway_url, client_key, connector_token = start_gateway(tmp_path)
     try:
-        with serve("--connect", gateway_url, env={"TOKIOS_CONNECTOR_TOKEN": connector_token}) as server:
+        with serve("--connect", gateway_url, "--max-num-batched-tokens", "256",
+                   env={"TOKIOS_CONNECTOR_TOKEN": connector_token}) as server:
             gateway_headers = {"Authorization": f"Bearer {client_key}"}
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:  # the connector registers once the model is ready
@@ -269,10 +270,10 @@ def test_a_client_gone_during_a_long_prefill_frees_it_before_the_prefill_ends(tm
                     break
                 time.sleep(0.1)
             model = httpx.get(f"{server.base_url}/v1/models", timeout=5).json()["data"][0]["id"]
-            # 6,000 tokens in chunks of --max-num-batched-tokens (512): the prefill takes 12 steps.
+            # 6,000 tokens in chunks of --max-num-batched-tokens (256): the prefill takes 24 steps.
             # A request freed before its prefill ended ran fewer; counting steps, not seconds,
             # keeps the test independent of the machine's speed.
-            num_prefill_steps = -(-LONG_PROMPT_TOKENS // 512)
+            num_prefill_steps = -(-LONG_PROMPT_TOKENS // 256)
             routes = {"direct": (f"{server.base_url}/v1/completions", {}),
                       "gateway": (f"{gateway_url}/v1/completions", gateway_headers)}
             steps_run = {}

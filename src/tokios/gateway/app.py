@@ -33,6 +33,7 @@ from tokios.gateway.link import BackendLink, LinkClosedError, LinkStream
 from tokios.gateway.metrics import GatewayMetrics
 from tokios.gateway.protocol import Frame, FrameKind
 from tokios.gateway.router import BackendRouter
+from tokios.server.connection_limits import RequestTimeoutError
 from tokios.server.streams import run_watching_disconnect
 
 logger = logging.getLogger("tokios.gateway")
@@ -61,6 +62,7 @@ class GatewayConfig:
     max_consecutive_failures: int = 3
     cool_down_s: float = 30.0
     no_backend_retry_after_s: float = 5.0
+    request_body_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:
@@ -154,11 +156,21 @@ class Gateway:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise RequestTooLargeError(f"request body must be at most {limit} bytes, got {declared}")
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise RequestTooLargeError(f"request body must be at most {limit} bytes")
-            chunks.append(chunk)
+
+        async def read_all() -> None:
+            nonlocal size
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise RequestTooLargeError(f"request body must be at most {limit} bytes")
+                chunks.append(chunk)
+
+        timeout_s = self.config.request_body_timeout_s
+        try:
+            await asyncio.wait_for(read_all(), timeout_s)
+        except asyncio.TimeoutError:
+            raise RequestTimeoutError(f"The request body did not arrive within {timeout_s:g} s "
+                                      "(--request-body-timeout).", code="request_timeout") from None
         return b"".join(chunks)
 
     async def forward(self, request: Request, path: str) -> Response:

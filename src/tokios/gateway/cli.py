@@ -14,6 +14,7 @@ import os
 import sys
 
 from tokios.errors import InvalidRequestError
+from tokios.server.connection_limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,6 +28,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dead-after-s", type=float, default=25.0)
     parser.add_argument("--cool-down-s", type=float, default=30.0)
     parser.add_argument("--max-attempts", type=int, default=3, help="backends tried before the first byte")
+    parser.add_argument("--request-header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+                        help=f"close a connection whose request headers are late (default {DEFAULT_HEADER_TIMEOUT_S:g} s)")
+    parser.add_argument("--request-body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                        help=f"408 for a body that has not arrived in time (default {DEFAULT_BODY_TIMEOUT_S:g} s)")
+    parser.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                        help=f"open connections at most, connectors included (default {DEFAULT_MAX_CONNECTIONS})")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     actions = parser.add_subparsers(dest="action", metavar="ACTION")
 
@@ -61,6 +68,7 @@ def _serve(args: argparse.Namespace) -> int:
     from tokios.gateway import protocol
     from tokios.gateway.app import GatewayConfig, create_app
     from tokios.gateway.keys import KeyStore, default_db_path
+    from tokios.server.connection_limits import header_timeout_protocol, raise_open_file_limit
 
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
         raise InvalidRequestError("--ssl-certfile and --ssl-keyfile must be given together", param="ssl_certfile")
@@ -71,7 +79,12 @@ def _serve(args: argparse.Namespace) -> int:
         dead_after_s=args.dead_after_s,
         cool_down_s=args.cool_down_s,
         max_attempts=args.max_attempts,
+        request_body_timeout_s=args.request_body_timeout,
     )
+    for name in ("request_header_timeout", "request_body_timeout"):
+        if not getattr(args, name) > 0:
+            raise InvalidRequestError(f"{name} must be > 0", param=name)
+    raise_open_file_limit(args.max_connections + 256)
     key_store = KeyStore(args.db or default_db_path())
     app = create_app(config, key_store)
     uvicorn.run(
@@ -84,6 +97,8 @@ def _serve(args: argparse.Namespace) -> int:
         access_log=False,
         timeout_graceful_shutdown=5,
         ws_max_size=protocol.MAX_MESSAGE_BYTES,
+        http=header_timeout_protocol(args.request_header_timeout),
+        limit_concurrency=args.max_connections,
     )
     return 0
 

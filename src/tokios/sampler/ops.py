@@ -58,12 +58,14 @@ def add_logit_bias_(
     return logits
 
 
-def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """Divide each row by its temperature ([rows], all > 0; greedy rows carry 1.0). Quotients past
-    float32's range saturate at FLOAT32_MAX; -inf (a suppressed token) stays -inf, also under a
-    temperature too large for float32 (clamped, since -inf / inf would be nan)."""
-    temperature = temperature.clamp(max=FLOAT32_MAX).unsqueeze(1)
-    return (logits / temperature).clamp_(max=FLOAT32_MAX)
+def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor, may_overflow: bool = True) -> torch.Tensor:
+    """Divide each row by its temperature ([rows], all > 0; greedy rows carry 1.0). -inf (a
+    suppressed token) stays -inf, also under a temperature too large for float32 (clamped, since
+    -inf / inf would be nan). With `may_overflow`, quotients past float32's range saturate at
+    FLOAT32_MAX; a caller that knows its logits are far below FLOAT32_MAX * 1e-5 (the smallest
+    sampled temperature) may skip that pass over the vocabulary."""
+    quotient = logits / temperature.clamp(max=FLOAT32_MAX).unsqueeze(1)
+    return quotient.clamp_(max=FLOAT32_MAX) if may_overflow else quotient
 
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:

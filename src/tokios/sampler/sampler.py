@@ -70,7 +70,11 @@ def apply_logit_edits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch
 
 def apply_temperature_and_truncation(edited_logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """Steps 4-5 on the output of apply_logit_edits; meaningful for the random rows only."""
-    logits = ops.apply_temperature(edited_logits, metadata.temperature)
+    # Model logits, frequency/presence penalties (|2 x count|) and biases (|100|) stay far below
+    # FLOAT32_MAX * 1e-5; only a repetition penalty can push a logit towards FLOAT32_MAX (where
+    # ops.apply_repetition_penalty saturates it), so only then can the division overflow.
+    logits = ops.apply_temperature(edited_logits, metadata.temperature,
+                                   may_overflow=metadata.repetition_penalty is not None)
     if metadata.top_k is None and metadata.top_p is None and metadata.min_p is None:
         return logits
     # Narrow-first candidate search only where a host sync is free; on accelerators one full sort.

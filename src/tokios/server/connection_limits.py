@@ -63,7 +63,9 @@ def header_timeout_protocol(header_timeout_s: float) -> type[H11Protocol]:
 
         def _on_header_timeout(self, cycle_at_arm) -> None:
             self._header_timer = None
-            if self.cycle is cycle_at_arm and not self.transport.is_closing():
+            # An upgraded connection (a WebSocket) belongs to another protocol object now.
+            is_still_http = self.transport.get_protocol() is self
+            if is_still_http and self.cycle is cycle_at_arm and not self.transport.is_closing():
                 logger.info("closing a connection from %s: no complete request headers within %g s "
                             "(--request-header-timeout)", self.client, header_timeout_s)
                 self.transport.close()

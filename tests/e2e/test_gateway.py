@@ -368,14 +368,12 @@ def test_connector_killed_before_first_byte_fails_over(cluster):
     assert httpx.get(other + "/stats").json()["num_completed"] >= 1
 
 
-def test_connector_killed_mid_stream_ends_with_error_event_and_done(cluster):
-    backend_url = cluster.backend(token_delay_ms=20)
-    _, gateway_url = cluster.gateway()
-    connector = cluster.connector(gateway_url, backend_url, "doomed")
-    cluster.wait_registered(gateway_url, ["doomed"])
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "mid"}], "max_tokens": 3000, "stream": True}
+def _stream_killing_after_five_events(cluster, gateway_url: str, prompt: str, victim: Process) -> tuple[list, float]:
+    """Streams a long chat through the gateway, SIGKILLs `victim` after five events, and returns
+    the events (JSON chunks, then "[DONE]") and when the kill happened."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 3000, "stream": True}
     events: list = []
-    started = None
+    killed_at = None
     with httpx.stream("POST", gateway_url + "/v1/chat/completions", json=body, timeout=40,
                       headers={"Authorization": f"Bearer {cluster.client_key}"}) as response:
         for line in response.iter_lines():
@@ -383,9 +381,18 @@ def test_connector_killed_mid_stream_ends_with_error_event_and_done(cluster):
                 continue
             events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
             if len(events) == 5:
-                connector.popen.kill()
-                started = time.monotonic()
-    assert time.monotonic() - started < 30
+                victim.popen.kill()
+                killed_at = time.monotonic()
+    return events, killed_at
+
+
+def test_connector_killed_mid_stream_ends_with_error_event_and_done(cluster):
+    backend_url = cluster.backend(token_delay_ms=20)
+    _, gateway_url = cluster.gateway()
+    connector = cluster.connector(gateway_url, backend_url, "doomed")
+    cluster.wait_registered(gateway_url, ["doomed"])
+    events, killed_at = _stream_killing_after_five_events(cluster, gateway_url, "mid", connector)
+    assert time.monotonic() - killed_at < 30
     assert events[-1] == "[DONE]"
     assert events[-2]["error"]["code"] == "backend_disconnected"
     texts = [e["choices"][0]["delta"].get("content", "") for e in events[:-2]]
@@ -409,17 +416,7 @@ def test_backend_killed_mid_request_ends_streamed_and_whole_requests_through_the
 
     whole_thread = threading.Thread(target=whole_request)
     whole_thread.start()
-    events: list = []
-    killed_at = None
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "doomed"}], "max_tokens": 3000, "stream": True}
-    with httpx.stream("POST", gateway_url + "/v1/chat/completions", json=body, timeout=40, headers=headers) as response:
-        for line in response.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
-            if len(events) == 5:
-                backend.popen.kill()
-                killed_at = time.monotonic()
+    events, killed_at = _stream_killing_after_five_events(cluster, gateway_url, "doomed", backend)
     stream_ended_s = time.monotonic() - killed_at
     whole_thread.join(40)
     assert stream_ended_s < 5 and whole["ended_at"] - killed_at < 5, (stream_ended_s, whole)

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from tokios.tools.soak import format_report, run_soak
 
 
+@pytest.mark.slow
 def test_a_short_soak_leaves_nothing_behind(tokios_server):
     report = asyncio.run(run_soak(tokios_server.base_url, num_requests=200, concurrency=12, seed=16,
                                   api_key=tokios_server.api_key, check_rss=False))

@@ -199,7 +199,7 @@ class AsyncEngine:
                 continue
             try:
                 scheduler = self.core.scheduler
-                self._activity = (f"in step {self._faults.num_steps + 1} ({len(scheduler.running)} running, "
+                self._activity = (f"in step {self.core.num_steps + 1} ({len(scheduler.running)} running, "
                                   f"{len(scheduler.waiting)} waiting)")
                 self._faults.before_step()
                 engine_outputs = self.core.step()

@@ -29,6 +29,7 @@ from tokios.sampling_params import SamplingParams
 
 TOY_VOCAB_SIZE = 64
 TOY_EOS_ID = 2
+NAN_TOKEN_ID = 3
 DENORMAL = 5e-324
 
 
@@ -93,14 +94,16 @@ def test_the_sampler_never_raises_and_flags_exactly_the_rows_with_nothing_to_sam
     num_rows = len(batch)
     logits = torch.randn(num_rows, TOY_VOCAB_SIZE, generator=generator) * logit_scale
     if nan_row is not None and nan_row < num_rows:
-        logits[nan_row, 3] = math.nan
+        logits[nan_row, NAN_TOKEN_ID] = math.nan
     outputs = [[(5 * i + j) % TOY_VOCAB_SIZE for j in range(num_output_tokens)] for i in range(num_rows)]
     suppress = [frozenset(set(p.stop_token_ids or ()) | {TOY_EOS_ID}) if num_output_tokens < p.min_tokens
                 else frozenset() for p in batch]
     metadata = SamplingMetadata.build(batch, [[1, 4, 9]] * num_rows, outputs, [None] * num_rows, suppress,
                                       TOY_VOCAB_SIZE, "cpu")
     result = Sampler()(logits, metadata)
-    expected_valid = [not (row == nan_row or everything_suppressed(p, TOY_VOCAB_SIZE, TOY_EOS_ID, num_output_tokens))
+    # A suppressed token's logit becomes -inf whatever it was, so a nan there is overwritten.
+    expected_valid = [not ((row == nan_row and NAN_TOKEN_ID not in suppress[row])
+                           or everything_suppressed(p, TOY_VOCAB_SIZE, TOY_EOS_ID, num_output_tokens))
                       for row, p in enumerate(batch)]
     assert result.row_is_valid.tolist() == expected_valid
     token_ids = result.sampled_token_ids.tolist()

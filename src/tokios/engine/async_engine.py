@@ -173,9 +173,9 @@ class AsyncEngine:
             return False
         return self._stopping or (self._thread is not None and self._thread.is_alive())
 
-    def stall_report(self, timeout_s: float) -> str | None:
-        """None while healthy; otherwise what the loop has been doing for longer than `timeout_s`
-        while requests wait, with the engine thread's current stack."""
+    def stall_report(self, timeout_s: float) -> tuple[str, str] | None:
+        """None while healthy; otherwise (what the loop has been doing for longer than `timeout_s`
+        while requests wait, the engine thread's current stack)."""
         if not self._streams:
             return None
         stalled_s = time.monotonic() - self._last_progress
@@ -185,7 +185,7 @@ class AsyncEngine:
         frame = sys._current_frames().get(thread.ident) if thread is not None and thread.ident else None
         stack = "".join(traceback.format_stack(frame)) if frame is not None else "(engine thread not running)\n"
         return (f"the step loop has not advanced for {stalled_s:.1f} s with {len(self._streams)} requests "
-                f"waiting; it is {self._activity}. Engine thread stack:\n{stack}")
+                f"waiting; it is {self._activity}", stack)
 
     # ---- the step loop (engine thread) ------------------------------------------------------------
     def _run(self) -> None:

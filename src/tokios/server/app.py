@@ -111,10 +111,11 @@ class ServerState:
             return 503, {"status": "failed", "error": str(getattr(error, "message", error) or "engine thread gone")}
         stall = engine.stall_report(self.settings.stall_timeout_s)
         if stall is not None:
+            summary, stack = stall
             if not self._is_stall_logged:  # once per stall, with the stack; the next ok resets it
-                logger.error("health: %s", stall)
+                logger.error("health: %s. Engine thread stack:\n%s", summary, stack)
                 self._is_stall_logged = True
-            return 503, {"status": "stalled", "error": stall.split(". Engine thread stack", 1)[0]}
+            return 503, {"status": "stalled", "error": summary}
         self._is_stall_logged = False
         return 200, {"status": "ok"}
 

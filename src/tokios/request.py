@@ -56,6 +56,9 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     # Per-request speculation state kept by the speculator (method, acceptance history).
     spec_state: object | None = None
+    # Structured output: this sequence's tokios.structured.GrammarMatcher, advanced with every
+    # appended token; the runner masks this sequence's logits with it.
+    grammar: object | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -80,6 +83,8 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
 
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """After a new token: did the request end? (Stop strings are the front end's job.)"""
@@ -92,6 +97,10 @@ class Request:
             if last in self.stop_token_ids:
                 self.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
+        if self.grammar is not None and self.grammar.is_finished:
+            # The output is complete under its grammar, which admits nothing but EOS from here.
+            self.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
         if num_output >= self.max_tokens or self.num_tokens >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

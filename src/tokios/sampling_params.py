@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from tokios.errors import InvalidRequestError
 from tokios.speculative.config import SpeculativeParams
+from tokios.structured.spec import StructuredOutput
 
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -104,6 +105,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # Speculative decoding for this request: {"method": ..., "num_tokens": ...} (docs/speculative.md).
     speculative: SpeculativeParams | dict | None = None
+    # Constrained decoding (docs/structured.md): the output must match this schema / regex /
+    # choice / grammar; tokios.structured.StructuredOutput, built by the server from
+    # response_format, structured_outputs or the tools.
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         self.n = _check_int("n", self.n, f"in [1, {MAX_N}]", 1, MAX_N)
@@ -147,6 +152,9 @@ class SamplingParams:
             if value is not None:
                 setattr(self, name, _check_int(name, value, f"in [0, {MAX_LOGPROBS}]", 0, MAX_LOGPROBS))
         self.speculative = SpeculativeParams.from_value(self.speculative)
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            raise InvalidRequestError("structured_output must be a tokios.structured.StructuredOutput, got "
+                                      f"{type(self.structured_output).__name__}", param="structured_outputs")
 
     @staticmethod
     def _checked_logit_bias(logit_bias: object) -> dict[int, float] | None:

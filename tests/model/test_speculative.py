@@ -209,3 +209,40 @@ def test_a_draft_with_another_tokenizer_is_refused():
         check_tokenizers_compatible(target, FakeTokenizer(["a", "x", "c", "d"]), 4, 4, "draft.gguf")
     with pytest.raises(InvalidRequestError, match="larger than the target"):
         check_tokenizers_compatible(target, FakeTokenizer(["a"] * 5), 4, 5, "draft.gguf")
+
+
+GRAMMAR_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 40},
+                                                   "confidence": {"enum": ["low", "medium", "high"]}},
+                  "required": ["answer", "confidence"], "additionalProperties": False}
+
+
+def test_a_grammar_with_speculation_gives_the_greedy_output_without(engine):
+    # Lossless under a grammar: proposals the grammar refuses are cut before verification, and
+    # verify row j is masked as the grammar stands after the first j proposals. Every method,
+    # and an oracle whose proposals are corrupted at random (mostly into tokens the grammar
+    # refuses), must give exactly plain constrained decoding's tokens.
+    from tokios.structured import StructuredOutput
+
+    llm, prompts, _, _ = engine
+    prompts = prompts[:NUM_SINGLE_PROMPTS["float32"]]
+
+    def params(method: str) -> SamplingParams:
+        return SamplingParams(max_tokens=40, temperature=0.0, structured_output=StructuredOutput.json(GRAMMAR_SCHEMA),
+                              speculative={"method": method})
+
+    plain = token_ids(llm.generate(prompts, params("none")))
+    assert all(output.startswith('{"answer": "') for output in
+               (llm.tokenizer.decode(ids) for ids in plain))
+    ngram = llm.core.speculator.proposers["ngram"]
+    llm.core.speculator.proposers["ngram"] = ChaosProposer(
+        {tuple(p): ids for p, ids in zip(prompts, plain)}, seed=3, corruption=0.3)
+    try:
+        before = llm.stats()
+        assert token_ids(llm.generate(prompts, params("ngram"))) == plain
+        after = llm.stats()
+    finally:
+        llm.core.speculator.proposers["ngram"] = ngram
+    assert after.spec_num_accepted_tokens > before.spec_num_accepted_tokens
+    for method in ("ngram", "self_draft"):
+        assert token_ids(llm.generate(prompts, params(method))) == plain, method
+    llm.check_invariants()

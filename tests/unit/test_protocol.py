@@ -62,14 +62,42 @@ def test_stop_is_normalized_to_a_list_and_empty_strings_are_refused():
     assert info.value.errors()[0]["loc"][0] == "stop"
 
 
-@pytest.mark.parametrize("fields, param", [
-    ({"top_logprobs": 2}, "top_logprobs"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-])
-def test_unsupported_chat_features_are_refused_by_name(fields, param):
+def test_top_logprobs_without_logprobs_is_refused_by_name():
     with pytest.raises(InvalidRequestError) as info:
-        chat(**fields).check_supported()
+        chat(top_logprobs=2).check_supported()
+    assert info.value.param == "top_logprobs"
+
+
+@pytest.mark.parametrize("fields, kind", [
+    ({"response_format": {"type": "text"}}, None),
+    ({"response_format": {"type": "json_object"}}, "json_object"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}}, "json"),
+    ({"structured_outputs": {"regex": "[0-9]+"}}, "regex"),
+    ({"structured_outputs": {"choice": ["a", "b"]}}, "choice"),
+    ({"structured_outputs": {"grammar": "start: \"x\""}}, "grammar"),
+    ({"structured_outputs": {"json": '{"type": "string"}'}}, "json"),
+])
+def test_structured_output_fields_become_one_constraint(fields, kind):
+    structured = chat(**fields).structured_output()
+    assert (structured.kind if structured else None) == kind
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}},
+     "response_format.json_schema.schema"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ({"structured_outputs": {}}, "structured_outputs"),
+    ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs"),
+])
+def test_malformed_structured_output_is_refused_by_name(fields, param):
+    with pytest.raises(InvalidRequestError) as info:
+        chat(**fields).structured_output()
     assert info.value.param == param
 
 

@@ -127,7 +127,12 @@ class AsyncEngine:
             if prompt is None:
                 raise InvalidRequestError("give a prompt or prompt_token_ids", param="prompt")
             prompt_token_ids = self.tokenizer.encode(prompt)
-        requests = self.core.make_requests(request_id, list(prompt_token_ids), sampling_params)
+        grammar = None
+        if sampling_params.structured_output is not None:
+            # Compiled in the compiler's worker thread (cached by content): neither this event loop
+            # nor the step loop waits for a slow grammar; a bad one is a 400 here, before queueing.
+            grammar = await self.core.grammars.compile_async(sampling_params.structured_output)
+        requests = self.core.make_requests(request_id, list(prompt_token_ids), sampling_params, grammar)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
         if self.failure is not None:  # failed after the check in start(): the loop will not serve it

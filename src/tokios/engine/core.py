@@ -31,6 +31,7 @@ from tokios.scheduler.scheduler import Scheduler
 from tokios.speculative.draft_model import load_draft_proposer
 from tokios.speculative.proposers import ModelDraftProposer, NgramProposer
 from tokios.speculative.speculator import Speculator
+from tokios.structured.compiler import CompiledGrammar, GrammarCompiler
 from tokios.tokenizer import tokenizer_for_loaded_model
 from tokios.tokenizer.chat_template import resolve_chat_template
 
@@ -60,6 +61,11 @@ class EngineStats:
     spec_num_accepted_tokens: int = 0
     spec_drafts_per_position: list[int] | None = None
     spec_accepted_per_position: list[int] | None = None
+    # Structured output (docs/structured.md): requests under a grammar, and the compiler's and
+    # the mask worker's timing histograms (tokios.structured.compiler.SecondsHistogram).
+    num_constrained_requests: int = 0
+    grammar_compile_seconds: object | None = None
+    grammar_mask_seconds: object | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -106,6 +112,7 @@ class EngineCore:
             logger.info("weights (--dtype %s): %s", self.weight_format, self.model.weight_summary())
         self.max_model_len = min(config.scheduler.max_model_len or self.model_config.max_model_len,
                                  self.model_config.max_model_len)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
 
         kv_dtype = kv_cache_dtype(self.weight_format, config.cache.kv_cache_dtype)
         self.kv_dtype = kv_dtype
@@ -144,6 +151,7 @@ class EngineCore:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.num_steps = 0
+        self.num_constrained_requests = 0
 
     def _make_proposers(self, num_blocks: int, block_size: int) -> dict:
         spec = self.config.speculative
@@ -158,8 +166,11 @@ class EngineCore:
         return proposers
 
     # ---- requests ------------------------------------------------------------------------------
-    def make_requests(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[Request]:
-        """Validate and build the n sequences of one request (no engine state is touched)."""
+    def make_requests(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      grammar: CompiledGrammar | None = None) -> list[Request]:
+        """Validate and build the n sequences of one request (no engine state is touched). A
+        request with a structured output gets its compiled grammar as `grammar` (AsyncEngine
+        compiles it off the loop) or compiles it here."""
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty; give at least one token", param="prompt")
         vocab_size = self.model_config.vocab_size
@@ -184,12 +195,16 @@ class EngineCore:
                 f"The KV cache holds {capacity} tokens for one request; this request needs up to "
                 f"{num_prompt + max_tokens} ({num_prompt} in the prompt, {max_tokens} for the completion). "
                 "Please reduce the length of the prompt or the completion.")
+        if params.structured_output is not None and grammar is None:
+            grammar = self.grammars.compile(params.structured_output)
         eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         requests = []
         for index, sequence_id in enumerate(sequence_ids(request_id, params.n)):
             child_params = params.for_child(index) if params.n > 1 else params
             requests.append(Request(sequence_id, prompt_token_ids, child_params, max_tokens, eos_token_ids,
                                     sample_index=index, parent=requests[0] if index else None))
+            if grammar is not None:
+                requests[-1].grammar = grammar.new_matcher()
         return requests
 
     def add_requests(self, requests: list[Request]) -> None:
@@ -201,6 +216,7 @@ class EngineCore:
         for request in requests:
             self.scheduler.add_request(request)
         self.num_prompt_tokens += requests[0].num_prompt_tokens if requests else 0
+        self.num_constrained_requests += bool(requests and requests[0].grammar is not None)
 
     def abort(self, sequence_ids_to_abort: list[str]) -> list[str]:
         aborted = []
@@ -267,7 +283,10 @@ class EngineCore:
             spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
             spec_num_accepted_tokens=spec.num_accepted_tokens,
             spec_drafts_per_position=list(spec.drafts_per_position),
-            spec_accepted_per_position=list(spec.accepted_per_position))
+            spec_accepted_per_position=list(spec.accepted_per_position),
+            num_constrained_requests=self.num_constrained_requests,
+            grammar_compile_seconds=self.grammars.compile_seconds,
+            grammar_mask_seconds=self.runner.grammar_bitmask.mask_seconds)
 
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()

@@ -5,7 +5,10 @@ multi-token spans), fills AttentionMetadata once for all layers, runs the model,
 logits only at the positions that are sampled (plus every prompt position of a request that
 asked for prompt logprobs), samples, and returns token ids as Python ints: one host sync per
 step. A request carrying proposed tokens (speculative decoding) is verified in the same batch:
-one decode row per token, logits at every one of them, the rejection sampler on top. It also owns the KV cache tensors and each request's sampling state.
+one decode row per token, logits at every one of them, the rejection sampler on top. Rows of
+requests under a grammar (tokios.structured) get their token mask, filled in a worker thread
+while the forward runs and applied to their logits before sampling. It also owns the KV cache
+tensors and each request's sampling state.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from tokios.sampler.sampler import Sampler
 from tokios.sampler.state import RequestSamplingState, SamplingStateStore
 from tokios.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 from tokios.speculative.rejection_sampler import RejectionSampler, VerifyLayout, resolve_token_ids
+from tokios.structured.bitmask import GrammarBitmask
 
 # (token id, logprob, rank) of the sampled token, then the top alternatives as (token id, logprob).
 SampleLogprobs = tuple[int, float, int | None, list[tuple[int, float]]]
@@ -49,7 +53,8 @@ def row_failure(logits_row: torch.Tensor) -> TokiosError:
         return TokiosError("The model produced non-finite logits for this request; it was stopped so that "
                            "the other requests could continue.", code="non_finite_logits")
     return InvalidRequestError("The sampling parameters leave no token that can be sampled (every token is "
-                               "suppressed, e.g. by min_tokens with stop_token_ids covering the vocabulary).",
+                               "suppressed, e.g. by min_tokens with stop_token_ids covering the vocabulary, or "
+                               "by min_tokens asking for more than the grammar lets the output hold).",
                                param=None, code="no_token_to_sample")
 
 
@@ -75,6 +80,7 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
         self.rejection_sampler = RejectionSampler(self.sampler.shared_generator)
         self.request_to_state: dict[str, RequestSamplingState] = {}
+        self.grammar_bitmask = GrammarBitmask(model_config.vocab_size, device)
 
     # ---- per-request state ------------------------------------------------------------------
     def _state(self, request: Request) -> RequestSamplingState:
@@ -110,13 +116,19 @@ class ModelRunner:
             return RunnerOutput()
         scheduled = scheduler_output.scheduled
         batch = self.build_batch([(s.request, s.num_new_tokens, s.block_tables) for s in scheduled])
-        hidden = self.model.forward(batch.input_ids, batch.positions, batch.metadata, self.kv_caches)
-        output = RunnerOutput()
         plain = [(s, rows[-1]) for s, rows in zip(scheduled, batch.entry_rows)
                  if s.samples_this_step and not s.request.spec_token_ids]
         verify = [(s, rows) for s, rows in zip(scheduled, batch.entry_rows) if s.request.spec_token_ids]
-        pending_plain = self._sample(plain, hidden) if plain else None
-        pending_verify = self._verify(verify, hidden) if verify else None
+        grammar_jobs = [(s.request.grammar, list(s.request.spec_token_ids)) for s, _ in (*plain, *verify)
+                        if s.request.grammar is not None]
+        pending_masks = self.grammar_bitmask.start(grammar_jobs) if grammar_jobs else None
+        hidden = self.model.forward(batch.input_ids, batch.positions, batch.metadata, self.kv_caches)
+        bitmask = pending_masks.result() if pending_masks is not None else None
+        output = RunnerOutput()
+        num_plain_mask_rows = sum(s.request.grammar is not None for s, _ in plain)
+        pending_plain = self._sample(plain, hidden, bitmask) if plain else None
+        pending_verify = (self._verify(verify, hidden, bitmask[num_plain_mask_rows:] if bitmask is not None else None)
+                          if verify else None)
         # The step's one host sync: every sampled / verified token id (and row validity) at once.
         parts = [t for t in (pending_plain and pending_plain[0], pending_verify and pending_verify[0]) if t is not None]
         flat = torch.cat(parts).tolist() if parts else []
@@ -229,10 +241,13 @@ class ModelRunner:
             metadata.decode_context_lens = torch.tensor([len(s) for s in decode_slots], device=self.device)
         return metadata
 
-    def _sample(self, plain: list[tuple[ScheduledRequest, int]], hidden: torch.Tensor):
+    def _sample(self, plain: list[tuple[ScheduledRequest, int]], hidden: torch.Tensor, bitmask: torch.Tensor | None):
         requests = [s.request for s, _ in plain]
         states = [self._state(r) for r in requests]
         logits = self.model.compute_logits(hidden[[row for _, row in plain]])  # [num_sampling, vocab] float32
+        constrained_rows = [i for i, request in enumerate(requests) if request.grammar is not None]
+        if constrained_rows:
+            self.grammar_bitmask.apply(logits, constrained_rows, bitmask[:len(constrained_rows)])
         metadata = SamplingMetadata.from_states(self.state_store, states, [r.output_token_ids for r in requests])
         result = self.sampler(logits, metadata)
         values = torch.cat([result.sampled_token_ids, result.row_is_valid.long()])
@@ -258,7 +273,8 @@ class ModelRunner:
                 output.logprobs[request.request_id] = [
                     (token_ids[i], sampled_logprobs[i], ranks[i] if ranks else None, top)]
 
-    def _verify(self, verify: list[tuple[ScheduledRequest, list[int]]], hidden: torch.Tensor):
+    def _verify(self, verify: list[tuple[ScheduledRequest, list[int]]], hidden: torch.Tensor,
+                bitmask: torch.Tensor | None):
         """Score every verify row and apply the rejection rule (speculative/rejection_sampler.py).
         Row j of a request sees the output as it would be at that position: its proposals before
         j count for penalties and min_tokens (SamplingMetadata pending tokens). Logprobs, when
@@ -273,6 +289,14 @@ class ModelRunner:
                 row_pending.append(request.spec_token_ids[:j])
                 rows.append(row)
         logits = self.model.compute_logits(hidden[rows])  # [num_verify_rows, vocab] float32
+        constrained_rows, first_row = [], 0
+        for request in requests:
+            num_rows = len(request.spec_token_ids) + 1
+            if request.grammar is not None:
+                constrained_rows.extend(range(first_row, first_row + num_rows))
+            first_row += num_rows
+        if constrained_rows:
+            self.grammar_bitmask.apply(logits, constrained_rows, bitmask[:len(constrained_rows)])
         metadata = SamplingMetadata.from_states(self.state_store, row_states, row_outputs, row_pending)
         proposed = [r.spec_token_ids for r in requests]
         layout = VerifyLayout.of(proposed)

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tokios.errors import InvalidRequestError
+from tokios.structured.spec import StructuredOutput
 
 # OpenAI caps top_logprobs at 20 and completions' logprobs at 5; we allow 20 for both (as vLLM).
 MAX_TOP_LOGPROBS = 20
@@ -61,6 +62,10 @@ class SamplingFields(_Body):
     include_stop_str_in_output: bool = False
     # Speculative decoding for this request: {"method": ..., "num_tokens": ...}, validated by SamplingParams.
     speculative: Any = None
+    # Constrained decoding, vLLM's field: exactly one of json, json_object, regex, choice, grammar.
+    structured_outputs: dict[str, Any] | None = Field(default=None, json_schema_extra={
+        "description": "One of: json (a JSON schema), json_object (true), regex, choice (a list of strings), "
+                       "grammar (Lark or GBNF)."})
 
     @field_validator("stop")
     @classmethod
@@ -76,16 +81,34 @@ class SamplingFields(_Body):
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    def structured_output(self) -> StructuredOutput | None:
+        """What the output must match, if anything (InvalidRequestError naming the field when malformed)."""
+        return StructuredOutput.from_structured_outputs(self.structured_outputs)
+
 
 class ContentPart(_Body):
     type: str
     text: str | None = None
 
 
+class ToolCallFunction(_Body):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class MessageToolCall(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # An assistant turn's calls, and a tool result's call id (history of a tool-using conversation).
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         """The message's text; only text parts are supported."""
@@ -109,25 +132,35 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True
-    # Accepted so that clients sending the defaults work; anything else is refused by check_supported.
+    # Tool calling (tokios.tool_calls validates the shapes, so that errors name the exact field).
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    # {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", "strict"}}.
     response_format: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
-        if self.tools:
-            raise InvalidRequestError("tools: tool calling is not supported by this server", param="tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise InvalidRequestError("tool_choice: tool calling is not supported by this server",
-                                      param="tool_choice")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise InvalidRequestError("response_format: only {'type': 'text'} is supported",
-                                      param="response_format")
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
 
-    def messages_as_dicts(self) -> list[dict[str, str]]:
-        return [{"role": message.role, "content": message.text()} for message in self.messages]
+    def structured_output(self) -> StructuredOutput | None:
+        from_format = StructuredOutput.from_response_format(self.response_format)
+        from_fields = super().structured_output()
+        if from_format is not None and from_fields is not None:
+            raise InvalidRequestError("give response_format or structured_outputs, not both",
+                                      param="structured_outputs")
+        return from_format or from_fields
+
+    def messages_as_dicts(self) -> list[dict[str, Any]]:
+        messages = []
+        for message in self.messages:
+            entry: dict[str, Any] = {"role": message.role, "content": message.text()}
+            if message.tool_calls:
+                entry["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+            if message.tool_call_id is not None:
+                entry["tool_call_id"] = message.tool_call_id
+            messages.append(entry)
+        return messages
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -250,6 +283,7 @@ def sampling_kwargs(request: ChatCompletionRequest | CompletionRequest, *, max_t
         "logprobs": request.num_logprobs,
         "logit_bias": parse_logit_bias(request.logit_bias, vocab_size),
         "speculative": request.speculative,
+        "structured_output": request.structured_output(),
     }
     kwargs.update({name: value for name, value in optional.items() if value is not None})
     if isinstance(request, CompletionRequest) and request.echo and request.logprobs is not None:

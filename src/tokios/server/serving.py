@@ -30,6 +30,9 @@ from tokios.server.metrics import ServerMetrics
 from tokios.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     TokenizeRequest, sampling_kwargs)
 from tokios.server.streams import EngineStream, Job, run_watching_disconnect
+from tokios.tool_calls import ToolCallParser, ToolSet
+from tokios.tool_calls.grammar import tool_call_grammar
+from tokios.tool_calls.prompt import template_inputs
 
 
 @dataclass
@@ -162,21 +165,35 @@ class Serving:
 
     # ---- chat ---------------------------------------------------------------------------
 
+    def _tools(self, body: ChatCompletionRequest) -> ToolSet | None:
+        tools = ToolSet.from_request(body.tools, body.tool_choice, body.parallel_tool_calls)
+        if tools is not None and tools.calls_possible and (body.response_format or body.structured_outputs):
+            if body.structured_output() is not None:
+                raise InvalidRequestError("response_format or structured_outputs cannot be combined with tools "
+                                          "unless tool_choice is 'none'", param="response_format")
+        return tools
+
     async def chat(self, http_request: Request, body: ChatCompletionRequest) -> Response:
         model = self.check_model(body.model)
         body.check_supported()
+        tools = self._tools(body)
+        messages, template_tools = template_inputs(body.messages_as_dicts(), tools,
+                                                   self.tokenizer.chat_template_takes_tools)
         prompt_text = self.tokenizer.apply_chat_template(
-            body.messages_as_dicts(), add_generation_prompt=body.add_generation_prompt)
+            messages, add_generation_prompt=body.add_generation_prompt, tools=template_tools)
         prompt_ids = self.tokenizer.encode(prompt_text, add_special_tokens=False)
         max_tokens = self.resolve_max_tokens(len(prompt_ids), body.requested_max_tokens, "messages")
         kwargs = sampling_kwargs(body, max_tokens=max_tokens, vocab_size=self.vocab_size)
+        calls_possible = tools is not None and tools.calls_possible
+        if calls_possible:
+            kwargs["structured_output"] = tool_call_grammar(tools)
         sampling_params = make_sampling_params(kwargs)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         job = self.new_job(response_id, [prompt_ids], sampling_params, kwargs)
         created = int(time.time())
         if body.stream:
             first_outputs = await self.start_stream(http_request, job)
-            events = self._chat_events(body, job, first_outputs[0], response_id, created, model)
+            events = self._chat_events(body, job, first_outputs[0], response_id, created, model, calls_possible)
             return SSEResponse(guarded_sse(events), job)
         output = (await self.finish(http_request, job))[0]
         stream = job.streams[0]
@@ -186,14 +203,25 @@ class Serving:
             if body.logprobs:
                 logprobs = responses.chat_logprobs(choice.token_ids, stream.logprobs_of(choice) or [],
                                                    body.top_logprobs or 0, self.decode_token)
+            if calls_possible:
+                parser = ToolCallParser()
+                parser.feed(choice.text)
+                parser.finish()
+                # With calls, OpenAI's content is null unless the model wrote text before them.
+                content = (parser.content.strip() or None) if parser.has_calls else parser.content
+                choices.append(responses.chat_choice(choice.index, content,
+                                                     _tool_finish_reason(choice.finish_reason, parser), logprobs,
+                                                     parser.tool_calls()))
+                continue
             choices.append(responses.chat_choice(choice.index, choice.text, choice.finish_reason, logprobs))
         num_completion_tokens = sum(len(choice.token_ids) for choice in output.outputs)
         return JSONResponse(responses.chat_completion(response_id, created, model, choices, len(prompt_ids),
                                                       num_completion_tokens))
 
     async def _chat_events(self, body: ChatCompletionRequest, job: Job, first_output: RequestOutput | None,
-                           response_id: str, created: int, model: str) -> AsyncIterator[str]:
+                           response_id: str, created: int, model: str, calls_possible: bool) -> AsyncIterator[str]:
         include_usage = body.include_usage_in_stream
+        parsers = {index: ToolCallParser() for index in range(body.n)} if calls_possible else None
 
         def chunk(choices: list[dict[str, Any]]) -> str:
             return responses.sse_event(responses.chat_chunk(response_id, created, model, choices,
@@ -208,8 +236,25 @@ class Serving:
                 if body.logprobs and choice.logprobs_delta:
                     logprobs = responses.chat_logprobs(choice.token_ids_delta, choice.logprobs_delta,
                                                        body.top_logprobs or 0, self.decode_token)
-                delta = {"content": choice.text_delta} if choice.text_delta else {}
-                choices.append(responses.chat_chunk_choice(choice.index, delta, choice.finish_reason, logprobs))
+                finish_reason = choice.finish_reason
+                if parsers is None:
+                    delta = {"content": choice.text_delta} if choice.text_delta else {}
+                else:
+                    parser = parsers[choice.index]
+                    parsed = parser.feed(choice.text_delta)
+                    if finish_reason:
+                        rest = parser.finish()
+                        parsed.content += rest.content
+                        parsed.tool_calls += rest.tool_calls
+                        finish_reason = _tool_finish_reason(finish_reason, parser)
+                    delta = {}
+                    if parsed.content:
+                        delta["content"] = parsed.content
+                    if parsed.tool_calls:
+                        delta["tool_calls"] = [call.as_openai() for call in parsed.tool_calls]
+                    if not (delta or finish_reason or logprobs):
+                        continue
+                choices.append(responses.chat_chunk_choice(choice.index, delta, finish_reason, logprobs))
             return chunk(choices) if choices else None
 
         yield chunk([responses.chat_chunk_choice(index, {"role": "assistant", "content": ""}, None)
@@ -365,3 +410,9 @@ class Serving:
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": self.created, "owned_by": "tokios",
              "max_model_len": self.max_model_len} for name in self.served_model_names]}
+
+
+def _tool_finish_reason(finish_reason: str | None, parser: ToolCallParser) -> str | None:
+    """OpenAI's "tool_calls" when the answer ended normally with calls; "length" stays "length"
+    (a call cut short: its arguments are incomplete JSON)."""
+    return "tool_calls" if finish_reason == "stop" and parser.has_calls else finish_reason

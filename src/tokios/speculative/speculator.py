@@ -135,6 +135,10 @@ class Speculator:
             num_proposed = 0
             for scheduled, token_ids in zip(group, proposals):
                 token_ids = token_ids[:scheduled.num_spec_slots]
+                if scheduled.request.grammar is not None:
+                    # Under a grammar only the proposals it accepts are worth verifying: the target
+                    # distribution gives the others probability zero.
+                    token_ids = scheduled.request.grammar.valid_prefix(token_ids)
                 scheduled.request.spec_token_ids = token_ids
                 scheduled.num_new_tokens = 1 + len(token_ids)
                 num_proposed += max(scheduled.num_spec_slots, 1)

@@ -17,6 +17,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -154,8 +155,12 @@ class ChatTemplate:
 
     def __init__(self, source: str):
         self.source = source
+        environment = _new_environment()
         try:
-            self._template = _new_environment().from_string(source)
+            self._template = environment.from_string(source)
+            # Templates written for tool calling read the `tools` variable; the others get our
+            # prompt format for tools (tool_calls/prompt.py).
+            self.takes_tools = "tools" in jinja2.meta.find_undeclared_variables(environment.parse(source))
         except jinja2.exceptions.TemplateError as exc:
             raise ModelLoadError(f"the model's chat template does not compile: {exc}") from None
 

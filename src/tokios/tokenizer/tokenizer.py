@@ -249,6 +249,11 @@ class Tokenizer:
             **kwargs,
         )
 
+    @property
+    def chat_template_takes_tools(self) -> bool:
+        """Whether the chat template renders `tools` itself (else tool_calls/prompt.py does)."""
+        return self._compiled_chat_template is not None and self._compiled_chat_template.takes_tools
+
     def with_chat_template(self, chat_template: str) -> Tokenizer:
         """The same tokenizer with another chat template (--chat-template)."""
         other = copy.copy(self)

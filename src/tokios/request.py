@@ -97,10 +97,11 @@ class Request:
             if last in self.stop_token_ids:
                 self.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
-        if self.grammar is not None and self.grammar.is_finished:
-            # The output is complete under its grammar, which admits nothing but EOS from here.
-            self.stop_reason = None
-            return RequestStatus.FINISHED_STOPPED
+            if self.grammar is not None and self.grammar.is_finished:
+                # Complete under its grammar, which admits nothing but EOS from here. (Before
+                # min_tokens the next step finds nothing to sample: that request fails, 400.)
+                self.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
         if num_output >= self.max_tokens or self.num_tokens >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -49,7 +49,8 @@ class RunnerOutput:
 def row_failure(logits_row: torch.Tensor) -> TokiosError:
     """Why a row had nothing to sample: the model's own logits were not finite (an engine fault,
     500), or the request's settings removed every token (its own doing, 400)."""
-    if not bool(torch.isfinite(logits_row).all()):
+    # -inf is what a grammar's mask writes; nan or +inf only a faulty forward.
+    if bool(torch.isnan(logits_row).any() or torch.isposinf(logits_row).any()):
         return TokiosError("The model produced non-finite logits for this request; it was stopped so that "
                            "the other requests could continue.", code="non_finite_logits")
     return InvalidRequestError("The sampling parameters leave no token that can be sampled (every token is "

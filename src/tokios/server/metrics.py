@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -63,6 +63,16 @@ class EngineStatsCollector(Collector):
         for position, count in enumerate(stats.spec_accepted_per_position or ()):
             per_position.add_metric([str(position)], count)
         yield per_position
+        yield CounterMetricFamily("tokios:structured_output_requests", "Requests decoded under a grammar "
+                                  "(response_format, structured_outputs, tools).",
+                                  value=stats.num_constrained_requests)
+        for name, help_text, histogram in (
+                ("tokios:grammar_compile_seconds", "Time to compile a grammar (cache misses only).",
+                 stats.grammar_compile_seconds),
+                ("tokios:grammar_mask_seconds", "Host time per step filling the token masks of its constrained rows.",
+                 stats.grammar_mask_seconds)):
+            if histogram is not None:
+                yield HistogramMetricFamily(name, help_text, buckets=histogram.cumulative(), sum_value=histogram.sum)
 
 
 class ServerMetrics:

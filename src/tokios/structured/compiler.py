@@ -17,6 +17,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 from tokios.errors import InvalidRequestError
 from tokios.structured.matcher import GrammarMatcher
@@ -28,15 +29,18 @@ COMPILE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
 MASK_BUCKETS_S = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 
 
+@dataclass
 class SecondsHistogram:
-    """Cumulative bucket counts, for a Prometheus histogram read at scrape time (server/metrics.py).
-    One thread observes each histogram; readers take a consistent enough copy under the GIL."""
+    """Bucket counts, for a Prometheus histogram read at scrape time (server/metrics.py) and for
+    /v1/engine/stats (a dataclass, so it serialises). One thread observes each histogram."""
 
-    def __init__(self, buckets: tuple[float, ...]):
-        self.buckets = buckets
-        self.counts = [0] * (len(buckets) + 1)  # the last one is +Inf
-        self.sum = 0.0
-        self.count = 0
+    buckets: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)  # per bucket, then +Inf
+    sum: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = self.counts or [0] * (len(self.buckets) + 1)
 
     def observe(self, seconds: float) -> None:
         index = next((i for i, bound in enumerate(self.buckets) if seconds <= bound), len(self.buckets))

@@ -213,3 +213,22 @@ def test_cli_serve_writes_table_json_and_plots(fake_server, tmp_path, capsys):
     assert data["load"]["output_len"] == "3" and "api_key" not in data["load"]
     for name in ("throughput_vs_concurrency.png", "ttft_percentiles.png", "tpot_percentiles.png"):
         assert (tmp_path / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_json_schema_load_sends_the_schema_on_each_endpoint_and_quantiles_read_the_difference():
+    from tokios.tools.bench_serve import (BUILTIN_JSON_SCHEMA, BenchRequest, ServeLoad, histogram_quantile,
+                                          read_json_schema, request_body)
+
+    schema = read_json_schema("builtin")
+    assert schema is BUILTIN_JSON_SCHEMA
+    request = BenchRequest("hi", 8, 1)
+    chat = request_body(ServeLoad("http://x", json_schema=schema), "m", request)
+    assert chat["response_format"]["json_schema"]["schema"] == schema
+    completions = request_body(ServeLoad("http://x", endpoint="completions", json_schema=schema), "m", request)
+    assert completions["structured_outputs"] == {"json": schema}
+    assert "response_format" not in request_body(ServeLoad("http://x"), "m", request)
+    before = {"buckets": [0.001, 0.01], "counts": [5, 0, 0], "count": 5}
+    after = {"buckets": [0.001, 0.01], "counts": [5, 9, 1], "count": 15}
+    assert histogram_quantile(before, after, 0.5) == 0.01  # the 10 new ones: 9 in (1, 10] ms
+    assert histogram_quantile(before, after, 0.99) == float("inf")
+    assert histogram_quantile(after, after, 0.5) is None

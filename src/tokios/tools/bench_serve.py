@@ -6,6 +6,11 @@ streamed chunk. Token counts come from the final usage chunk (`stream_options.in
 when the server sends one, else one content chunk counts as one token. The figures are those of
 `vllm bench serve` (see bench_stats); bench_report prints, saves and plots them. bench_compare
 drives this same code against tokios and llama-server.
+
+`--json-schema builtin|FILE` constrains every request to a JSON schema (response_format on chat,
+structured_outputs on completions); `--compare-unconstrained` runs each level twice on the same
+prompts, unconstrained then constrained, and prints the output-throughput ratio with the
+server's grammar compile and per-step mask times (from its /v1/engine/stats histograms).
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ class ServeLoad:
     api_key: str | None = None
     seed: int = 0
     timeout_s: float = 600.0
+    # A JSON schema every request's output must match (None: unconstrained).
+    json_schema: dict | None = None
 
     def __post_init__(self) -> None:
         if self.endpoint not in ENDPOINT_TO_PATH:
@@ -93,7 +100,37 @@ def request_body(load: ServeLoad, model: str, request: BenchRequest) -> dict:
         body["messages"] = [{"role": "user", "content": request.prompt}]
     else:
         body["prompt"] = request.prompt
+    if load.json_schema is not None:
+        if load.endpoint == "chat":
+            body["response_format"] = {"type": "json_schema",
+                                       "json_schema": {"name": "bench", "schema": load.json_schema}}
+        else:
+            body["structured_outputs"] = {"json": load.json_schema}
     return body
+
+
+# The builtin schema of --json-schema: a record whose list of notes cannot close before a few
+# hundred tokens, so that constrained outputs run to max_tokens as unconstrained ones do (outputs
+# that end early would make the batch smaller and the throughputs incomparable).
+BUILTIN_JSON_SCHEMA = {
+    "type": "object",
+    "properties": {"title": {"type": "string", "maxLength": 40}, "rating": {"type": "integer", "minimum": 1,
+                                                                          "maximum": 5},
+                   "notes": {"type": "array", "items": {"type": "string", "maxLength": 60}, "minItems": 100}},
+    "required": ["title", "rating", "notes"], "additionalProperties": False,
+}
+
+
+def read_json_schema(value: str | None) -> dict | None:
+    if value is None:
+        return None
+    if value == "builtin":
+        return BUILTIN_JSON_SCHEMA
+    try:
+        with open(value) as handle:
+            return json.load(handle)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise InvalidRequestError(f"--json-schema {value!r}: {exc}", param="json_schema") from None
 
 
 def parse_sse_data(line: str) -> dict | str | None:
@@ -261,6 +298,8 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", dest="json_path", default=None, help="write all figures as JSON here")
     parser.add_argument("--plot-dir", default=None, help="write PNG plots here")
     parser.add_argument("--no-progress", dest="show_progress", action="store_false")
+    parser.add_argument("--json-schema", default=None,
+                        help="constrain every output to this JSON schema: 'builtin' or a file")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -268,6 +307,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model id to send (default: the first of /v1/models)")
     parser.add_argument("--api-key", default=None)
     add_load_arguments(parser)
+    parser.add_argument("--compare-unconstrained", action="store_true",
+                        help="with --json-schema: run each level unconstrained, then constrained, and report "
+                             "the output throughput ratio and the server's grammar timings")
 
 
 def parse_concurrencies(text: str) -> list[int | None]:
@@ -297,7 +339,8 @@ def load_from_args(args: argparse.Namespace, base_url: str, model: str | None) -
         base_url=base_url, endpoint=args.endpoint, model=model, num_prompts=args.num_prompts,
         input_len=LengthSpec.parse(args.input_len, field_name="input_len"),
         output_len=LengthSpec.parse(args.output_len, field_name="output_len"),
-        ignore_eos=args.ignore_eos, api_key=getattr(args, "api_key", None), seed=args.seed)
+        ignore_eos=args.ignore_eos, api_key=getattr(args, "api_key", None), seed=args.seed,
+        json_schema=read_json_schema(getattr(args, "json_schema", None)))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -307,6 +350,10 @@ def run(args: argparse.Namespace) -> int:
     load = load_from_args(args, args.base_url, args.model)
     concurrencies = resolve_concurrencies(args.concurrency, args.request_rate)
     requests = build_requests(load, load_prompt_codec(args.tokenizer_model))
+    if args.compare_unconstrained:
+        if load.json_schema is None:
+            raise InvalidRequestError("--compare-unconstrained needs --json-schema", param="compare_unconstrained")
+        return run_structured_comparison(args, load, requests, concurrencies)
     summaries = run_sweep(load, requests, concurrencies=concurrencies, request_rate=args.request_rate,
                           num_warmups=args.num_warmups, show_progress=args.show_progress)
     print(bench_report.serve_table(summaries, title=f"{load.root_url} ({load.endpoint}, "
@@ -318,3 +365,80 @@ def run(args: argparse.Namespace) -> int:
         for path in bench_report.plot_serve({"server": summaries}, args.plot_dir):
             print(f"wrote {path}", file=sys.stderr)
     return 0 if all(s.num_failed == 0 for s in summaries) else 1
+
+
+# ---------------------------------------------------------------- constrained vs unconstrained
+
+def engine_histograms(load: ServeLoad) -> dict[str, dict]:
+    """The server's grammar histograms (tokios /v1/engine/stats); {} from a server without them."""
+    headers = {"Authorization": f"Bearer {load.api_key}"} if load.api_key else {}
+    try:
+        stats = httpx.get(load.root_url + "/v1/engine/stats", headers=headers, timeout=30).json()
+    except (httpx.HTTPError, json.JSONDecodeError):
+        return {}
+    return {name: stats[name] for name in ("grammar_compile_seconds", "grammar_mask_seconds")
+            if isinstance(stats.get(name), dict)}
+
+
+def histogram_quantile(before: dict | None, after: dict, quantile: float) -> float | None:
+    """The upper bound of the bucket holding `quantile` of the observations made between two reads."""
+    counts = [a - (before["counts"][i] if before else 0) for i, a in enumerate(after["counts"])]
+    total = sum(counts)
+    if total == 0:
+        return None
+    bounds = [*after["buckets"], math.inf]
+    running = 0
+    for bound, count in zip(bounds, counts):
+        running += count
+        if running >= quantile * total:
+            return bound
+    return math.inf
+
+
+def run_structured_comparison(args, load: ServeLoad, requests: list[BenchRequest],
+                              concurrencies: list[int | None]) -> int:
+    from dataclasses import replace
+
+    from tokios.tools import bench_report
+
+    plain_load = replace(load, json_schema=None)
+    lines = ["| level | unconstrained out tok/s | constrained out tok/s | ratio | compiles | compile p50 / p99 "
+             "| mask per step p50 / p99 |", "|---|---|---|---|---|---|---|"]
+    results = []
+    ok = True
+    for concurrency in concurrencies:
+        label = f"c={concurrency}" if concurrency else f"rate={args.request_rate:g}/s"
+        plain, _ = asyncio.run(run_level(plain_load, requests, label=label + " plain", max_concurrency=concurrency,
+                                         request_rate=args.request_rate, num_warmups=args.num_warmups,
+                                         show_progress=args.show_progress))
+        before = engine_histograms(load)
+        constrained, _ = asyncio.run(run_level(load, requests, label=label + " json", max_concurrency=concurrency,
+                                               request_rate=args.request_rate, num_warmups=args.num_warmups,
+                                               show_progress=args.show_progress))
+        after = engine_histograms(load)
+        ok = ok and plain.num_failed == 0 and constrained.num_failed == 0
+        ratio = constrained.output_throughput / plain.output_throughput if plain.output_throughput else math.nan
+        timings = {}
+        for name in ("grammar_compile_seconds", "grammar_mask_seconds"):
+            if name in after:
+                prior = before.get(name)
+                timings[name] = {"count": after[name]["count"] - (prior["count"] if prior else 0),
+                                 "p50_s": histogram_quantile(prior, after[name], 0.5),
+                                 "p99_s": histogram_quantile(prior, after[name], 0.99)}
+
+        def ms(name: str, key: str) -> str:
+            value = timings.get(name, {}).get(key)
+            return "-" if value is None else ("> max bucket" if value == math.inf else f"<= {value * 1e3:g} ms")
+
+        lines.append(f"| {label} | {plain.output_throughput:.1f} | {constrained.output_throughput:.1f} | {ratio:.3f} "
+                     f"| {timings.get('grammar_compile_seconds', {}).get('count', '-')} "
+                     f"| {ms('grammar_compile_seconds', 'p50_s')} / {ms('grammar_compile_seconds', 'p99_s')} "
+                     f"| {ms('grammar_mask_seconds', 'p50_s')} / {ms('grammar_mask_seconds', 'p99_s')} |")
+        results.append({"level": label, "unconstrained": plain.to_dict(), "constrained": constrained.to_dict(),
+                        "ratio": ratio, "grammar": timings})
+    print(f"{load.root_url} ({load.endpoint}, in {load.input_len}, out {load.output_len}), JSON schema vs none, "
+          "same prompts:\n")
+    print("\n".join(lines))
+    if args.json_path:
+        bench_report.write_json(args.json_path, {"load": bench_report.load_to_dict(load), "levels": results})
+    return 0 if ok else 1

@@ -10,7 +10,6 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import jsonschema
 import pydantic
 import pytest

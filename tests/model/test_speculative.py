@@ -224,7 +224,7 @@ def test_a_grammar_with_speculation_gives_the_greedy_output_without(engine):
     from tokios.structured import StructuredOutput
 
     llm, prompts, _, _ = engine
-    prompts = prompts[:NUM_SINGLE_PROMPTS["float32"]]
+    prompts = prompts[:4 if llm.core.weight_format == "float32" else 8]  # float32 steps are several times slower
 
     def params(method: str) -> SamplingParams:
         return SamplingParams(max_tokens=40, temperature=0.0, structured_output=StructuredOutput.json(GRAMMAR_SCHEMA),

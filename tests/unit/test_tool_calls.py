@@ -145,3 +145,25 @@ def test_text_that_only_looks_like_a_tag_stays_content():
     cut.feed('<tool_call>\n{"name": "f", "arguments": {"a": "x')
     cut.finish()
     assert cut.tool_calls()[0]["function"] == {"name": "f", "arguments": '{"a": "x'}
+
+
+def test_a_template_that_takes_tools_renders_them_itself():
+    from tokios.tokenizer.chat_template import ChatTemplate
+    from tokios.tool_calls.prompt import template_inputs
+
+    source = ("{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}\n{% endif %}"
+              "{% for m in messages %}{{ m.role }}: {{ m.content }}"
+              "{% for c in m.tool_calls or [] %}[call {{ c.function.name }}]{% endfor %}\n{% endfor %}")
+    template = ChatTemplate(source)
+    assert template.takes_tools and not ChatTemplate("{{ messages[0].content }}").takes_tools
+    tools = ToolSet.from_request([WEATHER, TIME], "auto", None)
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "a", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]}]
+    rendered_messages, template_tools = template_inputs(messages, tools, template_takes_tools=True)
+    assert rendered_messages is messages and [t["function"]["name"] for t in template_tools] == ["get_weather",
+                                                                                                   "get_time"]
+    text = template.render(rendered_messages, add_generation_prompt=False, tools=template_tools, special_tokens={})
+    assert text == "TOOLS:get_weather;get_time;user: hiassistant: [call get_time]"  # trim_blocks, as HF
+    # tool_choice none: the template gets no tools.
+    assert template_inputs(messages, ToolSet.from_request([WEATHER], "none", None), True)[1] is None

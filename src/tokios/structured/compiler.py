@@ -118,6 +118,8 @@ class GrammarCompiler:
             logger.info("grammar warnings for %s: %s", spec.param, "; ".join(messages))
         seconds = time.perf_counter() - started
         self.compile_seconds.observe(seconds)
+        logger.info("compiled the %s grammar of %s (%d chars) in %.1f ms", spec.kind, spec.param, len(spec.source),
+                    seconds * 1e3)
         compiled = CompiledGrammar(spec, matcher, seconds)
         with self._lock:
             self._cache[key] = compiled

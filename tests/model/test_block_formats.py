@@ -1,10 +1,12 @@
 """Every block type a downloaded GGUF holds runs as stored (`--dtype auto`), on whole models.
 
 Test files are written here with our own quantizers (model/blocks), never with llama.cpp: the
-default model in Q4_0, Q5_0, Q8_0, Q5_K (with Q5_1 where rows are 576 wide), Q6_K (with Q8_0)
-and a Q4_K_M-like mix (Q5_0 166, Q4_K 16, Q8_0 15, Q6_K 14 tensors, as llama.cpp's own file), and
-a random-weight model whose rows are multiples of 256, so that every product runs a real K-quant
-(Q4_K, Q5_K, Q6_K), which the default model's 576-wide rows never allow.
+default model in Q4_0, Q8_0, Q5_K (with Q5_1 where rows are 576 wide) and a Q4_K_M-like mix
+(Q5_0 166, Q4_K 16, Q8_0 15, Q6_K 14 tensors, as llama.cpp's own file), which between them hold
+every block type the kernels run, and a random-weight model whose rows are multiples of 256, so
+that every product runs a real K-quant (Q4_K, Q5_K, Q6_K), which the default model's 576-wide
+rows never allow. (Uniform Q5_0 and Q6_K files add no block type and cost ~55 s each, our
+quantizer writing the file and transformers reading it, so the suite leaves them out.)
 
 For each: the engine runs exactly the file's types (counted per type), its perplexity on the
 ~1,000-token text is within 1% of transformers' float32 perplexity on the same file, and greedy
@@ -34,10 +36,8 @@ MAX_RELATIVE_GAP = 0.01
 
 DEFAULT_MODEL_FILES = {
     "Q4_0": (uniform(T.Q4_0), {T.Q4_0: 211}),
-    "Q5_0": (uniform(T.Q5_0), {T.Q5_0: 211}),
     "Q8_0": (uniform(T.Q8_0), {T.Q8_0: 211}),
     "Q5_K": (uniform(T.Q5_K), {T.Q5_1: 181, T.Q5_K: 30}),
-    "Q6_K": (uniform(T.Q6_K), {T.Q8_0: 181, T.Q6_K: 30}),
     "Q4_K_M": (mostly_q4_k_m, {T.Q5_0: 166, T.Q4_K: 16, T.Q8_0: 15, T.Q6_K: 14}),
 }
 
@@ -128,7 +128,21 @@ def runs_as_stored(llm, path: Path) -> None:
     assert llm.core.weight_format == "stored" and model.can_fuse_decode
 
 
-@pytest.mark.parametrize("name", list(DEFAULT_MODEL_FILES))
+PERPLEXITY_FILES = ("Q4_0", "Q5_K", "Q4_K_M")
+
+
+@pytest.mark.parametrize("name", ["Q8_0"])
+def test_default_model_file_runs_as_stored(name, block_file_dir):
+    path = default_model_file(block_file_dir, name)
+    llm = engine(path)
+    runs_as_stored(llm, path)
+    output = llm.generate([llm.tokenizer.encode("The capital of France is")],
+                          SamplingParams(max_tokens=8, temperature=0.0))[0].outputs[0]
+    assert "Paris" in output.text, output.text
+    llm.check_invariants()
+
+
+@pytest.mark.parametrize("name", PERPLEXITY_FILES)
 def test_default_model_file_runs_as_stored_within_one_percent_of_transformers(name, block_file_dir):
     path = default_model_file(block_file_dir, name)
     llm = engine(path)

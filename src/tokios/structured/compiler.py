@@ -26,7 +26,8 @@ from tokios.structured.spec import StructuredOutput
 logger = logging.getLogger("tokios.structured")
 
 COMPILE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-MASK_BUCKETS_S = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+MASK_BUCKETS_S = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02,
+                  0.025, 0.05, 0.1)
 
 
 @dataclass

@@ -4,7 +4,8 @@
 port from the server's "listening on" line, waits for `/health` to answer 200 (the model loads in
 a few seconds), yields a ServerProcess, and stops it with SIGTERM (then SIGKILL if it hangs).
 The output goes to a log file that failing tests print. `tokios_server` (default flags) and
-`small_keyed_server` are shared by the session; tests needing other flags call `serve`.
+`small_keyed_server` are shared by the session, as are `client` (its openai client) and `model`;
+tests needing other flags call `serve`.
 """
 
 from __future__ import annotations
@@ -132,6 +133,18 @@ SMALL_SERVER_MAX_MODEL_LEN = 2048
 def tokios_server() -> Iterator[ServerProcess]:
     with serve() as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def client(tokios_server):
+    """The official openai client of `tokios_server`."""
+    return tokios_server.openai()
+
+
+@pytest.fixture(scope="session")
+def model(client) -> str:
+    """The id `tokios_server` serves (a test module may define its own `model`)."""
+    return client.models.list().data[0].id
 
 
 @pytest.fixture(scope="session")

@@ -11,20 +11,8 @@ import json
 import math
 import re
 
-import pytest
-
 MESSAGES = [{"role": "user", "content": "Name three colors."}]
 PROMPT = "The capital of France is"
-
-
-@pytest.fixture(scope="module")
-def client(tokios_server):
-    return tokios_server.openai()
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
 
 
 def sse_payloads(text: str) -> list:

@@ -32,16 +32,6 @@ PARAMETERS_BY_NAME = {tool["function"]["name"]: tool["function"]["parameters"] f
 ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris right now?"}]
 
 
-@pytest.fixture(scope="module")
-def client(tokios_server):
-    return tokios_server.openai()
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
-
-
 def assert_valid_calls(tool_calls, complete: bool = True):
     assert tool_calls
     for call in tool_calls:

@@ -101,17 +101,7 @@ class ToolCallParser:
         if not rest:
             return False
         if self._state == "content":
-            at = rest.find(CALL_OPEN)
-            if at >= 0:
-                self._emit_content(delta, rest[:at])
-                self._cursor += at + len(CALL_OPEN)
-                self._state = "header"
-                return True
-            keep = 0 if final else _held_back(rest, CALL_OPEN)
-            if len(rest) > keep:
-                self._emit_content(delta, rest[:len(rest) - keep])
-                self._cursor += len(rest) - keep
-            return False
+            return self._read_until(delta, rest, CALL_OPEN, self._emit_content, "header", hold_back=not final)
         if self._state == "header":
             if len(rest) < len(NAME_PREFIX):
                 if not NAME_PREFIX.startswith(rest):
@@ -130,17 +120,7 @@ class ToolCallParser:
             self._state = "arguments"
             return True
         if self._state == "arguments":
-            at = rest.find(CALL_END)
-            if at >= 0:
-                self._emit_arguments(delta, rest[:at])
-                self._cursor += at + len(CALL_END)
-                self._state = "between"
-                return True
-            keep = _held_back(rest, CALL_END)
-            if len(rest) > keep:
-                self._emit_arguments(delta, rest[:len(rest) - keep])
-                self._cursor += len(rest) - keep
-            return False
+            return self._read_until(delta, rest, CALL_END, self._emit_arguments, "between")
         # between calls: another call, or the end
         if rest.startswith(_NEXT_CALL):
             self._cursor += len(_NEXT_CALL)
@@ -152,6 +132,22 @@ class ToolCallParser:
             self._state = "content"  # text after the calls: content, as given
             return True
         self._cursor += len(rest)
+        return False
+
+    def _read_until(self, delta: ParsedDelta, rest: str, marker: str, emit, next_state: str,
+                    hold_back: bool = True) -> bool:
+        """Emit `rest` up to `marker` and move past it into `next_state` (True); or, with no
+        marker yet, emit all of it but a tail that could begin the marker (False: wait)."""
+        at = rest.find(marker)
+        if at >= 0:
+            emit(delta, rest[:at])
+            self._cursor += at + len(marker)
+            self._state = next_state
+            return True
+        keep = _held_back(rest, marker) if hold_back else 0
+        if len(rest) > keep:
+            emit(delta, rest[:len(rest) - keep])
+            self._cursor += len(rest) - keep
         return False
 
     def _not_a_call(self, delta: ParsedDelta) -> bool:

@@ -165,18 +165,10 @@ class Serving:
 
     # ---- chat ---------------------------------------------------------------------------
 
-    def _tools(self, body: ChatCompletionRequest) -> ToolSet | None:
-        tools = ToolSet.from_request(body.tools, body.tool_choice, body.parallel_tool_calls)
-        if tools is not None and tools.calls_possible and (body.response_format or body.structured_outputs):
-            if body.structured_output() is not None:
-                raise InvalidRequestError("response_format or structured_outputs cannot be combined with tools "
-                                          "unless tool_choice is 'none'", param="response_format")
-        return tools
-
     async def chat(self, http_request: Request, body: ChatCompletionRequest) -> Response:
         model = self.check_model(body.model)
         body.check_supported()
-        tools = self._tools(body)
+        tools = ToolSet.from_request(body.tools, body.tool_choice, body.parallel_tool_calls)
         messages, template_tools = template_inputs(body.messages_as_dicts(), tools,
                                                    self.tokenizer.chat_template_takes_tools)
         prompt_text = self.tokenizer.apply_chat_template(
@@ -186,6 +178,9 @@ class Serving:
         kwargs = sampling_kwargs(body, max_tokens=max_tokens, vocab_size=self.vocab_size)
         calls_possible = tools is not None and tools.calls_possible
         if calls_possible:
+            if kwargs["structured_output"] is not None:
+                raise InvalidRequestError("response_format or structured_outputs cannot be combined with tools "
+                                          "unless tool_choice is 'none'", param="response_format")
             kwargs["structured_output"] = tool_call_grammar(tools)
         sampling_params = make_sampling_params(kwargs)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"

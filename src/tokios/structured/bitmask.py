@@ -60,8 +60,3 @@ class GrammarBitmask:
         allowed = allowed.reshape(len(rows), -1)[:, :logits.shape[1]]
         index = torch.tensor(rows, dtype=torch.long, device=logits.device)
         logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
-
-    def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None

@@ -60,10 +60,9 @@ class SecondsHistogram:
 class CompiledGrammar:
     """A compiled grammar; every sequence that uses it gets its own matcher, a copy of this one."""
 
-    def __init__(self, spec: StructuredOutput, pristine_matcher, compile_seconds: float):
+    def __init__(self, spec: StructuredOutput, pristine_matcher):
         self.spec = spec
         self._pristine = pristine_matcher
-        self.compile_seconds = compile_seconds
 
     def new_matcher(self) -> GrammarMatcher:
         return GrammarMatcher(self._pristine.deep_copy(), self.spec.kind)
@@ -121,7 +120,7 @@ class GrammarCompiler:
         self.compile_seconds.observe(seconds)
         logger.info("compiled the %s grammar of %s (%d chars) in %.1f ms", spec.kind, spec.param, len(spec.source),
                     seconds * 1e3)
-        compiled = CompiledGrammar(spec, matcher, seconds)
+        compiled = CompiledGrammar(spec, matcher)
         with self._lock:
             self._cache[key] = compiled
             while len(self._cache) > self.cache_size:
@@ -133,11 +132,6 @@ class GrammarCompiler:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="tokios-grammar")
         return await asyncio.get_running_loop().run_in_executor(self._executor, self.compile, spec)
-
-    def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
-            self._executor = None
 
 
 def _first_line(messages: list[str]) -> str:

@@ -39,10 +39,6 @@ class GrammarMatcher:
     def is_accepting(self) -> bool:
         return self._matcher.is_accepting()
 
-    @property
-    def error(self) -> str:
-        return self._matcher.get_error()
-
     def valid_prefix(self, token_ids: list[int]) -> list[int]:
         """The longest prefix of proposed tokens the grammar would accept from here."""
         if not token_ids:

@@ -44,9 +44,6 @@ class ParsedDelta:
     content: str = ""
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
-    def __bool__(self) -> bool:
-        return bool(self.content or self.tool_calls)
-
 
 def _held_back(text: str, marker: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `marker`."""

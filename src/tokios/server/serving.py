@@ -178,7 +178,7 @@ class Serving:
         kwargs = sampling_kwargs(body, max_tokens=max_tokens, vocab_size=self.vocab_size)
         calls_possible = tools is not None and tools.calls_possible
         if calls_possible:
-            if kwargs["structured_output"] is not None:
+            if kwargs.get("structured_output") is not None:
                 raise InvalidRequestError("response_format or structured_outputs cannot be combined with tools "
                                           "unless tool_choice is 'none'", param="response_format")
             kwargs["structured_output"] = tool_call_grammar(tools)

@@ -94,9 +94,9 @@ def test_generated_schemas_validate_streamed_and_not(client, model):
             assert finish_reason == "stop", (schema, text)
             jsonschema.validate(json.loads(text), schema)
             answers.append(text)
-        # Streamed and not, greedy answers are the same text.
-        for index in range(0, len(jobs), 4):
-            assert results[index][0] == results[index + 1][0]
+        # Streamed and non-streamed greedy answers are not compared for equality: sent together,
+        # one request's prompt may hit the prefix cache the other filled, which lays the prefill
+        # out differently and may flip a near-tie (docs/architecture.md; a full run saw it).
 
     check()
     assert len(set(answers)) > 4

@@ -1,7 +1,8 @@
 """A hypothesis strategy of JSON schemas for the structured-output property tests.
 
 Objects (required subsets, closed), arrays, enums, nested $defs with $ref, anyOf, anchored
-string patterns, bounded integers and numbers, booleans and null; bounded in size (strings of at
+string patterns, bounded integers, booleans and null (no `number`: a JSON number's fraction has
+no length limit, and SmolLM2 can write digits until max_tokens, as a full run showed); bounded in size (strings of at
 most 12 characters, arrays of at most 3 items, nesting depth 3) so that a complete answer fits
 in a few hundred tokens and "every output validates" can be asked of every output.
 """
@@ -19,11 +20,6 @@ def _integer():
                      st.integers(-1000, 1000), st.integers(0, 5000))
 
 
-def _number():
-    return st.builds(lambda low, span: {"type": "number", "minimum": low, "maximum": low + span},
-                     st.integers(-100, 100), st.integers(1, 1000))
-
-
 def _string():
     return st.builds(lambda low, extra: {"type": "string", "minLength": low, "maxLength": low + extra},
                      st.integers(0, 3), st.integers(1, 9))
@@ -33,7 +29,6 @@ leaves = st.one_of(
     st.just({"type": "boolean"}),
     st.just({"type": "null"}),
     _integer(),
-    _number(),
     _string(),
     st.sampled_from(PATTERNS).map(lambda pattern: {"type": "string", "pattern": pattern}),
     st.lists(st.one_of(st.sampled_from(["red", "green", "blue", "a b", "é"]), st.integers(-5, 5)),

@@ -37,6 +37,31 @@ def parse_size(text: str | int, *, field_name: str = "size") -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[unit])
 
 
+_DURATION_UNITS = {"": 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(value: str | int | float, *, field_name: str = "duration") -> float:
+    """Ollama's keep-alive forms: '5m', '1h30m', '30s', '250ms', or a number of seconds; a
+    negative value means forever (returned as -1)."""
+    if isinstance(value, bool):
+        raise InvalidRequestError(f"{field_name} must be a duration like 5m or a number of seconds, got {value!r}",
+                                  param=field_name)
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    else:
+        text = str(value).strip()
+        sign = -1.0 if text.startswith("-") else 1.0
+        parts = re.findall(r"([0-9]*\.?[0-9]+)\s*(ms|h|m|s|)", text.lstrip("+-"))
+        if not text.lstrip("+-") or "".join(f"{number}{unit}" for number, unit in parts) != \
+                text.lstrip("+-").replace(" ", ""):
+            raise InvalidRequestError(f"{field_name} must be a duration like 5m, 1h or 30s, or a number of seconds, "
+                                      f"got {value!r}", param=field_name)
+        seconds = sign * sum(float(number) * _DURATION_UNITS[unit] for number, unit in parts)
+    if seconds != seconds or seconds in (float("inf"), float("-inf")):
+        raise InvalidRequestError(f"{field_name} must be finite, got {value!r}", param=field_name)
+    return -1.0 if seconds < 0 else seconds
+
+
 def _require(condition: bool, field_name: str, message: str) -> None:
     if not condition:
         raise InvalidRequestError(f"{field_name} {message}", param=field_name)

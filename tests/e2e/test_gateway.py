@@ -537,6 +537,26 @@ def test_real_tokios_serve_through_gateway_equals_direct(cluster, tmp_path):
              for c in (direct, gateway)]
     assert texts[0] == texts[1]
 
+    # The other dialects pass through the gateway the same (the key as x-api-key for Anthropic's).
+    import anthropic
+    import ollama
+
+    options = {"temperature": 0, "num_predict": 16}
+    ollamas = [ollama.Client(host=url, headers=headers) for url, headers in (
+        (backend_url, {}), (gateway_url, {"Authorization": f"Bearer {cluster.client_key}"}))]
+    assert len({c.chat(model=model, messages=messages, options=options).message.content for c in ollamas}) == 1
+    assert len({"".join(part.message.content for part in c.chat(model=model, messages=messages, options=options,
+                                                                 stream=True)) for c in ollamas}) == 1
+    anthropics = [anthropic.Anthropic(base_url=url, api_key=key, max_retries=0)
+                  for url, key in ((backend_url, "unused"), (gateway_url, cluster.client_key))]
+    assert len({c.messages.create(model=model, messages=messages, max_tokens=16,
+                                  extra_body={"temperature": 0}).content[0].text for c in anthropics}) == 1
+    assert len({c.responses.create(model=model, input=messages[0]["content"], max_output_tokens=16,
+                                   temperature=0).output_text for c in (direct, gateway)}) == 1
+    with pytest.raises(ollama.ResponseError) as error:  # the gateway's own errors keep each API's shape
+        ollamas[1].chat(model="no-such-model", messages=messages)
+    assert error.value.status_code == 503 and "no-such-model" in error.value.error
+
     # SIGTERM on the server drains its connector too: the gateway stops routing to it.
     server.popen.send_signal(signal.SIGTERM)
     wait_until(lambda: "real-serve" not in cluster.backend_ids(gateway_url), 60, "the draining backend to leave")

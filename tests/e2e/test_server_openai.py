@@ -198,9 +198,9 @@ def test_metrics_and_request_log(tokios_server, client, model):
                  "tokios:prefix_cache_queries_total", "tokios:prefix_cache_hits_total",
                  "tokios:num_preemptions_total"):
         assert name in text, name
-    assert re.search(r'tokios:request_success_total\{finished_reason="length"\} [1-9]', text)
+    assert re.search(r'tokios:request_success_total\{finished_reason="length",model_name="%s"\} [1-9]' % model, text)
     assert re.search(r'tokios:http_requests_total\{status="200"\} [1-9]', text)
-    generated = float(re.search(r"^tokios:generation_tokens_total (\S+)$", text, re.M).group(1))
+    generated = float(re.search(r'^tokios:generation_tokens_total\{model_name="%s"\} (\S+)$' % model, text, re.M).group(1))
     assert generated >= 3
     log = tokios_server.log_text()
     lines = [line for line in log.splitlines() if "tokios.requests" in line and "completion_tokens=3 " in line]
@@ -216,8 +216,10 @@ def test_speculation_figures_reach_metrics_and_the_request_log(tokios_server, cl
                               extra_body={"ignore_eos": True, "speculative": {"method": "ngram", "num_tokens": 4}})
     with tokios_server.client() as http:
         text = http.get("/metrics").text
-    drafts = float(re.search(r"^tokios:spec_decode_num_drafts_total (\S+)$", text, re.M).group(1))
-    drafted = float(re.search(r"^tokios:spec_decode_num_draft_tokens_total (\S+)$", text, re.M).group(1))
+    drafts = float(re.search(r"^tokios:spec_decode_num_drafts_total\{model_name=\"%s\"\} (\S+)$" % model, text,
+                             re.M).group(1))
+    drafted = float(re.search(r"^tokios:spec_decode_num_draft_tokens_total\{model_name=\"%s\"\} (\S+)$" % model,
+                              text, re.M).group(1))
     assert drafts >= 1 and drafted >= drafts
     lines = [line for line in tokios_server.log_text().splitlines()
              if "tokios.requests" in line and "completion_tokens=24 " in line and "spec_drafts=" in line]

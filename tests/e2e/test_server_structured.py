@@ -251,7 +251,7 @@ def test_metrics_count_constrained_requests_and_time_compiles_and_masks(tokios_s
     with tokios_server.client() as http:
         metrics = http.get("/metrics").text
         stats = http.get("/v1/engine/stats").json()
-    assert float(re.search(r"^tokios:structured_output_requests_total (\S+)$", metrics, re.M).group(1)) > 0
-    assert float(re.search(r"^tokios:grammar_compile_seconds_count (\S+)$", metrics, re.M).group(1)) > 0
-    assert float(re.search(r"^tokios:grammar_mask_seconds_count (\S+)$", metrics, re.M).group(1)) > 0
+    assert float(re.search(r"^tokios:structured_output_requests_total\{model_name=\"[^\"]+\"\} (\S+)$", metrics, re.M).group(1)) > 0
+    assert float(re.search(r"^tokios:grammar_compile_seconds_count\{model_name=\"[^\"]+\"\} (\S+)$", metrics, re.M).group(1)) > 0
+    assert float(re.search(r"^tokios:grammar_mask_seconds_count\{model_name=\"[^\"]+\"\} (\S+)$", metrics, re.M).group(1)) > 0
     assert stats["grammar_mask_seconds"]["count"] > 0 and stats["num_constrained_requests"] > 0

@@ -160,6 +160,12 @@ class AsyncEngine:
         self._commands.put(("abort", request_id))
         self._wake.set()
 
+    def forget_warm_up(self) -> None:
+        """Zeroes the cumulative counters (after a warm-up run, so that they count only real
+        requests); runs in the engine thread before its next step."""
+        self._commands.put(("reset_counters",))
+        self._wake.set()
+
     @property
     def num_unfinished_requests(self) -> int:
         return len(self._streams)
@@ -233,6 +239,8 @@ class AsyncEngine:
                 self.output_processor.add_request(request_id, prompt, token_ids, params,
                                                   arrival_time=requests[0].arrival_time)
                 self.core.add_requests(requests)
+            elif command[0] == "reset_counters":
+                self.core.reset_counters()
             else:
                 self._abort_now(command[1])
 

@@ -288,5 +288,11 @@ class EngineCore:
             grammar_compile_seconds=self.grammars.compile_seconds,
             grammar_mask_seconds=self.runner.grammar_bitmask.mask_seconds)
 
+    def reset_counters(self) -> None:
+        """Cumulative request counters back to zero (the KV cache and its contents stay)."""
+        self.num_prompt_tokens = self.num_generation_tokens = self.num_steps = self.num_constrained_requests = 0
+        self.kv.prefix_cache_queries = self.kv.prefix_cache_hits = 0
+        self.scheduler.num_preemptions = 0
+
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()

@@ -34,6 +34,7 @@ from tokios.gateway.metrics import GatewayMetrics
 from tokios.gateway.protocol import Frame, FrameKind
 from tokios.gateway.router import BackendRouter
 from tokios.server.connection_limits import RequestTimeoutError
+from tokios.server.errors import ANTHROPIC, OLLAMA, dialect_error_body, dialect_of_path
 from tokios.server.streams import run_watching_disconnect
 
 logger = logging.getLogger("tokios.gateway")
@@ -75,24 +76,46 @@ class GatewayConfig:
             raise InvalidRequestError(f"max_attempts must be >= 1, got {self.max_attempts}", param="max_attempts")
 
 
-def error_response(exc: TokiosError) -> JSONResponse:
-    """OpenAI's error shape; the one place gateway errors become HTTP."""
-    body = {"error": {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": exc.code}}
+def error_response(exc: TokiosError, path: str = "") -> JSONResponse:
+    """The error in the shape of the API the path belongs to (server/errors.py: OpenAI's,
+    Anthropic's or Ollama's); the one place gateway errors become HTTP."""
+    body = dialect_error_body(exc, dialect_of_path(path))
     headers = {}
     if isinstance(exc, OverloadedError):
         headers["Retry-After"] = str(int(exc.retry_after_s))
     return JSONResponse(body, status_code=exc.status, headers=headers)
 
 
-def _sse_error_event(message: str, code: str) -> bytes:
-    body = {"error": {"message": message, "type": "backend_error", "param": None, "code": code}}
-    return b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
+def _stream_error_event(path: str, message: str, code: str) -> bytes:
+    """The last frame of a stream whose backend failed mid-way, in its API's framing."""
+    error = TokiosError(message, code=code)
+    error.error_type = "backend_error"
+    dialect = dialect_of_path(path)
+    body = json.dumps(dialect_error_body(error, dialect)).encode()
+    if dialect == OLLAMA:
+        return body + b"\n"
+    if dialect == ANTHROPIC:
+        return b"event: error\ndata: " + body + b"\n\n"
+    if path == "/v1/responses":
+        event = {"type": "error", "code": code, "message": message, "param": None}
+        return b"event: error\ndata: " + json.dumps(event).encode() + b"\n\n"
+    return b"data: " + body + b"\n\ndata: [DONE]\n\n"
 
 
 def _bearer_token(headers: Any) -> str | None:
+    """The client key: `Authorization: Bearer`, or `x-api-key` (Anthropic's clients)."""
     value = headers.get("authorization", "")
     scheme, _, token = value.partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    return headers.get("x-api-key", "").strip() or None
+
+
+# The POST routes the gateway forwards to a backend serving the body's `model` (the backend's
+# connector allows the same list: gateway/connector.py ALLOWED_PATHS).
+FORWARDED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+                   "/v1/messages/count_tokens", "/api/chat", "/api/generate", "/api/show")
+_STREAMING_BY_DEFAULT = ("/api/chat", "/api/generate")
 
 
 class _Exchange:
@@ -185,6 +208,8 @@ class Gateway:
         model = payload.get("model")
         if not isinstance(model, str) or not model:
             raise InvalidRequestError("model must be a non-empty string", param="model")
+        # Ollama's chat and generate stream unless told not to; the other APIs only when asked.
+        is_stream = (payload.get("stream") is not False) if path in _STREAMING_BY_DEFAULT else payload.get("stream") is True
         if not key.can_use_model(model):
             raise PermissionDeniedError(f"This key may not use model {model!r}.", param="model", code="model_not_allowed")
         self.limiter.admit(key)
@@ -194,7 +219,7 @@ class Gateway:
             # left (a whole-body answer is buffered here): cancelling the attempt cancels the
             # backend stream, so the backend aborts its generation instead of finishing it.
             return await run_watching_disconnect(
-                request, self._attempt(exchange, request, path, body, model, payload.get("stream") is True))
+                request, self._attempt(exchange, request, path, body, model, is_stream))
         except BaseException as exc:
             status = str(exc.status) if isinstance(exc, TokiosError) else "client_closed"
             exchange.finish(status)
@@ -221,7 +246,7 @@ class Gateway:
                 last_failure = str(exc)
                 continue
             try:
-                response = await self._first_response(exchange, stream, is_stream)
+                response = await self._first_response(exchange, stream, is_stream, path)
             except BaseException:
                 stream.cancel()
                 raise
@@ -237,7 +262,8 @@ class Gateway:
             )
         raise BackendFailedError(f"{len(tried_ids)} backend(s) failed for model {model!r}: {last_failure}")
 
-    async def _first_response(self, exchange: _Exchange, stream: LinkStream, is_stream: bool) -> Response | str:
+    async def _first_response(self, exchange: _Exchange, stream: LinkStream, is_stream: bool,
+                              path: str) -> Response | str:
         """The client's response, or a failure message when this backend failed before any byte was sent."""
         head = await stream.next_event()
         if head.kind is not FrameKind.RESPONSE_HEAD:
@@ -270,14 +296,17 @@ class Gateway:
         if first.kind is FrameKind.ERROR:
             return _failure_message(first)
         self.metrics.time_to_first_byte.observe(time.monotonic() - exchange.started_at)
-        return self._relay(exchange, stream, first, content_type)
+        return self._relay(exchange, stream, first, content_type, path)
 
-    def _relay(self, exchange: _Exchange, stream: LinkStream, first: Frame, content_type: str) -> Response:
+    def _relay(self, exchange: _Exchange, stream: LinkStream, first: Frame, content_type: str,
+               path: str) -> Response:
         outcome = {"status": "client_closed", "num_events": 0}
 
         async def relay() -> AsyncIterator[bytes]:
             event = first
             ends_clean = True
+            # Where a frame ends: a blank line in SSE, a newline in Ollama's NDJSON.
+            frame_end = b"\n" if dialect_of_path(path) == OLLAMA else b"\n\n"
             while True:
                 if event.kind is FrameKind.BODY:
                     # Under load several chunks wait in the queue: one send to the client for
@@ -289,7 +318,7 @@ class Gateway:
                         follower = stream.next_event_nowait()
                     payload = b"".join(payloads) if len(payloads) > 1 else payloads[0]
                     outcome["num_events"] += payload.count(b"data:")
-                    ends_clean = payload.endswith(b"\n\n")
+                    ends_clean = payload.endswith(frame_end)
                     yield payload
                     if follower is not None:
                         event = follower
@@ -302,8 +331,8 @@ class Gateway:
                     # text, so the stream ends with an error event and [DONE].
                     outcome["status"] = "stream_error"
                     error = event.json()
-                    yield (b"" if ends_clean else b"\n\n") + _sse_error_event(
-                        f"The backend failed mid-stream: {error.get('message', 'unknown error')}",
+                    yield (b"" if ends_clean else frame_end) + _stream_error_event(
+                        path, f"The backend failed mid-stream: {error.get('message', 'unknown error')}",
                         str(error.get("code") or "backend_error"),
                     )
                     return
@@ -424,7 +453,7 @@ def create_app(config: GatewayConfig, key_store: KeyStore) -> FastAPI:
 
     @app.exception_handler(TokiosError)
     async def _on_tokios_error(request: Request, exc: TokiosError) -> JSONResponse:
-        return error_response(exc)
+        return error_response(exc, request.url.path)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -443,13 +472,24 @@ def create_app(config: GatewayConfig, key_store: KeyStore) -> FastAPI:
     async def models(request: Request) -> dict[str, Any]:
         return gateway.list_models(gateway.authenticate(request))
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await gateway.forward(request, "/v1/chat/completions")
+    def add_forwarded_route(path: str) -> None:
+        async def forwarded(request: Request) -> Response:
+            return await gateway.forward(request, path)
+        app.add_api_route(path, forwarded, methods=["POST"], name=path)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await gateway.forward(request, "/v1/completions")
+    for path in FORWARDED_PATHS:
+        add_forwarded_route(path)
+
+    @app.get("/api/tags")
+    async def ollama_tags(request: Request) -> dict[str, Any]:
+        listed = gateway.list_models(gateway.authenticate(request))["data"]
+        return {"models": [{"name": card["id"], "model": card["id"]} for card in listed]}
+
+    @app.get("/api/version")
+    async def ollama_version() -> dict[str, Any]:
+        from tokios import __version__
+
+        return {"version": __version__}
 
     @app.websocket("/v1/connect")
     async def connect(websocket: WebSocket) -> None:

@@ -30,8 +30,10 @@ from tokios.gateway.protocol import FrameKind
 
 logger = logging.getLogger("tokios.connector")
 
-# The connector is not an open proxy into the local network: only the OpenAI endpoints pass.
-ALLOWED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models"})
+# The connector is not an open proxy into the local network: only the generation endpoints the
+# gateway forwards (gateway/app.py FORWARDED_PATHS) and the model list pass.
+ALLOWED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/responses", "/v1/messages",
+                           "/v1/messages/count_tokens", "/api/chat", "/api/generate", "/api/show"})
 MAX_REQUEST_BYTES = 8 * 1024 * 1024
 
 

@@ -13,52 +13,54 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import os
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tokios.errors import InvalidRequestError, OverloadedError, TokiosError
+from tokios.errors import OverloadedError, TokiosError
 from tokios.server.admission import Admission
 from tokios.server.auth import ApiKeyChecker
 from tokios.server.connection_limits import BodyDeadline
-from tokios.server.errors import RequestTooLargeError, error_response
+from tokios.server.dialects import DIALECT_ROUTES
+from tokios.server.errors import RequestTooLargeError, dialect_of_path, error_response
 from tokios.server.metrics import CONTENT_TYPE, ServerMetrics
-from tokios.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from tokios.server.serving import Serving, ServerSettings
+from tokios.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                                    parse_body)
+from tokios.server.registry import ModelEntry, ModelLease, ModelRegistry, ModelSpec
+from tokios.server.serving import SSEResponse, Serving, ServerSettings
 
 logger = logging.getLogger("tokios.server")
 STATIC_DIR = Path(__file__).parent / "static"
-ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
 class ServerState:
-    """What the routes share: settings, metrics, admission, and the engine once it is ready."""
+    """What the routes share: settings, metrics, admission, and the model registry."""
 
-    def __init__(self, settings: ServerSettings, engine: Any | None, engine_loader: Callable[[], Any] | None):
-        if (engine is None) == (engine_loader is None):
-            raise ValueError("create_app needs exactly one of engine and engine_loader")
+    def __init__(self, settings: ServerSettings, registry: ModelRegistry):
         self.settings = settings
-        self.engine = engine
-        self.engine_loader = engine_loader
-        self.serving: Serving | None = None
+        self.registry = registry
+        self.is_ready = False  # the default model loaded once (the server answers from then on)
         self.load_error: BaseException | None = None
         self.on_load_failure: Callable[[], None] = lambda: None
         self.metrics = ServerMetrics(self.engine_stats)
         self.admission = Admission(settings.max_num_seqs, settings.max_queued_requests, settings.retry_after_s)
+        self.created = int(time.time())
+        registry.make_serving = lambda engine, spec: Serving(engine, self.settings, self.metrics, self.admission,
+                                                             spec.names)
+        registry.on_loaded = self._watch_engine
         # Tasks that run beside the server once the model is ready (e.g. the gateway connector of
         # `tokios serve --connect`), and what each wants done when draining starts.
         self.companions: list[Callable[["ServerState"], Any]] = []
@@ -69,73 +71,111 @@ class ServerState:
         self.on_engine_failure: Callable[[], None] = lambda: None
         self._is_stall_logged = False
 
-    def engine_stats(self) -> Any | None:
-        return self.serving.engine.stats() if self.serving else None
+    def engine_stats(self) -> list[tuple[str, Any]]:
+        return [(entry.name, entry.engine.stats()) for entry in self.registry.loaded_entries()]
 
-    def ready_serving(self) -> Serving:
-        if self.serving is None:
+    def check_ready(self) -> None:
+        if not self.is_ready:
             raise OverloadedError("The model is still loading.", status=503, retry_after_s=self.settings.retry_after_s)
-        return self.serving
+
+    async def acquire(self, model: str | None, keep_alive_s: float | None = None) -> ModelLease:
+        """The named (or default) model, loaded and pinned for one request."""
+        self.check_ready()
+        self.admission.check_accepting()
+        return await self.registry.acquire(model, keep_alive_s)
+
+    async def respond(self, model: str | None, run: Callable[[ModelLease], Any],
+                      keep_alive_s: float | None = None) -> Response:
+        """Runs one request against its model. A streamed answer's job releases the lease when the
+        stream ends; anything else releases it here."""
+        lease = await self.acquire(model, keep_alive_s)
+        try:
+            response = await run(lease)
+        except BaseException:
+            lease.release()
+            raise
+        if not isinstance(response, SSEResponse):
+            lease.release()
+        return response
 
     async def start(self) -> None:
-        if self.engine is None:
-            try:
-                self.engine = await asyncio.to_thread(self.engine_loader)
-            except BaseException as exc:  # the CLI reports it and exits non-zero
-                self.load_error = exc
-                logger.error("loading the model failed: %s", getattr(exc, "message", exc))
-                self.on_load_failure()
-                return
-        self.engine.start()
-        loop = asyncio.get_running_loop()
-        self.engine.on_failure = lambda error: loop.call_soon_threadsafe(self._engine_failed, error)
-        self.serving = Serving(self.engine, self.settings, self.metrics, self.admission)
-        logger.info("model %s ready (max_model_len %d)", self.engine.model_name, self.engine.max_model_len)
+        try:
+            lease = await self.registry.acquire(None)
+            lease.release()
+        except BaseException as exc:  # the CLI reports it and exits non-zero
+            self.load_error = exc
+            logger.error("loading the model failed: %s", getattr(exc, "message", exc))
+            self.on_load_failure()
+            return
+        self.is_ready = True
+        self.registry.start_sweeper()
         self.companion_tasks = [asyncio.create_task(companion(self)) for companion in self.companions]
 
-    def _engine_failed(self, error: BaseException) -> None:
+    def _watch_engine(self, entry: ModelEntry) -> None:
+        loop = asyncio.get_running_loop()
+        engine = entry.engine
+        logger.info("model %s ready (max_model_len %d)", entry.name, engine.max_model_len)
+        engine.on_failure = lambda error: loop.call_soon_threadsafe(self._engine_failed, entry, engine, error)
+
+    def _engine_failed(self, entry: ModelEntry, engine: Any, error: BaseException) -> None:
+        message = getattr(error, "message", error)
+        if len(self.registry.entries) > 1:
+            # Several models: the others keep serving; this one is dropped and loads afresh on its
+            # next request (its in-flight requests already got the error).
+            logger.error("model %s failed (%s); every request in flight on it got the error; it is unloaded "
+                         "and loads again on its next request", entry.name, message)
+            if entry.engine is engine:
+                entry.state, entry.engine, entry.serving = "unloaded", None, None
+            return
         self.engine_failure = error
-        logger.error("the engine failed (%s); every request in flight got the error; the server exits",
-                     getattr(error, "message", error))
+        logger.error("the engine failed (%s); every request in flight got the error; the server exits", message)
         self.on_engine_failure()
 
     def health(self) -> tuple[int, dict[str, Any]]:
-        """(status code, body) of GET /health: cheap, but 503 unless the engine is making progress."""
+        """(status code, body) of GET /health: cheap, but 503 unless the engines make progress."""
         if self.admission.is_draining:
             return 503, {"status": "draining"}
-        if self.serving is None:
+        if not self.is_ready:
             return 503, {"status": "loading" if self.load_error is None else "failed"}
-        engine = self.serving.engine
-        if self.engine_failure is not None or not engine.is_alive:
-            error = self.engine_failure or engine.failure
-            return 503, {"status": "failed", "error": str(getattr(error, "message", error) or "engine thread gone")}
-        stall = engine.stall_report(self.settings.stall_timeout_s)
-        if stall is not None:
-            summary, stack = stall
-            if not self._is_stall_logged:  # once per stall, with the stack; the next ok resets it
-                logger.error("health: %s. Engine thread stack:\n%s", summary, stack)
-                self._is_stall_logged = True
-            return 503, {"status": "stalled", "error": summary}
+        if self.engine_failure is not None:
+            return 503, {"status": "failed", "error": str(getattr(self.engine_failure, "message", self.engine_failure))}
+        for entry in self.registry.loaded_entries():
+            engine = entry.engine
+            if not engine.is_alive:
+                error = engine.failure
+                return 503, {"status": "failed", "error": str(getattr(error, "message", error) or "engine thread gone")}
+            stall = engine.stall_report(self.settings.stall_timeout_s)
+            if stall is not None:
+                summary, stack = stall
+                if not self._is_stall_logged:  # once per stall, with the stack; the next ok resets it
+                    logger.error("health: model %s: %s. Engine thread stack:\n%s", entry.name, summary, stack)
+                    self._is_stall_logged = True
+                return 503, {"status": "stalled", "error": summary}
         self._is_stall_logged = False
         return 200, {"status": "ok"}
 
     async def generation_probe(self) -> tuple[int, dict[str, Any]]:
-        """GET /health?generate=1: one greedy token through the engine, within a deadline."""
+        """GET /health?generate=1: one greedy token through the default model, within a deadline."""
         status, body = self.health()
         if status != 200:
             return status, body
         from tokios.sampling_params import SamplingParams
 
-        engine = self.serving.engine
         timeout_s = self.settings.health_generate_timeout_s
         started = time.monotonic()
 
         async def one_token() -> int:
-            num_tokens = 0
-            async for output in engine.generate(None, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
-                                                prompt_token_ids=engine.tokenizer.encode("Hello")):
-                num_tokens = len(output.outputs[0].token_ids)
-            return num_tokens
+            lease = await self.registry.acquire(None)
+            try:
+                engine = lease.serving.engine
+                num_tokens = 0
+                async for output in engine.generate(None, SamplingParams(max_tokens=1, temperature=0.0,
+                                                                         ignore_eos=True),
+                                                    prompt_token_ids=engine.tokenizer.encode("Hello")):
+                    num_tokens = len(output.outputs[0].token_ids)
+                return num_tokens
+            finally:
+                lease.release()
 
         try:
             num_tokens = await asyncio.wait_for(one_token(), timeout_s)
@@ -158,8 +198,9 @@ class ServerState:
             return
         request_ids = sorted(self.admission.request_ids_in_flight)
         logger.warning("shutdown timeout reached: aborting %d requests", len(request_ids))
-        for request_id in request_ids:
-            self.engine.abort(request_id)
+        for entry in self.registry.loaded_entries():
+            for request_id in request_ids:  # abort is idempotent and ignores ids its engine does not hold
+                entry.engine.abort(request_id)
         # Aborted streams end with finish_reason "abort"; give them a moment to send it.
         await self.admission.wait_idle(2.0)
 
@@ -175,7 +216,7 @@ class GuardMiddleware:
     def _is_protected(self, path: str) -> bool:
         if path in ("/health", "/metrics", "/v1/engine/stats"):
             return self.state.settings.protect_metrics
-        return path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+        return path.startswith(("/v1/", "/api/")) or path in ("/tokenize", "/detokenize", "/tokenizer_info")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -197,7 +238,7 @@ class GuardMiddleware:
             if declared_size and declared_size.isdigit() and int(declared_size) > max_body_size:
                 raise RequestTooLargeError(max_body_size)
         except TokiosError as exc:
-            response = error_response(exc)
+            response = error_response(exc, dialect_of_path(scope["path"]))
             if exc.status == 401:
                 response.headers["WWW-Authenticate"] = "Bearer"
             await response(scope, receive, counting_send)
@@ -228,22 +269,15 @@ def process_stats() -> dict[str, int]:
             "num_asyncio_tasks": len(asyncio.all_tasks())}
 
 
-async def parse_body(request: Request, model: type[ModelT]) -> ModelT:
-    raw = await request.body()
-    if not raw.strip():
-        raise InvalidRequestError("The request body is empty; send a JSON object.", param=None)
-    try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidRequestError(f"The request body is not valid JSON: {exc}", param=None) from exc
-    if not isinstance(data, dict):
-        raise InvalidRequestError(f"The request body must be a JSON object, got {type(data).__name__}.", param=None)
-    return model.model_validate(data)
-
-
-def create_app(settings: ServerSettings, *, engine: Any | None = None,
+def create_app(settings: ServerSettings, *, registry: ModelRegistry | None = None,
                engine_loader: Callable[[], Any] | None = None, api_keys: ApiKeyChecker | None = None) -> FastAPI:
-    state = ServerState(settings, engine, engine_loader)
+    """The app around a registry, or (`engine_loader`) around one model that loader builds."""
+    if (registry is None) == (engine_loader is None):
+        raise ValueError("create_app needs exactly one of registry and engine_loader")
+    if registry is None:
+        names = settings.served_model_names or ["default"]
+        registry = ModelRegistry([ModelSpec(names=list(names), path="", load=engine_loader)])
+    state = ServerState(settings, registry)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -254,15 +288,14 @@ def create_app(settings: ServerSettings, *, engine: Any | None = None,
         for task in state.companion_tasks:
             task.cancel()
         await asyncio.gather(*state.companion_tasks, return_exceptions=True)
-        if state.engine is not None and state.serving is not None:
-            await state.engine.shutdown()
+        await state.registry.shutdown()
 
     app = FastAPI(title="tokios", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.tokios = state
     app.add_middleware(GuardMiddleware, state=state, key_checker=api_keys or ApiKeyChecker())
 
     async def handle_error(request: Request, exc: Exception) -> Response:
-        return error_response(exc)
+        return error_response(exc, dialect_of_path(request.url.path))
 
     for exception_type in (TokiosError, ValidationError, RequestValidationError, StarletteHTTPException, Exception):
         app.add_exception_handler(exception_type, handle_error)
@@ -289,9 +322,15 @@ def create_app(settings: ServerSettings, *, engine: Any | None = None,
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/engine/stats")
-    async def engine_stats() -> Response:
-        serving = state.ready_serving()
+    async def engine_stats(model: str | None = None) -> Response:
+        state.check_ready()
+        entry = state.registry.entry(model)
+        serving = entry.serving
+        if serving is None:
+            raise OverloadedError(f"The model {entry.name!r} is not loaded (state {entry.state}).", status=503,
+                                  retry_after_s=settings.retry_after_s)
         stats = dataclasses.asdict(serving.engine.stats())
+        stats["model"] = entry.name
         stats["num_unfinished_requests"] = serving.engine.num_unfinished_requests
         stats["num_requests_in_flight"] = state.admission.num_in_flight
         stats["process"] = process_stats()
@@ -305,29 +344,49 @@ def create_app(settings: ServerSettings, *, engine: Any | None = None,
 
     @app.get("/v1/models")
     async def list_models() -> Response:
-        return JSONResponse(state.ready_serving().models())
+        state.check_ready()
+        return JSONResponse({"object": "list", "data": state.registry.model_cards(state.created)})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        serving = state.ready_serving()
-        state.admission.check_accepting()
-        return await serving.chat(request, await parse_body(request, ChatCompletionRequest))
+        state.check_ready()
+        body = await parse_body(request, ChatCompletionRequest)
+        return await state.respond(body.model, lambda lease: lease.serving.chat(request, body, lease))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        serving = state.ready_serving()
-        state.admission.check_accepting()
-        return await serving.completions(request, await parse_body(request, CompletionRequest))
+        state.check_ready()
+        body = await parse_body(request, CompletionRequest)
+        return await state.respond(body.model, lambda lease: lease.serving.completions(request, body, lease))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        serving = state.ready_serving()
-        return JSONResponse(serving.tokenize(await parse_body(request, TokenizeRequest)))
+        state.check_ready()
+        body = await parse_body(request, TokenizeRequest)
+
+        async def run(lease: ModelLease) -> Response:
+            return JSONResponse(lease.serving.tokenize(body))
+        return await state.respond(body.model, run)
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
-        serving = state.ready_serving()
-        return JSONResponse(serving.detokenize(await parse_body(request, DetokenizeRequest)))
+        state.check_ready()
+        body = await parse_body(request, DetokenizeRequest)
+
+        async def run(lease: ModelLease) -> Response:
+            return JSONResponse(lease.serving.detokenize(body))
+        return await state.respond(body.model, run)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(model: str | None = None) -> Response:
+        state.check_ready()
+
+        async def run(lease: ModelLease) -> Response:
+            return JSONResponse(lease.serving.tokenizer_info())
+        return await state.respond(model, run)
+
+    for install_routes in DIALECT_ROUTES:
+        install_routes(app, state)
 
     @app.get("/")
     async def index() -> Response:

@@ -15,6 +15,7 @@ import logging
 import os
 import socket
 import sys
+from pathlib import Path
 
 import uvicorn
 
@@ -35,7 +36,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "the connector token comes from $TOKIOS_CONNECTOR_TOKEN")
     net.add_argument("--backend-id", default="", help="stable backend id to register with --connect")
     engine = parser.add_argument_group("engine")
-    engine.add_argument("--model", default=None, help="GGUF file or model directory (default: SmolLM2-135M-Instruct)")
+    engine.add_argument("--model", action="append", default=None, metavar="PATH[=NAME]",
+                        help="GGUF file or model directory, optionally with the name clients use; repeatable: "
+                             "the first is the default model and loads at start, the others on demand "
+                             "(default: SmolLM2-135M-Instruct)")
+    engine.add_argument("--models-dir", default=None,
+                        help="also serve every model in this directory (*.gguf files and model directories), "
+                             "named after their files, loaded on demand")
     engine.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, int8 or int4 (default auto)")
     add_chat_template_argument(engine)
     engine.add_argument("--kv-cache-memory", default="512MiB", help="memory for the KV cache, e.g. 512MiB, 2GiB")
@@ -46,6 +53,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     engine.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     engine.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    models = parser.add_argument_group("several models (docs/server.md, Models)")
+    models.add_argument("--keep-alive", default=None,
+                        help="unload a model idle this long, e.g. 5m, 1h, 30s, 0 (at once), -1 (never); "
+                             "per request in the Ollama API (default: 5m with several models, never with one)")
+    models.add_argument("--max-loaded-models", type=int, default=None,
+                        help="models loaded at once; loading one more unloads the least recently used idle one "
+                             "(default: no limit)")
+    models.add_argument("--max-model-memory", default=None,
+                        help="memory the loaded models may take together (weights + KV cache, as tokios plan "
+                             "counts them), e.g. 8GiB; the least recently used idle models are unloaded to fit "
+                             "(default: no limit)")
     spec = parser.add_argument_group("speculative decoding (docs/speculative.md)")
     spec.add_argument("--speculative-method", default=None, choices=["none", "ngram", "self_draft", "draft_model"],
                       help="default method for requests that do not choose (default: none)")
@@ -83,17 +101,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--health-generate-timeout", type=float, default=10.0,
                         help="deadline in seconds of the one-token generation of GET /health?generate=1 "
                              "(default 10)")
+    server.add_argument("--responses-store-size", type=int, default=1000,
+                        help="responses the OpenAI Responses API keeps for previous_response_id (default 1000)")
+    server.add_argument("--responses-store-ttl", default="1h",
+                        help="how long a stored response is kept, e.g. 1h, 30m (default 1h)")
     server.add_argument("--log-requests", action=argparse.BooleanOptionalAction, default=True,
                         help="log one line per finished request to logger tokios.requests (default on)")
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
-def _engine_config(args: argparse.Namespace):
+def _engine_config(args: argparse.Namespace, model: str | None):
     from tokios.config import CacheConfig, EngineConfig, LoadConfig, SchedulerConfig, parse_size
     from tokios.speculative.config import SpeculativeConfig
 
     return EngineConfig(
-        load=LoadConfig(model=args.model, dtype=args.dtype, chat_template=args.chat_template),
+        load=LoadConfig(model=model, dtype=args.dtype, chat_template=args.chat_template),
         cache=CacheConfig(block_size=args.block_size,
                           kv_cache_memory_bytes=parse_size(args.kv_cache_memory, field_name="kv_cache_memory"),
                           enable_prefix_caching=not args.no_prefix_caching, kv_cache_dtype=args.kv_cache_dtype),
@@ -104,6 +126,88 @@ def _engine_config(args: argparse.Namespace):
                                       draft_model=args.draft_model, draft_dtype=args.dtype,
                                       self_draft_num_layers=args.self_draft_layers),
     )
+
+
+def model_arguments(args: argparse.Namespace) -> list[tuple[str, str | None]]:
+    """(path, name or None) of every model the flags name: each --model, then --models-dir's."""
+    from tokios.model_files import resolve_model_path
+
+    models: list[tuple[str, str | None]] = []
+    for value in args.model or []:
+        path, separator, name = value.rpartition("=")
+        if not separator or not path:
+            path, name = value, ""
+        if separator and not name:
+            raise InvalidRequestError(f"model: {value!r} gives an empty name after '='", param="model")
+        models.append((resolve_model_path(path), name or None))
+    if args.models_dir is not None:
+        directory = Path(args.models_dir)
+        if not directory.is_dir():
+            raise InvalidRequestError(f"models_dir: {args.models_dir!r} is not a directory", param="models_dir")
+        found = sorted(path for path in directory.iterdir()
+                       if (path.is_file() and path.suffix == ".gguf") or (path.is_dir() and (path / "config.json").is_file()))
+        if not found and not models:
+            raise InvalidRequestError(f"models_dir: {args.models_dir!r} holds no *.gguf file or model directory",
+                                      param="models_dir")
+        models.extend((str(path), None) for path in found)
+    if not models:
+        models.append((resolve_model_path(None), None))
+    return models
+
+
+def build_registry(args: argparse.Namespace):
+    """The model registry of the flags; every engine flag is validated before anything loads."""
+    from tokios.config import parse_duration, parse_size
+    from tokios.engine.async_engine import served_model_name
+    from tokios.server.registry import ModelRegistry, ModelSpec
+
+    models = model_arguments(args)
+    if args.served_model_name and len(models) > 1:
+        raise InvalidRequestError("served_model_name names a single model; with several, name each as "
+                                  "--model PATH=NAME", param="served_model_name")
+    kv_cache_bytes = parse_size(args.kv_cache_memory, field_name="kv_cache_memory")
+    specs = []
+    name_to_path: dict[str, str] = {}
+    for path, name in models:
+        names = [name or served_model_name(path)]
+        if len(models) == 1 and args.served_model_name:
+            names = list(args.served_model_name)
+        for each in names:
+            if each in name_to_path:
+                raise InvalidRequestError(f"model: the name {each!r} is given to both {name_to_path[each]} and {path}; "
+                                          "name them with --model PATH=NAME", param="model")
+            name_to_path[each] = path
+        config = _engine_config(args, path)
+        specs.append(ModelSpec(names=names, path=path, load=_engine_loader(config),
+                               estimated_bytes=_estimated_bytes(path, kv_cache_bytes)))
+    if args.max_loaded_models is not None and args.max_loaded_models < 1:
+        raise InvalidRequestError("max_loaded_models must be >= 1", param="max_loaded_models")
+    keep_alive_s = None if args.keep_alive is None else parse_duration(args.keep_alive, field_name="keep_alive")
+    max_memory = None if args.max_model_memory is None else parse_size(args.max_model_memory,
+                                                                        field_name="max_model_memory")
+    return ModelRegistry(specs, keep_alive_s=keep_alive_s, max_loaded_models=args.max_loaded_models,
+                         max_memory_bytes=max_memory)
+
+
+def _engine_loader(config):
+    def load():
+        from tokios.engine import AsyncEngine
+
+        return AsyncEngine(config)
+    return load
+
+
+def _estimated_bytes(path: str, kv_cache_bytes: int) -> int | None:
+    """The file's weight bytes (tokios plan's reading of it) plus the KV cache it will allocate."""
+    from tokios.tools.model_presets import load_model_shape
+
+    try:
+        shape = load_model_shape(path)
+    except Exception:  # the load reports what is wrong with the file
+        return None
+    if shape.file_weight_bytes is None:
+        return None
+    return shape.file_weight_bytes + kv_cache_bytes
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -121,7 +225,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tokios.config import parse_size
+    from tokios.config import parse_duration, parse_size
     from tokios.server.app import create_app
     from tokios.server.auth import ApiKeyChecker
     from tokios.server.serving import ServerSettings
@@ -136,9 +240,11 @@ def run(args: argparse.Namespace) -> int:
     for name in ("request_header_timeout", "request_body_timeout"):
         if not getattr(args, name) > 0:
             raise InvalidRequestError(f"{name} must be > 0", param=name)
+    if args.responses_store_size < 0:
+        raise InvalidRequestError("responses_store_size must be >= 0", param="responses_store_size")
     if args.max_connections < 1:
         raise InvalidRequestError("max_connections must be >= 1", param="max_connections")
-    engine_config = _engine_config(args)  # validates every engine flag before anything loads
+    registry = build_registry(args)  # validates every engine flag before anything loads
     settings = ServerSettings(
         served_model_names=args.served_model_name,
         max_num_seqs=args.max_num_seqs,
@@ -150,15 +256,12 @@ def run(args: argparse.Namespace) -> int:
         stall_timeout_s=args.stall_timeout,
         health_generate_timeout_s=args.health_generate_timeout,
         request_body_timeout_s=args.request_body_timeout,
+        responses_store_size=args.responses_store_size,
+        responses_store_ttl_s=parse_duration(args.responses_store_ttl, field_name="responses_store_ttl"),
     )
     api_keys = ApiKeyChecker.from_sources(args.api_key, args.api_key_file)
 
-    def load_engine():
-        from tokios.engine import AsyncEngine
-
-        return AsyncEngine(engine_config)
-
-    app = create_app(settings, engine_loader=load_engine, api_keys=api_keys)
+    app = create_app(settings, registry=registry, api_keys=api_keys)
     state = app.state.tokios
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
@@ -220,7 +323,7 @@ class DrainingServer(uvicorn.Server):
         self._drain_task: asyncio.Task | None = None
 
     def handle_exit(self, sig, frame) -> None:
-        if self._is_drain_requested or self._state.serving is None:
+        if self._is_drain_requested or not self._state.is_ready:
             # A second signal, or nothing to drain yet: exit now (uvicorn's own behaviour).
             super().handle_exit(sig, frame)
             return

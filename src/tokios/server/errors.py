@@ -1,9 +1,11 @@
-"""The one place where errors become HTTP answers in OpenAI's shape.
+"""The one place where errors become HTTP answers, in the shape of the API that was called.
 
 Maps tokios.errors types, pydantic validation errors, malformed bodies, unknown routes and
-anything unexpected to `{"error": {"message", "type", "param", "code"}}` with the right status
-(and `Retry-After` for overload). Used by server/app.py (exception handlers and middleware) and
-by the SSE stream, which sends the same body as an in-stream error event.
+anything unexpected to a status (and `Retry-After` for overload) and a body: OpenAI's
+`{"error": {"message", "type", "param", "code"}}` by default, Anthropic's
+`{"type": "error", "error": {"type", "message"}}` under `/v1/messages`, Ollama's
+`{"error": "message"}` under `/api/`. Used by server/app.py (exception handlers and middleware)
+and by the streams, which send the same body as an in-stream error event.
 """
 
 from __future__ import annotations
@@ -91,7 +93,32 @@ def to_tokios_error(exc: BaseException) -> TokiosError:
     return TokiosError("The server had an internal error while handling the request.")
 
 
-def error_payload(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str]]:
+OPENAI, ANTHROPIC, OLLAMA = "openai", "anthropic", "ollama"
+
+_ANTHROPIC_TYPE_BY_STATUS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                             404: "not_found_error", 408: "invalid_request_error", 413: "request_too_large",
+                             429: "rate_limit_error", 499: "invalid_request_error", 503: "overloaded_error"}
+
+
+def dialect_of_path(path: str) -> str:
+    """Which API's error shape a route answers in."""
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        return ANTHROPIC
+    if path.startswith("/api/"):
+        return OLLAMA
+    return OPENAI
+
+
+def dialect_error_body(error: TokiosError, dialect: str) -> dict[str, Any]:
+    if dialect == ANTHROPIC:
+        error_type = _ANTHROPIC_TYPE_BY_STATUS.get(error.status, "api_error")
+        return {"type": "error", "error": {"type": error_type, "message": error.message}}
+    if dialect == OLLAMA:
+        return {"error": error.message}
+    return error_body(error.message, error.error_type, error.param, error.code)
+
+
+def error_payload(exc: BaseException, dialect: str = OPENAI) -> tuple[int, dict[str, Any], dict[str, str]]:
     """(status, body, headers) for any exception."""
     error = to_tokios_error(exc)
     headers: dict[str, str] = {}
@@ -99,11 +126,11 @@ def error_payload(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, st
         headers.update(exc.headers)  # e.g. the Allow header of a 405
     if isinstance(error, OverloadedError):
         headers["Retry-After"] = str(max(1, math.ceil(error.retry_after_s)))
-    return error.status, error_body(error.message, error.error_type, error.param, error.code), headers
+    return error.status, dialect_error_body(error, dialect), headers
 
 
-def error_response(exc: BaseException) -> JSONResponse:
-    status, body, headers = error_payload(exc)
+def error_response(exc: BaseException, dialect: str = OPENAI) -> JSONResponse:
+    status, body, headers = error_payload(exc, dialect)
     return JSONResponse(body, status_code=status, headers=headers)
 
 

@@ -27,86 +27,104 @@ E2E_BUCKETS_S = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 
 
 
 class EngineStatsCollector(Collector):
-    """Reads `stats_provider()` (an EngineStats, or None while the model loads) at scrape time."""
+    """Reads `stats_provider()` ((model name, EngineStats) for every loaded model) at scrape time;
+    every family is labelled by model_name (vLLM's label)."""
 
-    def __init__(self, stats_provider: Callable[[], Any]):
+    def __init__(self, stats_provider: Callable[[], list[tuple[str, Any]]]):
         self._stats_provider = stats_provider
 
     def collect(self) -> Iterator[Metric]:
-        stats = self._stats_provider()
-        if stats is None:
+        model_stats = self._stats_provider()
+        if not model_stats:
             return
-        yield GaugeMetricFamily("tokios:num_requests_running", "Requests in the running batch.",
-                                value=stats.num_running)
-        yield GaugeMetricFamily("tokios:num_requests_waiting", "Requests waiting to be scheduled.",
-                                value=stats.num_waiting)
-        yield GaugeMetricFamily("tokios:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).",
-                                value=stats.kv_cache_usage)
-        yield CounterMetricFamily("tokios:prompt_tokens", "Prompt tokens processed (prefill).",
-                                  value=stats.num_prompt_tokens)
-        yield CounterMetricFamily("tokios:generation_tokens", "Tokens generated.",
-                                  value=stats.num_generation_tokens)
-        yield CounterMetricFamily("tokios:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                                  value=stats.prefix_cache_queries)
-        yield CounterMetricFamily("tokios:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                                  value=stats.prefix_cache_hits)
-        yield CounterMetricFamily("tokios:num_preemptions", "Requests preempted for lack of KV blocks.",
-                                  value=stats.num_preemptions)
-        yield CounterMetricFamily("tokios:spec_decode_num_drafts", "Speculative verifications with proposed tokens.",
-                                  value=stats.spec_num_drafts)
-        yield CounterMetricFamily("tokios:spec_decode_num_draft_tokens", "Proposed (draft) tokens verified.",
-                                  value=stats.spec_num_draft_tokens)
-        yield CounterMetricFamily("tokios:spec_decode_num_accepted_tokens", "Proposed tokens accepted.",
-                                  value=stats.spec_num_accepted_tokens)
+        labels = ["model_name"]
+        for kind, name, help_text, attribute in _ENGINE_FAMILIES:
+            family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, help_text, labels=labels)
+            for model_name, stats in model_stats:
+                family.add_metric([model_name], getattr(stats, attribute))
+            yield family
         per_position = CounterMetricFamily("tokios:spec_decode_num_accepted_tokens_per_pos",
-                                           "Proposed tokens accepted, by position in the draft.", labels=["position"])
-        for position, count in enumerate(stats.spec_accepted_per_position or ()):
-            per_position.add_metric([str(position)], count)
+                                           "Proposed tokens accepted, by position in the draft.",
+                                           labels=["model_name", "position"])
+        for model_name, stats in model_stats:
+            for position, count in enumerate(stats.spec_accepted_per_position or ()):
+                per_position.add_metric([model_name, str(position)], count)
         yield per_position
-        yield CounterMetricFamily("tokios:structured_output_requests", "Requests decoded under a grammar "
-                                  "(response_format, structured_outputs, tools).",
-                                  value=stats.num_constrained_requests)
-        for name, help_text, histogram in (
+        for name, help_text, attribute in (
                 ("tokios:grammar_compile_seconds", "Time to compile a grammar (cache misses only).",
-                 stats.grammar_compile_seconds),
+                 "grammar_compile_seconds"),
                 ("tokios:grammar_mask_seconds", "Host time per step filling the token masks of its constrained rows.",
-                 stats.grammar_mask_seconds)):
-            if histogram is not None:
-                yield HistogramMetricFamily(name, help_text, buckets=histogram.cumulative(), sum_value=histogram.sum)
+                 "grammar_mask_seconds")):
+            family = HistogramMetricFamily(name, help_text, labels=labels)
+            for model_name, stats in model_stats:
+                histogram = getattr(stats, attribute)
+                if histogram is not None:
+                    family.add_metric([model_name], buckets=histogram.cumulative(), sum_value=histogram.sum)
+            yield family
+
+
+# (kind, name, help, EngineStats attribute) of the per-model engine figures.
+_ENGINE_FAMILIES = (
+    ("gauge", "tokios:num_requests_running", "Requests in the running batch.", "num_running"),
+    ("gauge", "tokios:num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
+    ("gauge", "tokios:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).", "kv_cache_usage"),
+    ("counter", "tokios:prompt_tokens", "Prompt tokens processed (prefill).", "num_prompt_tokens"),
+    ("counter", "tokios:generation_tokens", "Tokens generated.", "num_generation_tokens"),
+    ("counter", "tokios:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
+    ("counter", "tokios:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
+    ("counter", "tokios:num_preemptions", "Requests preempted for lack of KV blocks.", "num_preemptions"),
+    ("counter", "tokios:spec_decode_num_drafts", "Speculative verifications with proposed tokens.", "spec_num_drafts"),
+    ("counter", "tokios:spec_decode_num_draft_tokens", "Proposed (draft) tokens verified.", "spec_num_draft_tokens"),
+    ("counter", "tokios:spec_decode_num_accepted_tokens", "Proposed tokens accepted.", "spec_num_accepted_tokens"),
+    ("counter", "tokios:structured_output_requests",
+     "Requests decoded under a grammar (response_format, structured_outputs, tools).", "num_constrained_requests"),
+)
 
 
 class ServerMetrics:
-    def __init__(self, stats_provider: Callable[[], Any]):
+    def __init__(self, stats_provider: Callable[[], list[tuple[str, Any]]]):
         self.registry = CollectorRegistry()
         self.time_to_first_token = Histogram(
             "tokios:time_to_first_token_seconds", "Time from arrival to the first generated token.",
-            buckets=TTFT_BUCKETS_S, registry=self.registry)
+            ["model_name"], buckets=TTFT_BUCKETS_S, registry=self.registry)
         self.inter_token_latency = Histogram(
             "tokios:inter_token_latency_seconds", "Time between consecutive generated tokens.",
-            buckets=ITL_BUCKETS_S, registry=self.registry)
+            ["model_name"], buckets=ITL_BUCKETS_S, registry=self.registry)
         self.e2e_request_latency = Histogram(
             "tokios:e2e_request_latency_seconds", "Time from arrival to the last token.",
-            buckets=E2E_BUCKETS_S, registry=self.registry)
+            ["model_name"], buckets=E2E_BUCKETS_S, registry=self.registry)
         self.request_queue_time = Histogram(
             "tokios:request_queue_time_seconds", "Time from arrival to first being scheduled.",
-            buckets=E2E_BUCKETS_S, registry=self.registry)
+            ["model_name"], buckets=E2E_BUCKETS_S, registry=self.registry)
         self.request_success = Counter(
-            "tokios:request_success", "Finished requests by finish reason.", ["finished_reason"],
+            "tokios:request_success", "Finished requests by finish reason.", ["model_name", "finished_reason"],
             registry=self.registry)
         self.http_requests = Counter(
             "tokios:http_requests", "HTTP responses by status code.", ["status"], registry=self.registry)
         self.registry.register(EngineStatsCollector(stats_provider))
 
-    def observe_finished(self, *, ttft_s: float | None, e2e_s: float, queue_s: float | None,
+    def add_model(self, model_name: str) -> None:
+        """Starts a model's latency series at zero (a series that appears only once observed looks
+        like a missing metric to dashboards and alerts)."""
+        for histogram in (self.time_to_first_token, self.inter_token_latency, self.e2e_request_latency,
+                          self.request_queue_time):
+            histogram.labels(model_name=model_name)
+
+    def observe_finished(self, model_name: str, *, ttft_s: float | None, e2e_s: float, queue_s: float | None,
                          finish_reasons: list[str]) -> None:
         """One finished (or aborted) engine request; inter-token latencies are observed as they come."""
         for reason in finish_reasons:
-            self.request_success.labels(finished_reason=reason).inc()
+            self.request_success.labels(model_name=model_name, finished_reason=reason).inc()
         if ttft_s is not None:
-            self.time_to_first_token.observe(ttft_s)
+            self.time_to_first_token.labels(model_name=model_name).observe(ttft_s)
         if queue_s is not None:
-            self.request_queue_time.observe(queue_s)
-        self.e2e_request_latency.observe(e2e_s)
+            self.request_queue_time.labels(model_name=model_name).observe(queue_s)
+        self.e2e_request_latency.labels(model_name=model_name).observe(e2e_s)
+
+    def observe_inter_token(self, model_name: str, gap_s: float, num_tokens: int) -> None:
+        histogram = self.inter_token_latency.labels(model_name=model_name)
+        for _ in range(num_tokens):
+            histogram.observe(gap_s)
 
     def observe_http_status(self, status: int) -> None:
         self.http_requests.labels(status=str(status)).inc()

@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 from pydantic.json_schema import models_json_schema
 
+from tokios.server.dialects import DIALECT_OPENAPI_ROUTES
 from tokios.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 REF_TEMPLATE = "#/components/schemas/{model}"
@@ -86,7 +87,8 @@ class ModelCard(_Out):
     object: Literal["model"]
     created: int
     owned_by: str
-    max_model_len: int
+    state: Literal["unloaded", "loading", "loaded"]
+    max_model_len: int | None = None  # known once loaded
 
 
 class ModelList(_Out):
@@ -104,6 +106,15 @@ class DetokenizeResponse(_Out):
     prompt: str
 
 
+class TokenizerInfo(_Out):
+    model: str
+    bos_token: str | None
+    eos_token: str | None
+    pad_token: str | None
+    chat_template: str | None
+    model_max_length: int
+
+
 class Health(_Out):
     status: str
     error: str | None = None
@@ -118,6 +129,7 @@ class ProcessStats(_Out):
 
 
 class EngineStatsResponse(_Out):
+    model: str
     num_running: int
     num_waiting: int
     num_blocks_total: int
@@ -129,8 +141,10 @@ class EngineStatsResponse(_Out):
     process: ProcessStats
 
 
-REQUEST_MODELS = [ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest]
+REQUEST_MODELS = [ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest] + [
+    body for _, _, body, _ in DIALECT_OPENAPI_ROUTES.values() if body is not None]
 RESPONSE_MODELS = [ErrorResponse, ChatCompletion, TextCompletion, ModelList, TokenizeResponse, DetokenizeResponse,
+                   TokenizerInfo,
                    Health, EngineStatsResponse]
 
 # One schema per event (as OpenAPI 3.2's itemSchema): `data` holds a JSON chunk, an error body
@@ -170,6 +184,36 @@ def _operation(summary: str, ok: dict[str, Any], errors: list[int], body: type[B
     return operation
 
 
+# The error bodies of the other dialects (server/errors.py), by path prefix.
+_OLLAMA_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}}
+_ANTHROPIC_ERROR = {"type": "object", "required": ["type", "error"], "properties": {
+    "type": {"const": "error"}, "error": {"type": "object", "required": ["type", "message"], "properties": {
+        "type": {"type": "string"}, "message": {"type": "string"}}}}}
+_NOT_FOUND_ERRORS = [400, 401, 404, 408, 413, 503]
+
+
+def _dialect_operation(path: str, summary: str, body: type[BaseModel] | None, stream_type: str | None,
+                       generates: bool) -> dict[str, Any]:
+    error_schema = (_OLLAMA_ERROR if path.startswith("/api/") else
+                    _ANTHROPIC_ERROR if path.startswith("/v1/messages") else _ref(ErrorResponse))
+    ok: dict[str, Any] = {"application/json": {"schema": {"type": "object"}}}
+    if stream_type == "text/event-stream":
+        ok.update(SSE)
+    elif stream_type is not None:
+        ok[stream_type] = {"schema": {"type": "object", "description": "one JSON object per line"}}
+    statuses = [400, 401, 404, 408, 413, 429, 500, 503] if generates else (
+        _NOT_FOUND_ERRORS if body is not None or "{" in path else [401, 503])
+    responses = {"200": {"description": "OK", "content": ok}}
+    for status in statuses:
+        responses[str(status)] = {"description": "Error", "content": {"application/json": {"schema": error_schema}}}
+    operation: dict[str, Any] = {"summary": summary, "responses": responses}
+    if body is not None:
+        operation["requestBody"] = {"required": True, "content": _json(body)}
+    if "{response_id}" in path:
+        operation["parameters"] = [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]
+    return operation
+
+
 def build_openapi(title: str, version: str, protect_metrics: bool) -> dict[str, Any]:
     """The document; `protect_metrics` says whether /health, /metrics and the stats need a key."""
     _, definitions = models_json_schema([(model, "validation") for model in REQUEST_MODELS] +
@@ -187,6 +231,11 @@ def build_openapi(title: str, version: str, protect_metrics: bool) -> dict[str, 
                                          [400, 401, 404, 408, 413, 503], TokenizeRequest)},
         "/detokenize": {"post": _operation("Token ids to text", _json(DetokenizeResponse),
                                            [400, 401, 404, 408, 413, 503], DetokenizeRequest)},
+        "/tokenizer_info": {"get": _operation(
+            "Special tokens, chat template and context length (a remote tokenizer's view, as vLLM serves it)",
+            _json(TokenizerInfo), [400, 401, 404, 503],
+            parameters=[{"name": "model", "in": "query", "required": False, "schema": {"type": "string"},
+                         "description": "which model (default: the first)"}])},
         "/health": {"get": _operation(
             "Readiness: 200 while the engine makes progress; with generate=1, after one generated token",
             _json(Health), open_errors + [400, 503],
@@ -194,9 +243,15 @@ def build_openapi(title: str, version: str, protect_metrics: bool) -> dict[str, 
                          "description": "run a one-token generation within --health-generate-timeout"}])},
         "/metrics": {"get": _operation("Prometheus metrics", {"text/plain": {"schema": {"type": "string"}}},
                                        open_errors)},
-        "/v1/engine/stats": {"get": _operation("Engine counters and the KV invariants", _json(EngineStatsResponse),
-                                               open_errors + [503])},
+        "/v1/engine/stats": {"get": _operation(
+            "A loaded model's engine counters and the KV invariants", _json(EngineStatsResponse),
+            open_errors + [404, 503],
+            parameters=[{"name": "model", "in": "query", "required": False, "schema": {"type": "string"},
+                         "description": "which model (default: the first)"}])},
     }
+    for path, (method, summary, body, stream_type) in DIALECT_OPENAPI_ROUTES.items():
+        generates = path in ("/api/chat", "/api/generate", "/v1/messages", "/v1/responses")
+        paths[path] = {method: _dialect_operation(path, summary, body, stream_type, generates)}
     # The 503 of /health is its answer, not an error body: same schema as its 200.
     paths["/health"]["get"]["responses"]["503"] = {"description": "Not ready", "content": _json(Health)}
     document: dict[str, Any] = {

@@ -10,17 +10,22 @@ bodies with these models and server/responses.py shapes the answers.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tokios.errors import InvalidRequestError
 from tokios.structured.spec import StructuredOutput
 
+if TYPE_CHECKING:
+    from starlette.requests import Request
+
 # OpenAI caps top_logprobs at 20 and completions' logprobs at 5; we allow 20 for both (as vLLM).
 MAX_TOP_LOGPROBS = 20
 MAX_N = 16
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
+BodyT = TypeVar("BodyT", bound=BaseModel)
 
 
 class _Body(BaseModel):
@@ -255,15 +260,14 @@ def parse_logit_bias(logit_bias: dict[str, float] | None, vocab_size: int) -> di
     return token_id_to_bias
 
 
-def sampling_kwargs(request: ChatCompletionRequest | CompletionRequest, *, max_tokens: int,
-                    vocab_size: int) -> dict[str, Any]:
+def sampling_kwargs(request: ChatCompletionRequest | CompletionRequest, *, vocab_size: int,
+                    max_tokens: int | None = None) -> dict[str, Any]:
     """Keyword arguments for SamplingParams; unset OpenAI fields stay at SamplingParams' defaults.
 
-    `max_tokens` is resolved by the caller (it depends on the prompt length when absent).
+    `max_tokens` is usually resolved later (it depends on the prompt length when absent).
     """
     kwargs: dict[str, Any] = {
         "n": request.n,
-        "max_tokens": max_tokens,
         "ignore_eos": request.ignore_eos,
         "skip_special_tokens": request.skip_special_tokens,
         "include_stop_str_in_output": request.include_stop_str_in_output,
@@ -286,6 +290,21 @@ def sampling_kwargs(request: ChatCompletionRequest | CompletionRequest, *, max_t
         "structured_output": request.structured_output(),
     }
     kwargs.update({name: value for name, value in optional.items() if value is not None})
+    if max_tokens is not None:
+        kwargs["max_tokens"] = max_tokens
     if isinstance(request, CompletionRequest) and request.echo and request.logprobs is not None:
         kwargs["prompt_logprobs"] = request.logprobs
     return kwargs
+
+
+async def parse_body(request: Request, model: type[BodyT]) -> BodyT:
+    raw = await request.body()
+    if not raw.strip():
+        raise InvalidRequestError("The request body is empty; send a JSON object.", param=None)
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidRequestError(f"The request body is not valid JSON: {exc}", param=None) from exc
+    if not isinstance(data, dict):
+        raise InvalidRequestError(f"The request body must be a JSON object, got {type(data).__name__}.", param=None)
+    return model.model_validate(data)

@@ -25,12 +25,14 @@ from tokios.errors import ContextLengthExceededError, InvalidRequestError
 from tokios.outputs import Logprob, RequestOutput
 from tokios.server import responses
 from tokios.server.admission import Admission
-from tokios.server.errors import error_payload, model_not_found
+from tokios.server.errors import error_payload
 from tokios.server.metrics import ServerMetrics
 from tokios.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     TokenizeRequest, sampling_kwargs)
+from tokios.server.generation import ChatRun, ChatTurn
+from tokios.server.registry import ModelLease
 from tokios.server.streams import EngineStream, Job, run_watching_disconnect
-from tokios.tool_calls import ToolCallParser, ToolSet
+from tokios.tool_calls import ToolSet
 from tokios.tool_calls.grammar import tool_call_grammar
 from tokios.tool_calls.prompt import template_inputs
 
@@ -51,6 +53,9 @@ class ServerSettings:
     health_generate_timeout_s: float = 10.0
     # A request body must fully arrive within this long (server/connection_limits.py).
     request_body_timeout_s: float = 30.0
+    # The OpenAI Responses API's store (previous_response_id, GET /v1/responses/{id}).
+    responses_store_size: int = 1000
+    responses_store_ttl_s: float = 3600.0
 
 
 def make_sampling_params(kwargs: dict[str, Any]):
@@ -85,10 +90,11 @@ async def guarded_sse(events: AsyncIterator[str]) -> AsyncIterator[str]:
 
 
 class SSEResponse(StreamingResponse):
-    """An SSE stream that always closes its job (aborting engine work), even if never iterated."""
+    """A stream (SSE, or Ollama's NDJSON) that always closes its job (aborting engine work and
+    releasing its model), even if never iterated."""
 
-    def __init__(self, content: AsyncIterator[str], job: Job):
-        super().__init__(content, media_type="text/event-stream",
+    def __init__(self, content: AsyncIterator[str], job: Job, media_type: str = "text/event-stream"):
+        super().__init__(content, media_type=media_type,
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._job = job
 
@@ -101,7 +107,10 @@ class SSEResponse(StreamingResponse):
 
 
 class Serving:
-    def __init__(self, engine: Any, settings: ServerSettings, metrics: ServerMetrics, admission: Admission):
+    """One loaded model's endpoints (server/registry.py makes one per loaded engine)."""
+
+    def __init__(self, engine: Any, settings: ServerSettings, metrics: ServerMetrics, admission: Admission,
+                 names: list[str]):
         self.engine = engine
         self.settings = settings
         self.metrics = metrics
@@ -109,24 +118,27 @@ class Serving:
         self.tokenizer = engine.tokenizer
         self.vocab_size = engine.model_config.vocab_size
         self.max_model_len = engine.max_model_len
-        self.served_model_names = settings.served_model_names or [engine.model_name]
+        self.served_model_names = list(names)
+        self.model_name = self.served_model_names[0]
         self.created = int(time.time())
+        metrics.add_model(self.model_name)
 
     # ---- shared steps -------------------------------------------------------------------
 
     def check_model(self, model: str | None) -> str:
-        if model is not None and model not in self.served_model_names:
-            raise model_not_found(model, self.served_model_names)
-        return model or self.served_model_names[0]
+        """The name to answer with: the one the request used when it is one of this model's."""
+        return model if model in self.served_model_names else self.model_name
 
     def decode_token(self, token_id: int, logprob: Logprob | None = None) -> str:
         if logprob is not None and logprob.decoded_token is not None:
             return logprob.decoded_token
         return self.tokenizer.decode([token_id])
 
-    def resolve_max_tokens(self, num_prompt_tokens: int, requested: int | None, prompt_param: str) -> int:
-        """OpenAI's context-length check; an absent max_tokens means 'up to the context limit'."""
-        limit = self.max_model_len
+    def resolve_max_tokens(self, num_prompt_tokens: int, requested: int | None, prompt_param: str,
+                           context_limit: int | None = None) -> int:
+        """OpenAI's context-length check; an absent max_tokens means 'up to the context limit'
+        (the model's, or a smaller one the request sets)."""
+        limit = self.max_model_len if context_limit is None else min(context_limit, self.max_model_len)
         num_completion_tokens = requested if requested is not None else max(0, limit - num_prompt_tokens)
         if num_prompt_tokens >= limit or num_prompt_tokens + num_completion_tokens > limit:
             where = "messages" if prompt_param == "messages" else "prompt"
@@ -144,11 +156,11 @@ class Serving:
                     f"{param}: token id {token_id} is out of range 0..{self.vocab_size - 1}", param=param)
 
     def new_job(self, response_id: str, prompt_ids_list: list[list[int]], sampling_params: Any,
-                params_summary: dict[str, Any]) -> Job:
+                params_summary: dict[str, Any], lease: ModelLease | None = None) -> Job:
         ticket = self.admission.admit()
         streams = [EngineStream(self, f"{response_id}-{index}", prompt_ids, sampling_params, params_summary)
                    for index, prompt_ids in enumerate(prompt_ids_list)]
-        return Job(ticket, streams)
+        return Job(ticket, streams, lease)
 
     async def start_stream(self, http_request: Request, job: Job) -> list[RequestOutput | None]:
         try:
@@ -163,108 +175,85 @@ class Serving:
         finally:
             await job.close()
 
-    # ---- chat ---------------------------------------------------------------------------
+    # ---- chat (every dialect's path) ------------------------------------------------------
 
-    async def chat(self, http_request: Request, body: ChatCompletionRequest) -> Response:
+    def chat_prompt_ids(self, turn: ChatTurn) -> list[int]:
+        if turn.raw_prompt is not None:
+            return self.tokenizer.encode(turn.raw_prompt, add_special_tokens=True)
+        messages, template_tools = template_inputs(turn.messages, turn.tools, self.tokenizer.chat_template_takes_tools)
+        prompt_text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=turn.add_generation_prompt, tools=template_tools)
+        return self.tokenizer.encode(prompt_text, add_special_tokens=False)
+
+    async def start_chat(self, http_request: Request, turn: ChatTurn, lease: ModelLease | None, *, stream: bool,
+                         response_id: str) -> ChatRun:
+        """Prompt, limits, grammar and engine request for a turn; a streamed run has its first output."""
+        prompt_ids = self.chat_prompt_ids(turn)
+        prompt_param = "prompt" if turn.raw_prompt is not None else "messages"
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty", param=prompt_param)
+        max_tokens = self.resolve_max_tokens(len(prompt_ids), turn.requested_max_tokens, prompt_param,
+                                             turn.context_limit)
+        kwargs = {**turn.sampling, "max_tokens": max_tokens}
+        if turn.calls_possible:
+            if kwargs.get("structured_output") is not None:
+                raise InvalidRequestError("a response format or structured output cannot be combined with tools "
+                                          "unless tool_choice is 'none'", param="response_format")
+            kwargs["structured_output"] = tool_call_grammar(turn.tools)
+        sampling_params = make_sampling_params(kwargs)
+        job = self.new_job(response_id, [prompt_ids], sampling_params, kwargs, lease)
+        run = ChatRun(self, http_request, job, turn, prompt_ids, lease.load_seconds if lease else 0.0)
+        if stream:
+            await run.start_streaming()
+        return run
+
+    async def chat(self, http_request: Request, body: ChatCompletionRequest, lease: ModelLease | None = None
+                   ) -> Response:
         model = self.check_model(body.model)
         body.check_supported()
         tools = ToolSet.from_request(body.tools, body.tool_choice, body.parallel_tool_calls)
-        messages, template_tools = template_inputs(body.messages_as_dicts(), tools,
-                                                   self.tokenizer.chat_template_takes_tools)
-        prompt_text = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=body.add_generation_prompt, tools=template_tools)
-        prompt_ids = self.tokenizer.encode(prompt_text, add_special_tokens=False)
-        max_tokens = self.resolve_max_tokens(len(prompt_ids), body.requested_max_tokens, "messages")
-        kwargs = sampling_kwargs(body, max_tokens=max_tokens, vocab_size=self.vocab_size)
-        calls_possible = tools is not None and tools.calls_possible
-        if calls_possible:
-            if kwargs.get("structured_output") is not None:
-                raise InvalidRequestError("response_format or structured_outputs cannot be combined with tools "
-                                          "unless tool_choice is 'none'", param="response_format")
-            kwargs["structured_output"] = tool_call_grammar(tools)
-        sampling_params = make_sampling_params(kwargs)
+        turn = ChatTurn(body.messages_as_dicts(), sampling_kwargs(body, vocab_size=self.vocab_size),
+                        body.requested_max_tokens, tools, body.add_generation_prompt)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
-        job = self.new_job(response_id, [prompt_ids], sampling_params, kwargs)
-        created = int(time.time())
+        run = await self.start_chat(http_request, turn, lease, stream=body.stream, response_id=response_id)
         if body.stream:
-            first_outputs = await self.start_stream(http_request, job)
-            events = self._chat_events(body, job, first_outputs[0], response_id, created, model, calls_possible)
-            return SSEResponse(guarded_sse(events), job)
-        output = (await self.finish(http_request, job))[0]
-        stream = job.streams[0]
+            return SSEResponse(guarded_sse(self._chat_events(body, run, response_id, model)), run.job)
         choices = []
-        for choice in output.outputs:
+        for result in await run.results():
             logprobs = None
             if body.logprobs:
-                logprobs = responses.chat_logprobs(choice.token_ids, stream.logprobs_of(choice) or [],
-                                                   body.top_logprobs or 0, self.decode_token)
-            if calls_possible:
-                parser = ToolCallParser()
-                parser.feed(choice.text)
-                parser.finish()
-                # With calls, OpenAI's content is null unless the model wrote text before them.
-                content = (parser.content.strip() or None) if parser.has_calls else parser.content
-                choices.append(responses.chat_choice(choice.index, content,
-                                                     _tool_finish_reason(choice.finish_reason, parser), logprobs,
-                                                     parser.tool_calls()))
-                continue
-            choices.append(responses.chat_choice(choice.index, choice.text, choice.finish_reason, logprobs))
-        num_completion_tokens = sum(len(choice.token_ids) for choice in output.outputs)
-        return JSONResponse(responses.chat_completion(response_id, created, model, choices, len(prompt_ids),
-                                                      num_completion_tokens))
+                logprobs = responses.chat_logprobs(result.token_ids, result.logprobs or [], body.top_logprobs or 0,
+                                                   self.decode_token)
+            choices.append(responses.chat_choice(result.index, result.content, result.finish_reason, logprobs,
+                                                 result.tool_calls))
+        return JSONResponse(responses.chat_completion(response_id, run.created, model, choices, run.num_prompt_tokens,
+                                                      run.num_completion_tokens))
 
-    async def _chat_events(self, body: ChatCompletionRequest, job: Job, first_output: RequestOutput | None,
-                           response_id: str, created: int, model: str, calls_possible: bool) -> AsyncIterator[str]:
+    async def _chat_events(self, body: ChatCompletionRequest, run: ChatRun, response_id: str,
+                           model: str) -> AsyncIterator[str]:
         include_usage = body.include_usage_in_stream
-        parsers = {index: ToolCallParser() for index in range(body.n)} if calls_possible else None
 
         def chunk(choices: list[dict[str, Any]]) -> str:
-            return responses.sse_event(responses.chat_chunk(response_id, created, model, choices,
+            return responses.sse_event(responses.chat_chunk(response_id, run.created, model, choices,
                                                             include_usage=include_usage))
-
-        def output_chunk(output: RequestOutput) -> str | None:
-            choices = []
-            for choice in output.outputs:
-                if not (choice.text_delta or choice.finish_reason or choice.logprobs_delta):
-                    continue
-                logprobs = None
-                if body.logprobs and choice.logprobs_delta:
-                    logprobs = responses.chat_logprobs(choice.token_ids_delta, choice.logprobs_delta,
-                                                       body.top_logprobs or 0, self.decode_token)
-                finish_reason = choice.finish_reason
-                if parsers is None:
-                    delta = {"content": choice.text_delta} if choice.text_delta else {}
-                else:
-                    parser = parsers[choice.index]
-                    parsed = parser.feed(choice.text_delta)
-                    if finish_reason:
-                        rest = parser.finish()
-                        parsed.content += rest.content
-                        parsed.tool_calls += rest.tool_calls
-                        finish_reason = _tool_finish_reason(finish_reason, parser)
-                    delta = {}
-                    if parsed.content:
-                        delta["content"] = parsed.content
-                    if parsed.tool_calls:
-                        delta["tool_calls"] = [call.as_openai() for call in parsed.tool_calls]
-                    if not (delta or finish_reason or logprobs):
-                        continue
-                choices.append(responses.chat_chunk_choice(choice.index, delta, finish_reason, logprobs))
-            return chunk(choices) if choices else None
 
         yield chunk([responses.chat_chunk_choice(index, {"role": "assistant", "content": ""}, None)
                      for index in range(body.n)])
-        if first_output is not None and (event := output_chunk(first_output)):
-            yield event
-        async for _, output in job.rest():
-            if event := output_chunk(output):
-                yield event
+        async for delta in run.deltas():
+            logprobs = None
+            if body.logprobs and delta.logprobs:
+                logprobs = responses.chat_logprobs(delta.token_ids, delta.logprobs, body.top_logprobs or 0,
+                                                   self.decode_token)
+            message: dict[str, Any] = {}
+            if delta.content:
+                message["content"] = delta.content
+            if delta.tool_calls:
+                message["tool_calls"] = [call.as_openai() for call in delta.tool_calls]
+            if message or delta.finish_reason or logprobs:
+                yield chunk([responses.chat_chunk_choice(delta.index, message, delta.finish_reason, logprobs)])
         if include_usage:
-            last_output = job.streams[0].last_output
-            num_completion_tokens = sum(len(choice.token_ids) for choice in last_output.outputs)
-            yield responses.sse_event(responses.usage_chunk(
-                response_id, created, model, "chat.completion.chunk", len(job.streams[0].prompt_ids),
-                num_completion_tokens))
+            yield responses.sse_event(responses.usage_chunk(response_id, run.created, model, "chat.completion.chunk",
+                                                            run.num_prompt_tokens, run.num_completion_tokens))
 
     # ---- completions --------------------------------------------------------------------
 
@@ -285,7 +274,8 @@ class Serving:
             prompt_ids_list.append(prompt_ids)
         return prompt_texts, prompt_ids_list
 
-    async def completions(self, http_request: Request, body: CompletionRequest) -> Response:
+    async def completions(self, http_request: Request, body: CompletionRequest,
+                          lease: ModelLease | None = None) -> Response:
         model = self.check_model(body.model)
         body.check_supported()
         prompt_texts, prompt_ids_list = self._completion_prompts(body)
@@ -295,12 +285,12 @@ class Serving:
         # logprobs; the generated token is dropped. For 0 or 1 tokens EOS must not end the request
         # early, so that exactly one token follows the prompt (lm-evaluation-harness slices [ctx:-1]).
         is_prompt_only = body.echo and max_tokens == 0
-        kwargs = sampling_kwargs(body, max_tokens=max(1, max_tokens), vocab_size=self.vocab_size)
+        kwargs = {**sampling_kwargs(body, vocab_size=self.vocab_size), "max_tokens": max(1, max_tokens)}
         if body.echo and max_tokens <= 1:
             kwargs["ignore_eos"] = True
         sampling_params = make_sampling_params(kwargs)
         response_id = f"cmpl-{uuid.uuid4().hex}"
-        job = self.new_job(response_id, prompt_ids_list, sampling_params, kwargs)
+        job = self.new_job(response_id, prompt_ids_list, sampling_params, kwargs, lease)
         created = int(time.time())
         if body.stream:
             first_outputs = await self.start_stream(http_request, job)
@@ -396,18 +386,18 @@ class Serving:
             token_ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"tokens": token_ids, "count": len(token_ids), "max_model_len": self.max_model_len}
 
+    def tokenizer_info(self) -> dict[str, Any]:
+        """What a remote tokenizer needs (lm-evaluation-harness's `tokenizer_backend=remote`, as
+        vLLM serves it): the special tokens, the chat template and the context length; encoding
+        and decoding go through /tokenize and /detokenize."""
+        tokenizer = self.tokenizer
+        return {"model": self.model_name, "tokenizer_class": type(tokenizer).__name__,
+                "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token,
+                "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+                "pad_token": None, "chat_template": tokenizer.chat_template,
+                "model_max_length": self.max_model_len, "vocab_size": self.vocab_size}
+
     def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
         self.check_model(body.model)
         self.check_token_ids(body.tokens, "tokens")
         return {"prompt": self.tokenizer.decode(body.tokens)}
-
-    def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": self.created, "owned_by": "tokios",
-             "max_model_len": self.max_model_len} for name in self.served_model_names]}
-
-
-def _tool_finish_reason(finish_reason: str | None, parser: ToolCallParser) -> str | None:
-    """OpenAI's "tool_calls" when the answer ended normally with calls; "length" stays "length"
-    (a call cut short: its arguments are incomplete JSON)."""
-    return "tool_calls" if finish_reason == "stop" and parser.has_calls else finish_reason

@@ -23,6 +23,7 @@ from tokios.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 
 if TYPE_CHECKING:
     from tokios.server.admission import Ticket
+    from tokios.server.registry import ModelLease
     from tokios.server.serving import Serving
 
 request_logger = logging.getLogger("tokios.requests")
@@ -92,6 +93,18 @@ class EngineStream:
     def is_finished(self) -> bool:
         return self.last_output is not None and self.last_output.finished
 
+    @property
+    def start_time(self) -> float:
+        return self._start_time
+
+    @property
+    def first_token_time(self) -> float | None:
+        return self._first_token_time
+
+    @property
+    def last_token_time(self) -> float | None:
+        return self._last_token_time
+
     def logprobs_of(self, output: CompletionOutput) -> list[TokenLogprobs] | None:
         return self.index_to_logprobs.get(output.index) or output.logprobs
 
@@ -129,8 +142,7 @@ class EngineStream:
         if self._last_token_time is not None:
             # Several tokens in one step (speculation) share the gap evenly.
             gap_s = (now - self._last_token_time) / num_new_tokens
-            for _ in range(num_new_tokens):
-                self.serving.metrics.inter_token_latency.observe(gap_s)
+            self.serving.metrics.observe_inter_token(self.serving.model_name, gap_s, num_new_tokens)
         if self._first_token_time is None:
             self._first_token_time = now
         self._last_token_time = now
@@ -150,7 +162,7 @@ class EngineStream:
         engine_metrics = output.metrics if output is not None else None
         if engine_metrics is not None and engine_metrics.first_scheduled_time is not None:
             queue_s = max(0.0, engine_metrics.first_scheduled_time - engine_metrics.arrival_time)
-        self.serving.metrics.observe_finished(ttft_s=ttft_s, e2e_s=e2e_s, queue_s=queue_s,
+        self.serving.metrics.observe_finished(self.serving.model_name, ttft_s=ttft_s, e2e_s=e2e_s, queue_s=queue_s,
                                               finish_reasons=finish_reasons)
         if not self.serving.settings.log_requests:
             return
@@ -176,9 +188,10 @@ def _seconds(value: float | None) -> str:
 class Job:
     """The engine streams of one HTTP request (one per prompt) and its admission ticket."""
 
-    def __init__(self, ticket: Ticket, streams: list[EngineStream]):
+    def __init__(self, ticket: Ticket, streams: list[EngineStream], lease: ModelLease | None = None):
         self.ticket = ticket
         self.streams = streams
+        self.lease = lease
         self._tasks: list[asyncio.Task] = []
         self._is_closed = False
 
@@ -253,3 +266,5 @@ class Job:
                 await stream.aclose()
         finally:
             self.ticket.release()
+            if self.lease is not None:
+                self.lease.release()

@@ -1,0 +1,307 @@
+"""Anthropic's Messages API: POST /v1/messages and /v1/messages/count_tokens.
+
+A thin translation onto the shared chat path (server/generation.py): `system`, content blocks
+(text, tool_use, tool_result) and Anthropic's tools and tool_choice become OpenAI-shaped messages
+and a ToolSet; the answer is a `message` with text and tool_use blocks, or the streamed event
+sequence (message_start, content_block_start, content_block_delta with text_delta or
+input_json_delta, content_block_stop, message_delta with stop_reason and usage, message_stop).
+Errors are Anthropic's `{"type": "error", "error": {...}}` (server/errors.py); `x-api-key` is
+accepted as the key by the guard middleware. `output_config.format` (a JSON schema) runs through
+the structured-output engine. Images, documents, extended thinking and `output_config.effort`
+are refused with a 400 naming the field. temperature, top_p and top_k are read when sent (older
+SDKs send them; newer ones through extra_body).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI
+from pydantic import Field
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from tokios.errors import InvalidRequestError
+from tokios.server.errors import ANTHROPIC, error_payload
+from tokios.server.generation import ChatRun, ChatTurn
+from tokios.server.protocol import _Body, parse_body
+from tokios.server.registry import ModelLease
+from tokios.server.serving import SSEResponse
+from tokios.structured.spec import StructuredOutput
+from tokios.tool_calls import ToolSet
+
+
+class AnthropicMessage(_Body):
+    role: str
+    content: str | list[dict[str, Any]]
+
+
+class AnthropicTool(_Body):
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    type: str | None = None
+
+
+class CountTokensRequest(_Body):
+    model: str = Field(min_length=1)
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: dict[str, Any] | None = None
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[str] | None = None
+    temperature: float | None = Field(default=None, json_schema_extra={"minimum": 0, "maximum": 1})
+    top_p: float | None = Field(default=None, json_schema_extra={"exclusiveMinimum": 0, "maximum": 1})
+    top_k: int | None = Field(default=None, json_schema_extra={"minimum": 0})
+    stream: bool = False
+    metadata: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    # {"format": {"type": "json_schema", "schema": {...}}, "effort": ...}: structured output.
+    output_config: dict[str, Any] | None = None
+
+
+def _text_of(blocks: str | list[dict[str, Any]], where: str) -> str:
+    """A string, or text blocks joined; other block types are refused."""
+    if isinstance(blocks, str):
+        return blocks
+    texts = []
+    for index, block in enumerate(blocks):
+        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+            raise InvalidRequestError(f"{where}[{index}]: blocks of type {kind!r} are not supported here; "
+                                      "only text", param=where)
+        texts.append(block["text"])
+    return "\n".join(texts)
+
+
+def to_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
+    """Anthropic's system + messages -> the OpenAI-shaped messages of a ChatTurn."""
+    messages: list[dict[str, Any]] = []
+    if body.system:
+        messages.append({"role": "system", "content": _text_of(body.system, "system")})
+    for index, message in enumerate(body.messages):
+        where = f"messages.{index}"
+        if message.role not in ("user", "assistant"):
+            raise InvalidRequestError(f"{where}.role must be user or assistant, got {message.role!r}",
+                                      param=f"{where}.role")
+        if isinstance(message.content, str):
+            messages.append({"role": message.role, "content": message.content})
+            continue
+        texts: list[str] = []
+        calls: list[dict[str, Any]] = []
+        for block_index, block in enumerate(message.content):
+            block_where = f"{where}.content.{block_index}"
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind == "text" and isinstance(block.get("text"), str):
+                texts.append(block["text"])
+            elif kind == "tool_use" and message.role == "assistant":
+                if not isinstance(block.get("name"), str) or not isinstance(block.get("input", {}), dict):
+                    raise InvalidRequestError(f"{block_where}: a tool_use block needs a name and an input object",
+                                              param=block_where)
+                calls.append({"id": block.get("id") or f"toolu_{index}_{block_index}", "type": "function",
+                              "function": {"name": block["name"], "arguments": block.get("input") or {}}})
+            elif kind == "tool_result" and message.role == "user":
+                content = block.get("content", "")
+                text = _text_of(content, f"{block_where}.content") if content else ""
+                if block.get("is_error"):
+                    text = f"Error: {text}"
+                messages.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": text})
+            else:
+                raise InvalidRequestError(f"{block_where}: blocks of type {kind!r} are not supported in a "
+                                          f"{message.role} message", param=block_where)
+        if calls:
+            messages.append({"role": "assistant", "content": "\n".join(texts), "tool_calls": calls})
+        elif texts:
+            messages.append({"role": message.role, "content": "\n".join(texts)})
+    return messages
+
+
+def to_toolset(body: CountTokensRequest) -> ToolSet | None:
+    """Anthropic tools and tool_choice -> a ToolSet (through OpenAI's shapes, validated there)."""
+    choice = body.tool_choice or {}
+    if not isinstance(choice, dict) or choice.get("type", "auto") not in ("auto", "any", "tool", "none"):
+        raise InvalidRequestError("tool_choice.type must be auto, any, tool or none", param="tool_choice")
+    if not body.tools:
+        if body.tool_choice and choice.get("type") != "none":
+            raise InvalidRequestError("tool_choice needs tools: the request gives none", param="tool_choice")
+        return None
+    tools = []
+    for index, tool in enumerate(body.tools):
+        if tool.type not in (None, "custom"):
+            raise InvalidRequestError(f"tools.{index}.type {tool.type!r}: only custom (client) tools are supported",
+                                      param=f"tools.{index}.type")
+        function: dict[str, Any] = {"name": tool.name, "parameters": tool.input_schema}
+        if tool.description:
+            function["description"] = tool.description
+        tools.append({"type": "function", "function": function})
+    kind = choice.get("type", "auto")
+    openai_choice: Any = {"auto": "auto", "any": "required", "none": "none"}.get(kind)
+    if kind == "tool":
+        openai_choice = {"type": "function", "function": {"name": choice.get("name")}}
+    # Anthropic lets the model call several tools unless disable_parallel_tool_use is set.
+    return ToolSet.from_request(tools, openai_choice, not choice.get("disable_parallel_tool_use", False))
+
+
+def _sampling(body: MessagesRequest) -> dict[str, Any]:
+    if body.thinking and body.thinking.get("type") not in (None, "disabled"):
+        raise InvalidRequestError("thinking: this server runs no extended-thinking mode", param="thinking")
+    kwargs: dict[str, Any] = {}
+    for name in ("temperature", "top_p", "top_k"):
+        value = getattr(body, name)
+        if value is not None:
+            kwargs[name] = value
+    if body.top_k == 0:
+        kwargs.pop("top_k")
+    output_config = body.output_config or {}
+    if output_config.get("effort") is not None:
+        raise InvalidRequestError("output_config.effort: this server runs no reasoning mode whose effort could be "
+                                  "set", param="output_config.effort")
+    output_format = output_config.get("format")
+    if output_format is not None:
+        if not isinstance(output_format, dict) or output_format.get("type") != "json_schema":
+            raise InvalidRequestError("output_config.format must be {type: json_schema, schema: {...}}",
+                                      param="output_config.format")
+        kwargs["structured_output"] = StructuredOutput.from_structured_outputs(
+            {"json": output_format.get("schema")}, param="output_config.format.schema")
+    if body.stop_sequences:
+        if not all(body.stop_sequences):
+            raise InvalidRequestError("stop_sequences must be non-empty strings", param="stop_sequences")
+        kwargs["stop"] = list(body.stop_sequences)
+    return kwargs
+
+
+def _stop_reason(finish_reason: str | None, stop_reason: Any, stop_sequences: list[str] | None) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) in Anthropic's words."""
+    if finish_reason == "tool_calls":
+        return "tool_use", None
+    if finish_reason == "length":
+        return "max_tokens", None
+    if isinstance(stop_reason, str) and stop_sequences and stop_reason in stop_sequences:
+        return "stop_sequence", stop_reason
+    return "end_turn", None
+
+
+def _tool_use_block(call: dict[str, Any]) -> dict[str, Any]:
+    arguments = call["function"]["arguments"]
+    try:
+        tool_input = json.loads(arguments)
+    except ValueError:  # cut short by max_tokens: the stop reason says so
+        tool_input = {}
+    return {"type": "tool_use", "id": _tool_use_id(call["id"]), "name": call["function"]["name"], "input": tool_input}
+
+
+def _tool_use_id(call_id: str) -> str:
+    return call_id if call_id.startswith("toolu_") else f"toolu_{call_id.removeprefix('call_')}"
+
+
+def _sse(event: str, payload: dict[str, Any]) -> str:
+    return f"event: {event}\ndata: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def _guarded_events(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    try:
+        async for event in events:
+            yield event
+    except Exception as exc:  # the headers are gone: Anthropic's error event ends the stream
+        yield _sse("error", error_payload(exc, ANTHROPIC)[1])
+    finally:
+        await events.aclose()
+
+
+async def _stream(run: ChatRun, body: MessagesRequest, message_id: str, model: str) -> AsyncIterator[str]:
+    yield _sse("message_start", {"type": "message_start", "message": {
+        "id": message_id, "type": "message", "role": "assistant", "model": model, "content": [],
+        "stop_reason": None, "stop_sequence": None,
+        "usage": {"input_tokens": run.num_prompt_tokens, "output_tokens": 0}}})
+    block_index = -1
+    open_kind: str | None = None  # "text" or "tool_use": the block being written
+    finish_reason = stop_reason = None
+
+    def close_block() -> str:
+        return _sse("content_block_stop", {"type": "content_block_stop", "index": block_index})
+
+    async for delta in run.deltas():
+        if delta.content:
+            if open_kind != "text":
+                if open_kind is not None:
+                    yield close_block()
+                block_index += 1
+                open_kind = "text"
+                yield _sse("content_block_start", {"type": "content_block_start", "index": block_index,
+                                                   "content_block": {"type": "text", "text": ""}})
+            yield _sse("content_block_delta", {"type": "content_block_delta", "index": block_index,
+                                               "delta": {"type": "text_delta", "text": delta.content}})
+        for call in delta.tool_calls:
+            if call.id is not None:  # a new call: its own block
+                if open_kind is not None:
+                    yield close_block()
+                block_index += 1
+                open_kind = "tool_use"
+                yield _sse("content_block_start", {"type": "content_block_start", "index": block_index,
+                                                   "content_block": {"type": "tool_use", "id": _tool_use_id(call.id),
+                                                                     "name": call.name, "input": {}}})
+            if call.arguments:
+                yield _sse("content_block_delta", {"type": "content_block_delta", "index": block_index,
+                                                   "delta": {"type": "input_json_delta",
+                                                             "partial_json": call.arguments}})
+        if delta.finish_reason:
+            finish_reason, stop_reason = delta.finish_reason, delta.stop_reason
+    if open_kind is not None:
+        yield close_block()
+    reason, sequence = _stop_reason(finish_reason, stop_reason, body.stop_sequences)
+    yield _sse("message_delta", {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                 "usage": {"input_tokens": run.num_prompt_tokens,
+                                           "output_tokens": run.num_completion_tokens}})
+    yield _sse("message_stop", {"type": "message_stop"})
+
+
+def install(app: FastAPI, state) -> None:
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        state.check_ready()
+        body = await parse_body(request, MessagesRequest)
+
+        async def run(lease: ModelLease) -> Response:
+            serving = lease.serving
+            turn = ChatTurn(to_messages(body), _sampling(body), body.max_tokens, to_toolset(body))
+            message_id = f"msg_{uuid.uuid4().hex}"
+            model = body.model
+            chat_run = await serving.start_chat(request, turn, lease, stream=body.stream, response_id=message_id)
+            if body.stream:
+                return SSEResponse(_guarded_events(_stream(chat_run, body, message_id, model)), chat_run.job)
+            result = (await chat_run.results())[0]
+            content: list[dict[str, Any]] = []
+            if result.content:
+                content.append({"type": "text", "text": result.content})
+            content.extend(_tool_use_block(call) for call in result.tool_calls)
+            reason, sequence = _stop_reason(result.finish_reason, result.stop_reason, body.stop_sequences)
+            return JSONResponse({"id": message_id, "type": "message", "role": "assistant", "model": model,
+                                 "content": content, "stop_reason": reason, "stop_sequence": sequence,
+                                 "usage": {"input_tokens": chat_run.num_prompt_tokens,
+                                           "output_tokens": chat_run.num_completion_tokens}})
+        return await state.respond(body.model, run)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        state.check_ready()
+        body = await parse_body(request, CountTokensRequest)
+
+        async def run(lease: ModelLease) -> Response:
+            turn = ChatTurn(to_messages(body), {}, tools=to_toolset(body))
+            return JSONResponse({"input_tokens": len(lease.serving.chat_prompt_ids(turn))})
+        return await state.respond(body.model, run)
+
+
+ANTHROPIC_ROUTES = {
+    "/v1/messages": ("post", "Create a message (Anthropic Messages API); SSE events when stream is true",
+                     MessagesRequest, "text/event-stream"),
+    "/v1/messages/count_tokens": ("post", "Count a message request's input tokens (Anthropic)",
+                                  CountTokensRequest, None),
+}

@@ -1,0 +1,485 @@
+"""Ollama's API: /api/chat, /api/generate, /api/tags, /api/show, /api/ps, /api/version.
+
+A thin translation onto the shared chat path (server/generation.py): `options` become
+SamplingParams keyword arguments (`options_to_sampling`), `format` a structured output, `tools`
+a ToolSet, `keep_alive` the model's idle lifetime in the registry. Answers are Ollama's:
+NDJSON streams (`stream` defaults to true) whose last line has `done: true`, the done reason and
+the counts and nanosecond durations Ollama reports; errors are `{"error": "..."}`.
+
+Options that would change the output and that Tokios cannot honour (mirostat, tfs_z,
+typical_p, repeat_last_n other than -1, per-request hardware settings) are a 400 naming the
+option, never ignored. `num_ctx` above the loaded context is a 400 too (the context is fixed when
+the model loads); below it, it caps this request's prompt + output.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import uuid
+from collections.abc import AsyncIterator
+from functools import lru_cache
+from typing import Any
+
+from fastapi import FastAPI
+from pydantic import Field
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from tokios import __version__
+from tokios.config import parse_duration
+from tokios.errors import InvalidRequestError
+from tokios.server.errors import OLLAMA, error_payload
+from tokios.server.generation import ChatRun, ChatTurn
+from tokios.server.protocol import MAX_TOP_LOGPROBS, _Body, parse_body
+from tokios.server.registry import LOADED, ModelEntry, ModelLease
+from tokios.server.serving import SSEResponse, make_sampling_params
+from tokios.structured.spec import StructuredOutput
+from tokios.tool_calls import ToolSet
+
+NDJSON = "application/x-ndjson"
+
+# options -> SamplingParams names; the values keep their meaning.
+_OPTION_TO_SAMPLING = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                       "seed": "seed", "repeat_penalty": "repetition_penalty",
+                       "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty"}
+# Options whose effect Tokios does not implement: refused rather than ignored. The value that
+# means "off" is accepted.
+_UNSUPPORTED_OPTIONS = {"mirostat": 0, "mirostat_eta": None, "mirostat_tau": None, "tfs_z": 1.0, "typical_p": 1.0,
+                        "penalize_newline": None, "num_keep": None}
+# Load-time settings: Tokios takes them as `tokios serve` flags, not per request.
+_LOAD_TIME_OPTIONS = ("num_gpu", "main_gpu", "num_thread", "num_batch", "use_mmap", "use_mlock", "numa", "low_vram",
+                      "vocab_only", "f16_kv", "logits_all")
+_KNOWN_OPTIONS = set(_OPTION_TO_SAMPLING) | set(_UNSUPPORTED_OPTIONS) | set(_LOAD_TIME_OPTIONS) | {
+    "num_predict", "stop", "num_ctx", "repeat_last_n"}
+
+# GGUF general.file_type -> Ollama's quantization_level names.
+_FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
+               11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M",
+               18: "Q6_K", 32: "BF16"}
+
+
+class OllamaMessage(_Body):
+    role: str
+    content: str | None = None
+    images: list[Any] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_name: str | None = None
+    thinking: str | None = None
+
+
+class _OllamaBody(_Body):
+    model: str = Field(min_length=1)
+    format: str | dict[str, Any] | None = None
+    options: dict[str, Any] | None = None
+    stream: bool = True
+    keep_alive: str | float | None = None
+    think: bool | str | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+
+class OllamaChatRequest(_OllamaBody):
+    messages: list[OllamaMessage] = Field(default_factory=list)
+    tools: list[Any] | None = None
+
+
+class OllamaGenerateRequest(_OllamaBody):
+    prompt: str = ""
+    suffix: str | None = None
+    system: str | None = None
+    template: str | None = None
+    context: list[int] | None = None
+    raw: bool = False
+    images: list[Any] | None = None
+
+
+class OllamaModelRequest(_Body):
+    model: str | None = None
+    name: str | None = None  # older clients send `name`
+    verbose: bool = False
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _iso(timestamp: float) -> str:
+    return datetime.datetime.fromtimestamp(timestamp, datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def options_to_sampling(options: dict[str, Any] | None, max_model_len: int) -> tuple[dict[str, Any], int | None,
+                                                                                      int | None]:
+    """(SamplingParams kwargs, num_predict or None, num_ctx or None) of Ollama's `options`."""
+    options = options or {}
+    if not isinstance(options, dict):
+        raise InvalidRequestError("options must be an object", param="options")
+    kwargs: dict[str, Any] = {}
+    for name, value in options.items():
+        where = f"options.{name}"
+        if name not in _KNOWN_OPTIONS:
+            raise InvalidRequestError(f"{where} is not an option Tokios knows", param=where)
+        if name in _LOAD_TIME_OPTIONS:
+            raise InvalidRequestError(f"{where} is a load-time setting; Tokios takes it from `tokios serve` flags, "
+                                      "not per request", param=where)
+        if name in _UNSUPPORTED_OPTIONS:
+            if value is None or value == _UNSUPPORTED_OPTIONS[name]:
+                continue
+            raise InvalidRequestError(f"{where} is not supported by Tokios's sampler", param=where)
+        if name == "repeat_last_n":
+            if value not in (-1, None):
+                raise InvalidRequestError(f"{where}: Tokios's repeat penalty covers the whole context; only -1 "
+                                          "(the whole context) is supported", param=where)
+            continue
+        if name in _OPTION_TO_SAMPLING and value is not None:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise InvalidRequestError(f"{where} must be a number", param=where)
+            kwargs[_OPTION_TO_SAMPLING[name]] = value
+    stop = options.get("stop")
+    if stop is not None:
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or not all(isinstance(text, str) and text for text in stop):
+            raise InvalidRequestError("options.stop must be a list of non-empty strings", param="options.stop")
+        kwargs["stop"] = stop
+    num_predict = _int_option(options, "num_predict")
+    if num_predict is not None and num_predict < 0:  # -1: until the context is full; -2: the same here
+        num_predict = None
+    num_ctx = _int_option(options, "num_ctx")
+    if num_ctx is not None:
+        if num_ctx < 1:
+            raise InvalidRequestError("options.num_ctx must be >= 1", param="options.num_ctx")
+        if num_ctx > max_model_len:
+            raise InvalidRequestError(f"options.num_ctx {num_ctx} exceeds the model's loaded context of "
+                                      f"{max_model_len} tokens (tokios serve --max-model-len)", param="options.num_ctx")
+    return kwargs, num_predict, num_ctx
+
+
+def _int_option(options: dict[str, Any], name: str) -> int | None:
+    value = options.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequestError(f"options.{name} must be an integer", param=f"options.{name}")
+    return value
+
+
+def _format(value: str | dict[str, Any] | None) -> StructuredOutput | None:
+    if value is None or value == "":
+        return None
+    if value == "json":
+        return StructuredOutput.from_structured_outputs({"json_object": True})
+    if isinstance(value, dict):
+        return StructuredOutput.from_structured_outputs({"json": value}, param="format")
+    raise InvalidRequestError(f"format must be \"json\" or a JSON schema, got {value!r}", param="format")
+
+
+def _keep_alive(value: str | float | None) -> float | None:
+    return None if value is None else parse_duration(value, field_name="keep_alive")
+
+
+def _common_sampling(body: _OllamaBody, max_model_len: int) -> tuple[dict[str, Any], int | None, int | None]:
+    if body.think not in (None, False, "", "none"):
+        raise InvalidRequestError("think: this server runs no reasoning mode", param="think")
+    if body.top_logprobs and not body.logprobs:
+        raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
+    kwargs, num_predict, num_ctx = options_to_sampling(body.options, max_model_len)
+    structured_output = _format(body.format)
+    if structured_output is not None:
+        kwargs["structured_output"] = structured_output
+    if body.logprobs:
+        kwargs["logprobs"] = body.top_logprobs or 0
+    return kwargs, num_predict, num_ctx
+
+
+def _messages(messages: list[OllamaMessage]) -> list[dict[str, Any]]:
+    """Ollama messages -> the OpenAI-shaped messages of a ChatTurn."""
+    converted = []
+    for index, message in enumerate(messages):
+        where = f"messages[{index}]"
+        if message.role not in ("system", "user", "assistant", "tool"):
+            raise InvalidRequestError(f"{where}.role must be system, user, assistant or tool, got {message.role!r}",
+                                      param=f"{where}.role")
+        if message.images:
+            raise InvalidRequestError(f"{where}.images: this model takes no images", param=f"{where}.images")
+        entry: dict[str, Any] = {"role": message.role, "content": message.content or ""}
+        if message.tool_calls:
+            calls = []
+            for call_index, call in enumerate(message.tool_calls):
+                function = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                    raise InvalidRequestError(f"{where}.tool_calls[{call_index}] must be {{'function': {{'name', "
+                                              "'arguments'}}}", param=f"{where}.tool_calls")
+                calls.append({"id": call.get("id") or f"call_{index}_{call_index}", "type": "function",
+                              "function": {"name": function["name"], "arguments": function.get("arguments") or {}}})
+            entry["tool_calls"] = calls
+        converted.append(entry)
+    return converted
+
+
+def _logprobs(run: ChatRun, token_ids: list[int], positions, num_top: int) -> list[dict[str, Any]]:
+    decode = run.serving.decode_token
+    entries = []
+    for token_id, position in zip(token_ids, positions or []):
+        sampled = position.get(token_id)
+        top = sorted(position.items(), key=lambda item: -item[1].logprob)[:num_top]
+        entries.append({"token": decode(token_id, sampled), "logprob": sampled.logprob if sampled else -9999.0,
+                        "top_logprobs": [{"token": decode(top_id, entry), "logprob": entry.logprob}
+                                         for top_id, entry in top]})
+    return entries
+
+
+def _done_fields(run: ChatRun, done_reason: str | None) -> dict[str, Any]:
+    return {"done": True, "done_reason": done_reason, **run.durations_ns(),
+            "prompt_eval_count": run.num_prompt_tokens, "eval_count": run.num_completion_tokens}
+
+
+def _done_reason(finish_reason: str | None) -> str | None:
+    return {"length": "length", "stop": "stop", "tool_calls": "stop", "abort": "abort"}.get(finish_reason or "",
+                                                                                           finish_reason)
+
+
+def _ollama_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI message calls -> Ollama's, whose arguments are an object."""
+    ollama_calls = []
+    for call in calls:
+        arguments = call["function"]["arguments"]
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:  # a call cut short by the length limit: its text, as Ollama would show
+            arguments = {"_incomplete": arguments}
+        ollama_calls.append({"function": {"name": call["function"]["name"], "arguments": arguments}})
+    return ollama_calls
+
+
+def _line(payload: dict[str, Any]) -> str:
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")) + "\n"
+
+
+async def _guarded_lines(lines: AsyncIterator[str]) -> AsyncIterator[str]:
+    try:
+        async for line in lines:
+            yield line
+    except Exception as exc:  # headers are gone: the error is the stream's last line
+        yield _line(error_payload(exc, OLLAMA)[1])
+    finally:
+        await lines.aclose()
+
+
+async def _respond(http_request: Request, lease: ModelLease, turn: ChatTurn, body: _OllamaBody, *, is_chat: bool,
+                   num_predict: int | None, num_ctx: int | None) -> Response:
+    serving = lease.serving
+    turn.requested_max_tokens, turn.context_limit = num_predict, num_ctx
+    model = body.model
+    num_top = body.top_logprobs or 0
+    run = await serving.start_chat(http_request, turn, lease, stream=body.stream,
+                                   response_id=f"ollama-{uuid.uuid4().hex}")
+
+    def piece(text: str, calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        if is_chat:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if calls:
+                message["tool_calls"] = calls
+            return {"message": message}
+        return {"response": text}
+
+    if not body.stream:
+        result = (await run.results())[0]
+        payload = {"model": model, "created_at": _now(), **piece(result.content or "", _ollama_calls(result.tool_calls)),
+                   **_done_fields(run, _done_reason(result.finish_reason))}
+        if body.logprobs:
+            payload["logprobs"] = _logprobs(run, result.token_ids, result.logprobs, num_top)
+        return JSONResponse(payload)
+
+    async def lines() -> AsyncIterator[str]:
+        calls: dict[int, dict[str, Any]] = {}
+        finish_reason = None
+        async for delta in run.deltas():
+            for call in delta.tool_calls:  # Ollama sends each call whole: collect the fragments
+                entry = calls.setdefault(call.index, {"function": {"name": call.name, "arguments": ""}})
+                entry["function"]["arguments"] += call.arguments
+            if delta.content or delta.token_ids:
+                line = {"model": model, "created_at": _now(), **piece(delta.content), "done": False}
+                if body.logprobs and delta.logprobs:
+                    line["logprobs"] = _logprobs(run, delta.token_ids, delta.logprobs, num_top)
+                if delta.content or body.logprobs:
+                    yield _line(line)
+            finish_reason = delta.finish_reason or finish_reason
+        if calls:
+            whole = [{"function": call["function"]} for _, call in sorted(calls.items())]
+            yield _line({"model": model, "created_at": _now(),
+                         **piece("", _ollama_calls(whole)), "done": False})
+        yield _line({"model": model, "created_at": _now(), **piece(""), **_done_fields(run, _done_reason(finish_reason))})
+
+    return SSEResponse(_guarded_lines(lines()), run.job, media_type=NDJSON)
+
+
+# ---- model information --------------------------------------------------------------------------
+
+@lru_cache(maxsize=64)
+def _file_facts(path: str) -> dict[str, Any]:
+    """What /api/tags, /api/show and /api/ps say about a model file: details, size, metadata."""
+    from tokios.gguf_file import read_gguf_metadata
+    from tokios.tools.model_presets import load_model_shape
+
+    facts: dict[str, Any] = {"size": 0, "modified_at": _now(), "metadata": {}, "details": {
+        "parent_model": "", "format": "gguf" if path.endswith(".gguf") else "safetensors", "family": "",
+        "families": [], "parameter_size": "", "quantization_level": ""}}
+    if not path or not os.path.exists(path):
+        return facts
+    if os.path.isdir(path):
+        facts["size"] = sum(entry.stat().st_size for entry in os.scandir(path) if entry.is_file())
+    else:
+        facts["size"] = os.path.getsize(path)
+    facts["modified_at"] = _iso(os.path.getmtime(path))
+    details = facts["details"]
+    try:
+        shape = load_model_shape(path)
+    except Exception:  # unreadable files fail when they load; the listing stays up
+        return facts
+    num_params = shape.num_params if hasattr(shape, "num_params") else None
+    if path.endswith(".gguf"):
+        metadata = read_gguf_metadata(path)
+        facts["metadata"] = metadata
+        architecture = str(metadata.get("general.architecture", ""))
+        details.update(family=architecture, families=[architecture] if architecture else [],
+                       quantization_level=_FILE_TYPES.get(metadata.get("general.file_type"), ""))
+        num_params = num_params or metadata.get("general.parameter_count")
+    if num_params:
+        details["parameter_size"] = _parameter_size(num_params)
+    facts["context_length"] = shape.max_context_len
+    return facts
+
+
+def _parameter_size(num_params: float) -> str:
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if num_params >= scale:
+            return f"{num_params / scale:.1f}".rstrip("0").rstrip(".") + suffix
+    return str(int(num_params))
+
+
+def _model_summary(entry: ModelEntry, name: str) -> dict[str, Any]:
+    facts = _file_facts(entry.spec.path)
+    return {"name": name, "model": name, "modified_at": facts["modified_at"], "size": facts["size"],
+            "digest": "", "details": facts["details"]}
+
+
+def _model_info(metadata: dict[str, Any], verbose: bool) -> dict[str, Any]:
+    """GGUF metadata as Ollama shows it: scalars, and long arrays only when verbose."""
+    info = {}
+    for key, value in metadata.items():
+        if key == "tokenizer.chat_template":
+            continue
+        if isinstance(value, list) and len(value) > 16 and not verbose:
+            info[key] = None
+        else:
+            info[key] = value.tolist() if hasattr(value, "tolist") else value
+    return info
+
+
+def install(app: FastAPI, state) -> None:
+    registry = state.registry
+
+    @app.post("/api/chat")
+    async def chat(request: Request) -> Response:
+        state.check_ready()
+        body = await parse_body(request, OllamaChatRequest)
+        keep_alive_s = _keep_alive(body.keep_alive)
+        if not body.messages:  # Ollama: an empty chat loads (or, with keep_alive 0, unloads) the model
+            return await _load_or_unload(body.model, keep_alive_s, {"message": {"role": "assistant", "content": ""}})
+
+        async def run(lease: ModelLease) -> Response:
+            serving = lease.serving
+            sampling, num_predict, num_ctx = _common_sampling(body, serving.max_model_len)
+            tools = ToolSet.from_request(body.tools, "auto" if body.tools else None, True)
+            turn = ChatTurn(_messages(body.messages), sampling, None, tools)
+            make_sampling_params({**sampling, "max_tokens": 1})  # bad values are a 400 before the prompt is built
+            return await _respond(request, lease, turn, body, is_chat=True, num_predict=num_predict, num_ctx=num_ctx)
+        return await state.respond(body.model, run, keep_alive_s)
+
+    @app.post("/api/generate")
+    async def generate(request: Request) -> Response:
+        state.check_ready()
+        body = await parse_body(request, OllamaGenerateRequest)
+        keep_alive_s = _keep_alive(body.keep_alive)
+        for name in ("suffix", "template", "context", "images"):
+            if getattr(body, name):
+                raise InvalidRequestError(f"{name} is not supported by this server", param=name)
+        if not body.prompt:
+            return await _load_or_unload(body.model, keep_alive_s, {"response": ""})
+
+        async def run(lease: ModelLease) -> Response:
+            serving = lease.serving
+            sampling, num_predict, num_ctx = _common_sampling(body, serving.max_model_len)
+            make_sampling_params({**sampling, "max_tokens": 1})
+            # Without raw, the prompt goes through the model's template as a user turn (Ollama);
+            # a model without a template (a pretrained one) continues the text as it is.
+            if body.raw or not serving.tokenizer.chat_template:
+                text = body.prompt if not body.system else f"{body.system}\n\n{body.prompt}"
+                turn = ChatTurn([], sampling, raw_prompt=text)
+            else:
+                messages = ([{"role": "system", "content": body.system}] if body.system else []) + [
+                    {"role": "user", "content": body.prompt}]
+                turn = ChatTurn(messages, sampling)
+            return await _respond(request, lease, turn, body, is_chat=False, num_predict=num_predict, num_ctx=num_ctx)
+        return await state.respond(body.model, run, keep_alive_s)
+
+    async def _load_or_unload(model: str, keep_alive_s: float | None, piece: dict[str, Any]) -> Response:
+        if keep_alive_s == 0:
+            entry = registry.entry(model)
+            await registry.unload(entry)
+            return JSONResponse({"model": model, "created_at": _now(), **piece, "done": True, "done_reason": "unload"})
+        lease = await state.acquire(model, keep_alive_s)
+        lease.release()
+        return JSONResponse({"model": model, "created_at": _now(), **piece, "done": True, "done_reason": "load",
+                             "load_duration": int(lease.load_seconds * 1e9)})
+
+    @app.get("/api/tags")
+    async def tags() -> Response:
+        return JSONResponse({"models": [_model_summary(entry, name) for entry in registry.entries
+                                        for name in entry.spec.names]})
+
+    @app.post("/api/show")
+    async def show(request: Request) -> Response:
+        body = await parse_body(request, OllamaModelRequest)
+        name = body.model or body.name
+        if not name:
+            raise InvalidRequestError("model is required", param="model")
+        entry = registry.entry(name)
+        facts = _file_facts(entry.spec.path)
+        metadata = facts["metadata"]
+        template = metadata.get("tokenizer.chat_template") or ""
+        capabilities = ["completion"] + (["tools"] if template else [])
+        return JSONResponse({"license": str(metadata.get("general.license", "")), "modelfile": "",
+                             "parameters": "", "template": template, "details": facts["details"],
+                             "model_info": _model_info(metadata, body.verbose), "capabilities": capabilities,
+                             "modified_at": facts["modified_at"]})
+
+    @app.get("/api/ps")
+    async def ps() -> Response:
+        import time
+
+        models = []
+        for entry in registry.entries:
+            if entry.state != LOADED:
+                continue
+            expires_at = registry.expires_at(entry)
+            # Ollama reports a far-future time for a model that never unloads (or is in use).
+            until = (time.time() + (expires_at - time.monotonic())) if expires_at is not None else 4102444800.0
+            models.append({**_model_summary(entry, entry.name), "expires_at": _iso(until),
+                           "size_vram": 0, "context_length": entry.serving.max_model_len})
+        return JSONResponse({"models": models})
+
+    @app.get("/api/version")
+    async def version() -> Response:
+        return JSONResponse({"version": __version__})
+
+
+OLLAMA_ROUTES = {
+    "/api/chat": ("post", "Chat (Ollama): NDJSON stream by default", OllamaChatRequest, NDJSON),
+    "/api/generate": ("post", "Generate (Ollama): NDJSON stream by default", OllamaGenerateRequest, NDJSON),
+    "/api/tags": ("get", "Every model this server can serve (Ollama)", None, None),
+    "/api/show": ("post", "One model's details, metadata and capabilities (Ollama)", OllamaModelRequest, None),
+    "/api/ps": ("get", "Loaded models and when they unload (Ollama)", None, None),
+    "/api/version": ("get", "Server version (Ollama)", None, None),
+}

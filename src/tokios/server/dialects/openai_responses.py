@@ -1,0 +1,392 @@
+"""OpenAI's Responses API: POST /v1/responses, GET /v1/responses/{id}, and the response store.
+
+A thin translation onto the shared chat path (server/generation.py): `input` (a string, or
+message, function_call and function_call_output items), `instructions`, function tools and
+`text.format` become a ChatTurn; the answer is a `response` object whose `output` holds a message
+item and function_call items, or the typed event stream (response.created, .in_progress,
+.output_item.added, .content_part.added, .output_text.delta, .output_text.done,
+.content_part.done, .function_call_arguments.delta/.done, .output_item.done, .completed), every
+event with its `sequence_number`.
+
+`ResponseStore` keeps the last `--responses-store-size` responses (default 1000) for
+`--responses-store-ttl` (default 1 h), in memory: each with its conversation, so that
+`previous_response_id` continues it (the earlier `instructions` are not carried over, as OpenAI
+documents) and `GET /v1/responses/{id}` returns it. `store: false` keeps a response out.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI
+from pydantic import Field
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from tokios.errors import InvalidRequestError, NotFoundError
+from tokios.server.errors import error_payload
+from tokios.server.generation import ChatRun, ChatTurn, ChoiceResult
+from tokios.server.protocol import _Body, parse_body
+from tokios.server.registry import ModelLease
+from tokios.server.serving import SSEResponse
+from tokios.structured.spec import StructuredOutput
+from tokios.tool_calls import ToolSet
+
+DEFAULT_STORE_SIZE = 1000
+DEFAULT_STORE_TTL_S = 3600.0
+
+
+class ResponsesRequest(_Body):
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    temperature: float | None = Field(default=None, json_schema_extra={"minimum": 0, "maximum": 2})
+    top_p: float | None = Field(default=None, json_schema_extra={"exclusiveMinimum": 0, "maximum": 1})
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    reasoning: dict[str, Any] | None = None
+    truncation: str | None = None
+    user: str | None = None
+    seed: int | None = None  # an extension (as vLLM): reproducible sampling
+
+
+@dataclass
+class StoredResponse:
+    body: dict[str, Any]
+    messages: list[dict[str, Any]]  # the conversation up to and including this response's output
+    stored_at: float
+
+
+class ResponseStore:
+    """A bounded, expiring map of response id -> StoredResponse (least recently stored evicted first)."""
+
+    def __init__(self, max_size: int = DEFAULT_STORE_SIZE, ttl_s: float = DEFAULT_STORE_TTL_S):
+        self.max_size = max_size
+        self.ttl_s = ttl_s
+        self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
+
+    def put(self, response_id: str, body: dict[str, Any], messages: list[dict[str, Any]]) -> None:
+        self._expire()
+        self._responses[response_id] = StoredResponse(body, messages, time.monotonic())
+        while len(self._responses) > self.max_size:
+            self._responses.popitem(last=False)
+
+    def get(self, response_id: str, param: str = "response_id") -> StoredResponse:
+        self._expire()
+        stored = self._responses.get(response_id)
+        if stored is None:
+            raise NotFoundError(f"No response with id {response_id!r} is stored here (the store keeps "
+                                f"{self.max_size} responses for {self.ttl_s:g} s).", param=param,
+                                code="response_not_found")
+        return stored
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        while self._responses:
+            oldest = next(iter(self._responses.values()))
+            if self.ttl_s < 0 or now - oldest.stored_at <= self.ttl_s:  # a negative lifetime: forever
+                break
+            self._responses.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._responses)
+
+
+def _content_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequestError(f"{where} must be a string or a list of text parts", param=where)
+    texts = []
+    for index, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
+            raise InvalidRequestError(f"{where}[{index}]: parts of type {kind!r} are not supported; only "
+                                      "input_text and output_text", param=where)
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`input` -> OpenAI-shaped chat messages (function calls join the assistant turn before them)."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    messages: list[dict[str, Any]] = []
+    for index, item in enumerate(items):
+        where = f"input[{index}]"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise InvalidRequestError(f"{where}.role must be user, assistant, system or developer, got {role!r}",
+                                          param=f"{where}.role")
+            messages.append({"role": role, "content": _content_text(item.get("content", ""), f"{where}.content")})
+        elif kind == "function_call":
+            if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments", ""), str):
+                raise InvalidRequestError(f"{where}: a function_call item needs name and arguments (a JSON string)",
+                                          param=where)
+            call = {"id": item.get("call_id") or item.get("id"), "type": "function",
+                    "function": {"name": item["name"], "arguments": item.get("arguments") or "{}"}}
+            if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
+                messages[-1]["tool_calls"].append(call)
+            elif messages and messages[-1]["role"] == "assistant":
+                messages[-1]["tool_calls"] = [call]
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output", "")
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                             "content": output if isinstance(output, str) else json.dumps(output)})
+        else:
+            raise InvalidRequestError(f"{where}.type {kind!r} is not supported; message, function_call and "
+                                      "function_call_output are", param=f"{where}.type")
+    return messages
+
+
+def _toolset(body: ResponsesRequest) -> ToolSet | None:
+    tools = []
+    for index, tool in enumerate(body.tools or []):
+        if tool.get("type") != "function":
+            raise InvalidRequestError(f"tools[{index}].type {tool.get('type')!r}: only function tools are supported",
+                                      param=f"tools[{index}].type")
+        function = {key: tool[key] for key in ("name", "description", "parameters") if key in tool}
+        tools.append({"type": "function", "function": function})
+    choice: Any = body.tool_choice
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    return ToolSet.from_request(tools or None, choice, body.parallel_tool_calls)
+
+
+def _text_format(body: ResponsesRequest) -> StructuredOutput | None:
+    """`text.format` (the Responses form of response_format: the schema sits beside the name)."""
+    format_ = (body.text or {}).get("format")
+    if format_ is None:
+        return None
+    if not isinstance(format_, dict):
+        raise InvalidRequestError("text.format must be an object with a type", param="text.format")
+    if format_.get("type") == "json_schema":
+        as_chat = {"type": "json_schema", "json_schema": {key: value for key, value in format_.items() if key != "type"}}
+        return StructuredOutput.from_response_format(as_chat, param="text.format")
+    return StructuredOutput.from_response_format(format_, param="text.format")
+
+
+def _sampling(body: ResponsesRequest) -> dict[str, Any]:
+    if body.reasoning and body.reasoning.get("effort") not in (None, "none"):
+        raise InvalidRequestError("reasoning: this server runs no reasoning mode", param="reasoning")
+    if body.truncation not in (None, "disabled"):
+        raise InvalidRequestError("truncation: only 'disabled' is supported (a prompt over the context is a 400)",
+                                  param="truncation")
+    kwargs: dict[str, Any] = {name: getattr(body, name) for name in ("temperature", "top_p", "seed")
+                              if getattr(body, name) is not None}
+    structured_output = _text_format(body)
+    if structured_output is not None:
+        kwargs["structured_output"] = structured_output
+    return kwargs
+
+
+class ResponseBuilder:
+    """The `response` object of one run, and the ids of its output items."""
+
+    def __init__(self, body: ResponsesRequest, model: str, run: ChatRun):
+        self.body = body
+        self.model = model
+        self.run = run
+        self.id = f"resp_{uuid.uuid4().hex}"
+        self.message_id = f"msg_{uuid.uuid4().hex}"
+        self.created_at = int(time.time())
+
+    def envelope(self, status: str, output: list[dict[str, Any]], finish_reason: str | None = None) -> dict[str, Any]:
+        body = self.body
+        incomplete = {"reason": "max_output_tokens"} if finish_reason == "length" else None
+        response: dict[str, Any] = {
+            "id": self.id, "object": "response", "created_at": self.created_at,
+            "status": "incomplete" if incomplete and status == "completed" else status,
+            "error": None, "incomplete_details": incomplete, "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens, "model": self.model, "output": output,
+            "parallel_tool_calls": bool(body.parallel_tool_calls), "previous_response_id": body.previous_response_id,
+            "temperature": body.temperature if body.temperature is not None else 1.0,
+            "top_p": body.top_p if body.top_p is not None else 1.0,
+            "tool_choice": body.tool_choice or "auto", "tools": body.tools or [],
+            "text": body.text or {"format": {"type": "text"}}, "truncation": "disabled",
+            "metadata": body.metadata or {}, "store": body.store, "usage": None,
+        }
+        if status != "in_progress":
+            response["usage"] = {"input_tokens": self.run.num_prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+                                 "output_tokens": self.run.num_completion_tokens,
+                                 "output_tokens_details": {"reasoning_tokens": 0},
+                                 "total_tokens": self.run.num_prompt_tokens + self.run.num_completion_tokens}
+        return response
+
+    def message_item(self, text: str, status: str = "completed") -> dict[str, Any]:
+        return {"type": "message", "id": self.message_id, "status": status, "role": "assistant",
+                "content": [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []}
+
+    @staticmethod
+    def call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
+        return {"type": "function_call", "id": f"fc_{call_id.removeprefix('call_')}", "call_id": call_id,
+                "name": name, "arguments": arguments, "status": status}
+
+    def output_of(self, result: ChoiceResult) -> list[dict[str, Any]]:
+        output = []
+        if result.content or not result.tool_calls:
+            output.append(self.message_item(result.content or ""))
+        output.extend(self.call_item(call["id"], call["function"]["name"], call["function"]["arguments"])
+                      for call in result.tool_calls)
+        return output
+
+
+def _output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The assistant turn a response's output adds to its conversation."""
+    text = "".join(part["text"] for item in output if item["type"] == "message" for part in item["content"])
+    calls = [{"id": item["call_id"], "type": "function", "function": {"name": item["name"],
+                                                                      "arguments": item["arguments"]}}
+             for item in output if item["type"] == "function_call"]
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        message["tool_calls"] = calls
+    return [message]
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"event: {payload['type']}\ndata: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def _events(builder: ResponseBuilder, on_done) -> AsyncIterator[str]:
+    sequence_number = 0
+
+    def event(kind: str, **fields: Any) -> str:
+        nonlocal sequence_number
+        payload = {"type": kind, "sequence_number": sequence_number, **fields}
+        sequence_number += 1
+        return _sse(payload)
+
+    try:
+        yield event("response.created", response=builder.envelope("in_progress", []))
+        yield event("response.in_progress", response=builder.envelope("in_progress", []))
+        output: list[dict[str, Any]] = []
+        text = ""
+        message_index: int | None = None
+        call_index: int | None = None  # output index of the call being written
+        finish_reason = None
+
+        def close_message() -> list[str]:
+            item = builder.message_item(text)
+            output[message_index] = item
+            part = item["content"][0]
+            return [event("response.output_text.done", item_id=builder.message_id, output_index=message_index,
+                          content_index=0, text=text, logprobs=[]),
+                    event("response.content_part.done", item_id=builder.message_id, output_index=message_index,
+                          content_index=0, part=part),
+                    event("response.output_item.done", output_index=message_index, item=item)]
+
+        def close_call() -> list[str]:
+            item = {**output[call_index], "status": "completed"}
+            output[call_index] = item
+            return [event("response.function_call_arguments.done", item_id=item["id"], output_index=call_index,
+                          arguments=item["arguments"]),
+                    event("response.output_item.done", output_index=call_index, item=item)]
+
+        async for delta in builder.run.deltas():
+            if delta.content:
+                if message_index is None:
+                    message_index = len(output)
+                    output.append(builder.message_item("", status="in_progress"))
+                    yield event("response.output_item.added", output_index=message_index, item=output[message_index])
+                    yield event("response.content_part.added", item_id=builder.message_id, output_index=message_index,
+                                content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+                text += delta.content
+                yield event("response.output_text.delta", item_id=builder.message_id, output_index=message_index,
+                            content_index=0, delta=delta.content, logprobs=[])
+            for call in delta.tool_calls:
+                if call.id is not None:
+                    if call_index is not None:
+                        for line in close_call():
+                            yield line
+                    call_index = len(output)
+                    output.append(builder.call_item(call.id, call.name, "", status="in_progress"))
+                    yield event("response.output_item.added", output_index=call_index, item=output[call_index])
+                if call.arguments:
+                    output[call_index] = {**output[call_index],
+                                          "arguments": output[call_index]["arguments"] + call.arguments}
+                    yield event("response.function_call_arguments.delta", item_id=output[call_index]["id"],
+                                output_index=call_index, delta=call.arguments)
+            finish_reason = delta.finish_reason or finish_reason
+        if message_index is None and call_index is None:  # an empty answer is still one message
+            message_index = 0
+            output.append(builder.message_item("", status="in_progress"))
+            yield event("response.output_item.added", output_index=0, item=output[0])
+            yield event("response.content_part.added", item_id=builder.message_id, output_index=0, content_index=0,
+                        part={"type": "output_text", "text": "", "annotations": []})
+        if message_index is not None:
+            for line in close_message():
+                yield line
+        if call_index is not None:
+            for line in close_call():
+                yield line
+        response = builder.envelope("completed", output, finish_reason)
+        on_done(response)
+        kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+        yield event(kind, response=response)
+    except Exception as exc:  # the headers are gone: a typed error event ends the stream
+        error = error_payload(exc)[1]["error"]
+        yield event("error", code=error.get("code") or error.get("type"), message=error["message"],
+                    param=error.get("param"))
+
+
+def install(app: FastAPI, state, store: ResponseStore) -> None:
+    @app.post("/v1/responses")
+    async def create(request: Request) -> Response:
+        state.check_ready()
+        body = await parse_body(request, ResponsesRequest)
+        history: list[dict[str, Any]] = []
+        if body.previous_response_id is not None:
+            history = list(store.get(body.previous_response_id, "previous_response_id").messages)
+        conversation = history + input_messages(body.input)
+        if not conversation:
+            raise InvalidRequestError("input must not be empty", param="input")
+
+        async def run(lease: ModelLease) -> Response:
+            serving = lease.serving
+            instructions = [{"role": "system", "content": body.instructions}] if body.instructions else []
+            turn = ChatTurn(instructions + conversation, _sampling(body), body.max_output_tokens, _toolset(body))
+            model = serving.check_model(body.model)
+            chat_run = await serving.start_chat(request, turn, lease, stream=body.stream,
+                                                response_id=f"resp-{uuid.uuid4().hex}")
+            builder = ResponseBuilder(body, model, chat_run)
+
+            def keep(response: dict[str, Any]) -> None:
+                if body.store:
+                    store.put(response["id"], response, conversation + _output_messages(response["output"]))
+
+            if body.stream:
+                return SSEResponse(_events(builder, keep), chat_run.job)
+            result = (await chat_run.results())[0]
+            response = builder.envelope("completed", builder.output_of(result), result.finish_reason)
+            keep(response)
+            return JSONResponse(response)
+        return await state.respond(body.model, run)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve(response_id: str) -> Response:
+        state.check_ready()
+        return JSONResponse(store.get(response_id).body)
+
+
+RESPONSES_ROUTES = {
+    "/v1/responses": ("post", "Create a response (OpenAI Responses API); typed SSE events when stream is true",
+                      ResponsesRequest, "text/event-stream"),
+    "/v1/responses/{response_id}": ("get", "A stored response", None, None),
+}

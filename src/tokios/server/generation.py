@@ -1,0 +1,187 @@
+"""The one internal chat request and the one streaming path that every API dialect shares.
+
+OpenAI chat completions, OpenAI Responses, Anthropic Messages and Ollama's chat and generate
+differ in their JSON, not in what they ask of the engine. Each dialect translates its body into
+a `ChatTurn` (OpenAI-shaped message dicts, a ToolSet, SamplingParams keyword arguments) and
+renders what a `ChatRun` yields:
+
+- `ChatRun.deltas()`: per choice, the new content text, tool-call deltas (the tool-call parser
+  holds back anything that may be call text), token ids and logprobs, and the finish reason;
+- `ChatRun.results()`: the same, whole, for a non-streamed answer (the same parser, fed the whole
+  text, so both answers come from one code path);
+- counts and timings (prompt and completion tokens, time to first token, load wait), which the
+  dialects report in their own units.
+
+Prompt building (chat template, tool prompt, tool-call grammar), the context-length check,
+stop strings and detokenization all happen once, here and below (Serving, the engine's output
+processor). server/serving.py's `Serving.start_chat` builds runs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from tokios.outputs import RequestOutput, TokenLogprobs
+from tokios.tool_calls import ToolCallParser, ToolSet
+from tokios.tool_calls.parser import ToolCallDelta
+
+if TYPE_CHECKING:
+    from starlette.requests import Request
+
+    from tokios.server.serving import Serving
+    from tokios.server.streams import Job
+
+
+@dataclass
+class ChatTurn:
+    """What a chat request asks of the engine, whatever API it came through."""
+
+    messages: list[dict[str, Any]]  # OpenAI-shaped: role, content, tool_calls, tool_call_id
+    sampling: dict[str, Any]  # SamplingParams keyword arguments, max_tokens left out
+    requested_max_tokens: int | None = None  # None: up to the context limit
+    tools: ToolSet | None = None
+    add_generation_prompt: bool = True
+    # A prompt given as text to run without the chat template (Ollama's raw generate).
+    raw_prompt: str | None = None
+    # A context smaller than the model's for this request (Ollama's num_ctx): prompt + output.
+    context_limit: int | None = None
+
+    @property
+    def calls_possible(self) -> bool:
+        return self.tools is not None and self.tools.calls_possible
+
+
+@dataclass
+class ChoiceDelta:
+    """What one output adds to one choice."""
+
+    index: int
+    content: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class ChoiceResult:
+    """One whole choice of a non-streamed answer."""
+
+    index: int
+    content: str | None
+    tool_calls: list[dict[str, Any]]  # OpenAI message shape: {"id", "type", "function": {...}}
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+
+
+class ChatRun:
+    """A started generation for a ChatTurn: a job of one engine request (n choices)."""
+
+    def __init__(self, serving: Serving, http_request: Request, job: Job, turn: ChatTurn, prompt_ids: list[int],
+                 load_seconds: float):
+        self.serving = serving
+        self.http_request = http_request
+        self.job = job
+        self.turn = turn
+        self.prompt_ids = prompt_ids
+        self.load_seconds = load_seconds
+        self.created = int(time.time())
+        self._first_output: RequestOutput | None = None
+        self._parsers = ({} if turn.calls_possible else None)
+
+    @property
+    def stream(self):
+        return self.job.streams[0]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        output = self.stream.last_output
+        return 0 if output is None else sum(len(choice.token_ids) for choice in output.outputs)
+
+    @property
+    def finish_reason(self) -> str | None:
+        output = self.stream.last_output
+        return None if output is None or not output.outputs else output.outputs[0].finish_reason
+
+    async def start_streaming(self) -> None:
+        """Waits for the first output, so that bad input is an HTTP error before the first byte."""
+        self._first_output = (await self.serving.start_stream(self.http_request, self.job))[0]
+
+    def _parser(self, index: int) -> ToolCallParser | None:
+        if self._parsers is None:
+            return None
+        return self._parsers.setdefault(index, ToolCallParser())
+
+    def _deltas_of(self, output: RequestOutput) -> list[ChoiceDelta]:
+        deltas = []
+        for choice in output.outputs:
+            delta = ChoiceDelta(choice.index, token_ids=choice.token_ids_delta, logprobs=choice.logprobs_delta,
+                                finish_reason=choice.finish_reason, stop_reason=choice.stop_reason)
+            parser = self._parser(choice.index)
+            if parser is None:
+                delta.content = choice.text_delta
+            else:
+                parsed = parser.feed(choice.text_delta)
+                if choice.finish_reason:
+                    rest = parser.finish()
+                    parsed.content += rest.content
+                    parsed.tool_calls += rest.tool_calls
+                    delta.finish_reason = tool_finish_reason(choice.finish_reason, parser)
+                delta.content, delta.tool_calls = parsed.content, parsed.tool_calls
+            if delta.content or delta.tool_calls or delta.finish_reason or delta.logprobs or delta.token_ids:
+                deltas.append(delta)
+        return deltas
+
+    async def deltas(self) -> AsyncIterator[ChoiceDelta]:
+        """Every choice's deltas in order, ending with each choice's finish reason."""
+        if self._first_output is not None:
+            for delta in self._deltas_of(self._first_output):
+                yield delta
+        async for _, output in self.job.rest():
+            for delta in self._deltas_of(output):
+                yield delta
+
+    async def results(self) -> list[ChoiceResult]:
+        """Waits for the whole answer (the job is closed after)."""
+        output = (await self.serving.finish(self.http_request, self.job))[0]
+        results = []
+        for choice in output.outputs:
+            logprobs = self.stream.logprobs_of(choice)
+            parser = self._parser(choice.index)
+            if parser is None:
+                results.append(ChoiceResult(choice.index, choice.text, [], choice.token_ids, logprobs,
+                                            choice.finish_reason, choice.stop_reason))
+                continue
+            parser.feed(choice.text)
+            parser.finish()
+            # With calls, the content is null unless the model wrote text before them (OpenAI).
+            content = (parser.content.strip() or None) if parser.has_calls else parser.content
+            results.append(ChoiceResult(choice.index, content, parser.tool_calls(), choice.token_ids, logprobs,
+                                        tool_finish_reason(choice.finish_reason, parser), choice.stop_reason))
+        return results
+
+    def durations_ns(self) -> dict[str, int]:
+        """Ollama's timing fields: total, load, prompt evaluation (to the first token) and generation."""
+        stream = self.stream
+        end = stream.last_token_time or time.monotonic()
+        first = stream.first_token_time or end
+        return {"total_duration": int((end - stream.start_time + self.load_seconds) * 1e9),
+                "load_duration": int(self.load_seconds * 1e9),
+                "prompt_eval_duration": int((first - stream.start_time) * 1e9),
+                "eval_duration": int((end - first) * 1e9)}
+
+
+def tool_finish_reason(finish_reason: str | None, parser: ToolCallParser) -> str | None:
+    """"tool_calls" when the answer ended normally with calls; "length" stays "length" (a call cut
+    short: its arguments are incomplete JSON)."""
+    return "tool_calls" if finish_reason == "stop" and parser.has_calls else finish_reason

@@ -232,3 +232,37 @@ def test_a_json_schema_load_sends_the_schema_on_each_endpoint_and_quantiles_read
     assert histogram_quantile(before, after, 0.5) == 0.01  # the 10 new ones: 9 in (1, 10] ms
     assert histogram_quantile(before, after, 0.99) == float("inf")
     assert histogram_quantile(after, after, 0.5) is None
+
+
+def test_each_endpoint_gets_its_own_body_and_stream_parsing():
+    from tokios.tools.bench_serve import BenchRequest, ServeLoad, chunk_text, chunk_usage, parse_line, request_body
+
+    request = BenchRequest("hi", 7, 1)
+    bodies = {endpoint: request_body(ServeLoad("http://x", endpoint=endpoint), "m", request)
+              for endpoint in ("chat", "completions", "responses", "messages", "ollama-chat")}
+    assert bodies["responses"]["input"] == "hi" and bodies["responses"]["max_output_tokens"] == 7
+    assert bodies["messages"]["messages"][0]["content"] == "hi" and bodies["messages"]["max_tokens"] == 7
+    assert bodies["ollama-chat"]["options"] == {"temperature": 0.0, "num_predict": 7, "ignore_eos": True}
+    assert all(body["stream"] is True for body in bodies.values())
+    usage: dict = {}
+    events = [('data: {"type":"response.output_text.delta","delta":"Hel"}', "responses", "Hel", False),
+              ('data: {"type":"response.completed","response":{"usage":{"input_tokens":3,"output_tokens":5}}}',
+               "responses", "", True)]
+    for line, endpoint, text, is_last in events:
+        payload = parse_line(line, endpoint)
+        assert chunk_text(payload, endpoint) == text and chunk_usage(payload, endpoint, usage) is is_last
+    assert usage == {"prompt": 3, "completion": 5}
+    usage = {}
+    for line, text, is_last in (('data: {"type":"message_start","message":{"usage":{"input_tokens":4}}}', "", False),
+                                ('data: {"type":"content_block_delta","delta":{"type":"text_delta","text":"a"}}', "a",
+                                 False),
+                                ('data: {"type":"message_delta","usage":{"output_tokens":2}}', "", False),
+                                ('data: {"type":"message_stop"}', "", True)):
+        payload = parse_line(line, "messages")
+        assert chunk_text(payload, "messages") == text and chunk_usage(payload, "messages", usage) is is_last
+    assert usage == {"prompt": 4, "completion": 2}
+    usage = {}
+    first = parse_line('{"message":{"role":"assistant","content":"x"},"done":false}', "ollama-chat")
+    last = parse_line('{"message":{"content":""},"done":true,"prompt_eval_count":6,"eval_count":9}', "ollama-chat")
+    assert chunk_text(first, "ollama-chat") == "x" and not chunk_usage(first, "ollama-chat", usage)
+    assert chunk_usage(last, "ollama-chat", usage) and usage == {"prompt": 6, "completion": 9}

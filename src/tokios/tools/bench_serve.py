@@ -20,6 +20,7 @@ import asyncio
 import json
 import math
 import random
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -30,7 +31,8 @@ from tokios.errors import InvalidRequestError
 from tokios.tools.bench_prompts import LengthSpec, TokenCodec, make_prompt
 from tokios.tools.bench_stats import RequestRecord, ServeSummary, summarize_serve
 
-ENDPOINT_TO_PATH = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+ENDPOINT_TO_PATH = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "responses": "/v1/responses",
+                    "messages": "/v1/messages", "ollama-chat": "/api/chat"}
 
 
 @dataclass(frozen=True)
@@ -85,27 +87,36 @@ def build_requests(load: ServeLoad, codec: TokenCodec | None = None) -> list[Ben
 
 
 def request_body(load: ServeLoad, model: str, request: BenchRequest) -> dict:
-    body: dict = {
-        "model": model,
-        "max_tokens": request.max_tokens,
-        "temperature": 0.0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    """The streamed request of `load.endpoint`, greedy, with `ignore_eos` (not in OpenAI's,
+    Anthropic's or Ollama's APIs; vLLM, llama-server and tokios accept it: without it output
+    lengths depend on when the model says EOS and runs are not comparable)."""
+    messages = [{"role": "user", "content": request.prompt}]
+    if load.endpoint == "ollama-chat":
+        options = {"temperature": 0.0, "num_predict": request.max_tokens}
+        if load.ignore_eos:
+            options["ignore_eos"] = True
+        return {"model": model, "messages": messages, "stream": True, "options": options}
+    body: dict = {"model": model, "temperature": 0.0, "stream": True}
     if load.ignore_eos:
-        # Not in OpenAI's API; vLLM, llama-server and tokios accept it. Without it, output
-        # lengths depend on when the model says EOS and runs are not comparable.
         body["ignore_eos"] = True
-    if load.endpoint == "chat":
-        body["messages"] = [{"role": "user", "content": request.prompt}]
+    if load.endpoint == "responses":
+        body.update(input=request.prompt, max_output_tokens=request.max_tokens)
+    elif load.endpoint == "messages":
+        body.update(messages=messages, max_tokens=request.max_tokens)
     else:
-        body["prompt"] = request.prompt
+        body.update(max_tokens=request.max_tokens, stream_options={"include_usage": True})
+        if load.endpoint == "chat":
+            body["messages"] = messages
+        else:
+            body["prompt"] = request.prompt
     if load.json_schema is not None:
         if load.endpoint == "chat":
             body["response_format"] = {"type": "json_schema",
                                        "json_schema": {"name": "bench", "schema": load.json_schema}}
-        else:
+        elif load.endpoint == "completions":
             body["structured_outputs"] = {"json": load.json_schema}
+        else:
+            raise InvalidRequestError("--json-schema works with --endpoint chat or completions", param="endpoint")
     return body
 
 
@@ -143,8 +154,23 @@ def parse_sse_data(line: str) -> dict | str | None:
     return json.loads(data) if data else None
 
 
+def parse_line(line: str, endpoint: str) -> dict | str | None:
+    """A stream line's payload: SSE data for the OpenAI and Anthropic routes, one JSON object a
+    line for Ollama's."""
+    if endpoint == "ollama-chat":
+        return json.loads(line) if line.strip() else None
+    return parse_sse_data(line)
+
+
 def chunk_text(payload: dict, endpoint: str) -> str:
     """Generated text carried by one streamed chunk ('' for role-only or usage-only chunks)."""
+    if endpoint == "responses":
+        return payload.get("delta") or "" if payload.get("type") == "response.output_text.delta" else ""
+    if endpoint == "messages":
+        delta = payload.get("delta") or {}
+        return delta.get("text") or "" if payload.get("type") == "content_block_delta" else ""
+    if endpoint == "ollama-chat":
+        return (payload.get("message") or {}).get("content") or ""
     choices = payload.get("choices") or []
     if not choices:
         return ""
@@ -154,10 +180,44 @@ def chunk_text(payload: dict, endpoint: str) -> str:
     return choices[0].get("text") or ""
 
 
+def chunk_usage(payload: dict, endpoint: str, usage: dict[str, int]) -> bool:
+    """Folds the token counts a chunk carries into `usage` ({prompt, completion}); True at the
+    stream's last event."""
+    if endpoint == "responses":
+        if payload.get("type") in ("response.completed", "response.incomplete"):
+            counts = (payload.get("response") or {}).get("usage") or {}
+            usage.update(prompt=counts.get("input_tokens", 0), completion=counts.get("output_tokens", 0))
+            return True
+        return False
+    if endpoint == "messages":
+        kind = payload.get("type")
+        if kind == "message_start":
+            usage["prompt"] = ((payload.get("message") or {}).get("usage") or {}).get("input_tokens", 0)
+        elif kind == "message_delta":
+            usage["completion"] = (payload.get("usage") or {}).get("output_tokens", 0)
+        return kind == "message_stop"
+    if endpoint == "ollama-chat":
+        if payload.get("done"):
+            usage.update(prompt=payload.get("prompt_eval_count", 0), completion=payload.get("eval_count", 0))
+            return True
+        return False
+    counts = payload.get("usage")
+    if counts:
+        usage.update(prompt=counts["prompt_tokens"], completion=counts["completion_tokens"])
+    return False
+
+
+def stream_error(payload: dict) -> str | None:
+    error = payload.get("error")
+    if error is None and payload.get("type") != "error":
+        return None
+    return f"stream error: {json.dumps(error if error is not None else payload)[:200]}"
+
+
 async def send_one(client: httpx.AsyncClient, load: ServeLoad, model: str, request: BenchRequest) -> RequestRecord:
     record = RequestRecord(start_time=time.perf_counter())
     num_chunks = 0
-    usage: dict | None = None
+    usage: dict[str, int] = {}
     try:
         url = load.root_url + ENDPOINT_TO_PATH[load.endpoint]
         async with client.stream("POST", url, json=request_body(load, model, request)) as response:
@@ -166,18 +226,19 @@ async def send_one(client: httpx.AsyncClient, load: ServeLoad, model: str, reque
                 record.error = f"HTTP {response.status_code}: {body[:200]}"
                 return record
             async for line in response.aiter_lines():
-                payload = parse_sse_data(line)
+                payload = parse_line(line, load.endpoint)
                 if payload == "[DONE]":
                     break
                 if not isinstance(payload, dict):
                     continue
-                if "error" in payload:
-                    record.error = f"stream error: {json.dumps(payload['error'])[:200]}"
+                if (error := stream_error(payload)) is not None:
+                    record.error = error
                     return record
                 if chunk_text(payload, load.endpoint):
                     record.chunk_times.append(time.perf_counter())
                     num_chunks += 1
-                usage = payload.get("usage") or usage
+                if chunk_usage(payload, load.endpoint, usage):
+                    break
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         record.error = f"{type(exc).__name__}: {exc}"[:200]
         return record
@@ -186,8 +247,8 @@ async def send_one(client: httpx.AsyncClient, load: ServeLoad, model: str, reque
     if num_chunks == 0:
         record.error = "the stream carried no generated text"
         return record
-    record.num_output_tokens = int(usage["completion_tokens"]) if usage else num_chunks
-    record.num_prompt_tokens = int(usage["prompt_tokens"]) if usage else request.num_prompt_tokens_estimate
+    record.num_output_tokens = int(usage.get("completion") or num_chunks)
+    record.num_prompt_tokens = int(usage.get("prompt") or request.num_prompt_tokens_estimate)
     record.is_success = True
     return record
 
@@ -307,6 +368,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model id to send (default: the first of /v1/models)")
     parser.add_argument("--api-key", default=None)
     add_load_arguments(parser)
+    parser.add_argument("--compare-endpoints", default=None, metavar="LIST",
+                        help="comma-separated endpoints (e.g. chat,responses,messages,ollama-chat): run the same "
+                             "requests through each, alternating, and report TTFT p50 and output throughput "
+                             "against the first")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of --compare-endpoints (default 3)")
+    parser.add_argument("--cold-load", action="store_true",
+                        help="time a model's cold load to its first token: unload it (Ollama keep_alive 0), "
+                             "send one request, --repeats times; needs a tokios server")
     parser.add_argument("--compare-unconstrained", action="store_true",
                         help="with --json-schema: run each level unconstrained, then constrained, and report "
                              "the output throughput ratio and the server's grammar timings")
@@ -350,6 +419,10 @@ def run(args: argparse.Namespace) -> int:
     load = load_from_args(args, args.base_url, args.model)
     concurrencies = resolve_concurrencies(args.concurrency, args.request_rate)
     requests = build_requests(load, load_prompt_codec(args.tokenizer_model))
+    if args.compare_endpoints:
+        return run_endpoint_comparison(args, load, requests, concurrencies)
+    if args.cold_load:
+        return run_cold_load(args, load)
     if args.compare_unconstrained:
         if load.json_schema is None:
             raise InvalidRequestError("--compare-unconstrained needs --json-schema", param="compare_unconstrained")
@@ -365,6 +438,89 @@ def run(args: argparse.Namespace) -> int:
         for path in bench_report.plot_serve({"server": summaries}, args.plot_dir):
             print(f"wrote {path}", file=sys.stderr)
     return 0 if all(s.num_failed == 0 for s in summaries) else 1
+
+
+# ---------------------------------------------------------------- one server, several dialects
+
+def run_endpoint_comparison(args, load: ServeLoad, requests: list[BenchRequest],
+                            concurrencies: list[int | None]) -> int:
+    """The same requests through each endpoint, round after round (so that drift on a noisy
+    machine hits every endpoint alike); per level the median over rounds of each endpoint's TTFT
+    p50 and of its output throughput over the first endpoint's in the same round."""
+    from dataclasses import replace
+
+    endpoints = [name.strip() for name in args.compare_endpoints.split(",") if name.strip()]
+    for endpoint in endpoints:
+        if endpoint not in ENDPOINT_TO_PATH:
+            raise InvalidRequestError(f"compare_endpoints: {endpoint!r} is not one of {sorted(ENDPOINT_TO_PATH)}",
+                                      param="compare_endpoints")
+    if args.repeats < 1:
+        raise InvalidRequestError("repeats must be >= 1", param="repeats")
+    lines = ["| level | endpoint | TTFT p50 ms (median of rounds) | out tok/s (median) | throughput vs "
+             f"{endpoints[0]} (median [min, max]) | TTFT p50 vs {endpoints[0]} |", "|---|---|---|---|---|---|"]
+    results = []
+    ok = True
+    for concurrency in concurrencies:
+        label = f"c={concurrency}" if concurrency else f"rate={args.request_rate:g}/s"
+        rounds: dict[str, list[ServeSummary]] = {endpoint: [] for endpoint in endpoints}
+        for round_index in range(args.repeats):
+            for endpoint in endpoints:
+                summary, _ = asyncio.run(run_level(replace(load, endpoint=endpoint), requests,
+                                                   label=f"{label} {endpoint} #{round_index + 1}",
+                                                   max_concurrency=concurrency, request_rate=args.request_rate,
+                                                   num_warmups=args.num_warmups, show_progress=args.show_progress))
+                ok = ok and summary.num_failed == 0
+                rounds[endpoint].append(summary)
+        base = rounds[endpoints[0]]
+        for endpoint in endpoints:
+            ratios = [mine.output_throughput / first.output_throughput
+                      for mine, first in zip(rounds[endpoint], base) if first.output_throughput]
+            ttft_ratios = [mine.ttft.median_ms / first.ttft.median_ms
+                           for mine, first in zip(rounds[endpoint], base) if first.ttft.median_ms]
+            ttft = statistics.median(summary.ttft.median_ms for summary in rounds[endpoint])
+            throughput = statistics.median(summary.output_throughput for summary in rounds[endpoint])
+            lines.append(f"| {label} | {endpoint} | {ttft:.1f} | {throughput:.1f} | "
+                         f"{statistics.median(ratios):.3f} [{min(ratios):.3f}, {max(ratios):.3f}] | "
+                         f"{statistics.median(ttft_ratios):.3f} |")
+            results.append({"level": label, "endpoint": endpoint, "ttft_p50_ms": ttft,
+                            "output_throughput": throughput, "throughput_ratios": ratios,
+                            "ttft_ratios": ttft_ratios})
+    print(f"{load.root_url} (in {load.input_len}, out {load.output_len}, {args.repeats} rounds)")
+    print("\n".join(lines))
+    if args.json_path:
+        from tokios.tools import bench_report
+
+        bench_report.write_json(args.json_path, {"load": bench_report.load_to_dict(load), "endpoints": results})
+    return 0 if ok else 1
+
+
+def run_cold_load(args, load: ServeLoad) -> int:
+    """Cold load to first token: unload the model, then time one streamed request."""
+    if args.repeats < 1:
+        raise InvalidRequestError("repeats must be >= 1", param="repeats")
+    headers = {"Authorization": f"Bearer {load.api_key}"} if load.api_key else {}
+
+    async def one() -> tuple[float, float]:
+        async with _client(load, 1) as client:
+            model = await discover_model(client, load)
+            unloaded = await client.post(load.root_url + "/api/generate",
+                                         json={"model": model, "prompt": "", "keep_alive": 0}, headers=headers)
+            if unloaded.status_code != 200:
+                raise InvalidRequestError(f"cold_load: unloading {model!r} failed ({unloaded.status_code}): "
+                                          f"{unloaded.text[:200]}", param="cold_load")
+            record = await send_one(client, load, model, BenchRequest("Hello", 1, 1))
+            if not record.is_success:
+                raise InvalidRequestError(f"cold_load: the request failed: {record.error}", param="cold_load")
+            warm = await send_one(client, load, model, BenchRequest("Hello", 1, 1))
+            return record.chunk_times[0] - record.start_time, warm.chunk_times[0] - warm.start_time
+
+    times = [asyncio.run(one()) for _ in range(args.repeats)]
+    cold = sorted(time_s for time_s, _ in times)
+    warm = sorted(time_s for _, time_s in times)
+    print(f"{load.root_url} model {load.model or '(the first)'}: cold load to first token "
+          f"p50 {1000 * statistics.median(cold):.0f} ms [min {1000 * cold[0]:.0f}, max {1000 * cold[-1]:.0f}], "
+          f"then warm {1000 * statistics.median(warm):.0f} ms, {args.repeats} rounds")
+    return 0
 
 
 # ---------------------------------------------------------------- constrained vs unconstrained

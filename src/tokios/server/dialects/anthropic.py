@@ -65,6 +65,7 @@ class MessagesRequest(CountTokensRequest):
     thinking: dict[str, Any] | None = None
     # {"format": {"type": "json_schema", "schema": {...}}, "effort": ...}: structured output.
     output_config: dict[str, Any] | None = None
+    ignore_eos: bool = False  # an extension (as on the OpenAI routes): benchmarks need fixed lengths
 
 
 def _text_of(blocks: str | list[dict[str, Any]], where: str) -> str:
@@ -152,7 +153,7 @@ def to_toolset(body: CountTokensRequest) -> ToolSet | None:
 def _sampling(body: MessagesRequest) -> dict[str, Any]:
     if body.thinking and body.thinking.get("type") not in (None, "disabled"):
         raise InvalidRequestError("thinking: this server runs no extended-thinking mode", param="thinking")
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {"ignore_eos": body.ignore_eos}
     for name in ("temperature", "top_p", "top_k"):
         value = getattr(body, name)
         if value is not None:

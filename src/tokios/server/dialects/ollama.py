@@ -52,7 +52,7 @@ _UNSUPPORTED_OPTIONS = {"mirostat": 0, "mirostat_eta": None, "mirostat_tau": Non
 _LOAD_TIME_OPTIONS = ("num_gpu", "main_gpu", "num_thread", "num_batch", "use_mmap", "use_mlock", "numa", "low_vram",
                       "vocab_only", "f16_kv", "logits_all")
 _KNOWN_OPTIONS = set(_OPTION_TO_SAMPLING) | set(_UNSUPPORTED_OPTIONS) | set(_LOAD_TIME_OPTIONS) | {
-    "num_predict", "stop", "num_ctx", "repeat_last_n"}
+    "num_predict", "stop", "num_ctx", "repeat_last_n", "ignore_eos"}
 
 # GGUF general.file_type -> Ollama's quantization_level names.
 _FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
@@ -136,6 +136,11 @@ def options_to_sampling(options: dict[str, Any] | None, max_model_len: int) -> t
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise InvalidRequestError(f"{where} must be a number", param=where)
             kwargs[_OPTION_TO_SAMPLING[name]] = value
+    ignore_eos = options.get("ignore_eos")  # an extension (as on the OpenAI routes): benchmarks need fixed lengths
+    if ignore_eos is not None:
+        if not isinstance(ignore_eos, bool):
+            raise InvalidRequestError("options.ignore_eos must be true or false", param="options.ignore_eos")
+        kwargs["ignore_eos"] = ignore_eos
     stop = options.get("stop")
     if stop is not None:
         stop = [stop] if isinstance(stop, str) else stop

@@ -61,6 +61,7 @@ class ResponsesRequest(_Body):
     truncation: str | None = None
     user: str | None = None
     seed: int | None = None  # an extension (as vLLM): reproducible sampling
+    ignore_eos: bool = False  # an extension (as on the chat route): benchmarks need fixed lengths
 
 
 @dataclass
@@ -191,6 +192,7 @@ def _sampling(body: ResponsesRequest) -> dict[str, Any]:
                                   param="truncation")
     kwargs: dict[str, Any] = {name: getattr(body, name) for name in ("temperature", "top_p", "seed")
                               if getattr(body, name) is not None}
+    kwargs["ignore_eos"] = body.ignore_eos
     structured_output = _text_format(body)
     if structured_output is not None:
         kwargs["structured_output"] = structured_output

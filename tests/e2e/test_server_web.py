@@ -144,6 +144,8 @@ def test_chat_page_streams_an_answer_with_a_key(keyed_server, browser, tmp_path)
                              "document.getElementById('model-name').textContent", 30)
     with keyed_server.client() as http:
         assert model == http.get("/v1/models").json()["data"][0]["id"]
+    # The model picker lists what /v1/models lists.
+    assert browser.evaluate("[...document.getElementById('model-picker').options].map(o => o.value).join()") == model
     browser.evaluate("document.getElementById('temperature').value = '0'; "
                      "document.getElementById('max-tokens').value = '48'")
 

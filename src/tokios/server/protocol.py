@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from tokios.errors import InvalidRequestError
 from tokios.structured.spec import StructuredOutput
@@ -26,6 +26,8 @@ MAX_TOP_LOGPROBS = 20
 MAX_N = 16
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
 BodyT = TypeVar("BodyT", bound=BaseModel)
+# A token id is a JSON integer: pydantic's lax mode would take true as 1 (found by fuzzing).
+TokenId = StrictInt
 
 
 class _Body(BaseModel):
@@ -62,7 +64,7 @@ class SamplingFields(_Body):
     repetition_penalty: float | None = Field(default=None, json_schema_extra={"exclusiveMinimum": 0})
     min_tokens: int | None = Field(default=None, json_schema_extra={"minimum": 0})
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Speculative decoding for this request: {"method": ..., "num_tokens": ...}, validated by SamplingParams.
@@ -177,7 +179,7 @@ class ChatCompletionRequest(SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-PromptInput = str | list[str] | list[int] | list[list[int]]
+PromptInput = str | list[str] | list[TokenId] | list[list[TokenId]]
 
 
 class CompletionRequest(SamplingFields):
@@ -235,7 +237,7 @@ class TokenizeRequest(_Body):
 
 class DetokenizeRequest(_Body):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 def parse_logit_bias(logit_bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:

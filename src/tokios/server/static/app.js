@@ -30,6 +30,11 @@ async function errorText(response) {
   }
 }
 
+function pickModel() {
+  state.model = $("model-picker").value;
+  $("model-name").textContent = state.model;
+}
+
 async function refreshServer() {
   try {
     const health = await fetch("/health");
@@ -37,7 +42,17 @@ async function refreshServer() {
     $("server-status").className = `badge ${health.ok ? "ok" : "bad"}`;
     const models = await fetch("/v1/models", { headers: authHeaders() });
     if (models.ok) {
-      state.model = (await models.json()).data[0].id;
+      const cards = (await models.json()).data;
+      const picker = $("model-picker");
+      const chosen = state.model && cards.some((card) => card.id === state.model) ? state.model : cards[0].id;
+      picker.replaceChildren(...cards.map((card) => {
+        const option = document.createElement("option");
+        option.value = card.id;
+        option.textContent = card.state === "loaded" ? card.id : `${card.id} (${card.state})`;
+        return option;
+      }));
+      picker.value = chosen;
+      state.model = chosen;
       $("model-name").textContent = state.model;
     } else {
       $("model-name").textContent = models.status === 401 ? "API key needed" : await errorText(models);
@@ -162,6 +177,7 @@ function init() {
       $("composer").requestSubmit();
     }
   });
+  $("model-picker").addEventListener("change", pickModel);
   $("stop").addEventListener("click", () => state.controller && state.controller.abort());
   $("clear").addEventListener("click", () => {
     state.messages = [];

@@ -68,3 +68,5 @@ class RequestOutput:
     finished: bool = False
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     metrics: RequestMetrics | None = None
+    # The prompt's pooled final hidden states (SamplingParams.pooling), once computed.
+    embedding: list[float] | None = None

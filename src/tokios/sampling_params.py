@@ -109,6 +109,9 @@ class SamplingParams:
     # choice / grammar; tokios.structured.StructuredOutput, built by the server from
     # response_format, structured_outputs or the tools.
     structured_output: StructuredOutput | None = None
+    # "mean" or "last": also return the prompt's final hidden states pooled over its positions
+    # (the embedding routes; docs/apis.md). The request computes its whole prompt (no prefix hit).
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         self.n = _check_int("n", self.n, f"in [1, {MAX_N}]", 1, MAX_N)
@@ -151,6 +154,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, _check_int(name, value, f"in [0, {MAX_LOGPROBS}]", 0, MAX_LOGPROBS))
+        if self.pooling not in (None, "mean", "last"):
+            raise InvalidRequestError(f"pooling must be 'mean' or 'last', got {self.pooling!r}", param="pooling")
         self.speculative = SpeculativeParams.from_value(self.speculative)
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
             raise InvalidRequestError("structured_output must be a tokios.structured.StructuredOutput, got "

@@ -324,3 +324,32 @@ def test_tokenizer_info_and_tokenize_serve_a_remote_tokenizer(tokios_server, mod
         ids = http.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
         assert http.post("/detokenize", json={"tokens": ids}).json()["prompt"] == text
         assert http.get("/tokenizer_info", params={"model": "no-such-model"}).status_code == 404
+
+
+# ---- embeddings (OpenAI and Ollama) -------------------------------------------------------------
+
+def test_embeddings_through_openai_and_ollama_agree_and_are_normalized(client, model, ollama_client, tokios_server):
+    import math
+
+    texts = ["The cat sat on the mat.", "A cat was sitting on a mat.", "Stock markets fell sharply today."]
+    openai_vectors = [item.embedding for item in client.embeddings.create(model=model, input=texts).data]  # base64
+    with tokios_server.client() as http:
+        floats = http.post("/v1/embeddings", json={"model": model, "input": texts, "encoding_format": "float"}).json()
+        by_ids = http.post("/v1/embeddings", json={"model": model, "input": [
+            http.post("/tokenize", json={"prompt": texts[0]}).json()["tokens"]]}).json()
+        too_narrow = http.post("/v1/embeddings", json={"model": model, "input": "x", "dimensions": 8})
+    ollama_vectors = ollama_client.embed(model=model, input=texts).embeddings
+    assert floats["usage"]["prompt_tokens"] > 0 and len(openai_vectors) == len(ollama_vectors) == 3
+
+    def cosine(a, b):
+        return sum(x * y for x, y in zip(a, b)) / math.sqrt(sum(x * x for x in a) * sum(y * y for y in b))
+    for a, b, c in zip(openai_vectors, ollama_vectors, [item["embedding"] for item in floats["data"]]):
+        assert len(a) == len(b) == 576 and abs(math.sqrt(sum(x * x for x in a)) - 1) < 1e-4
+        assert cosine(a, b) > 0.9999 and cosine(a, c) > 0.9999
+    assert cosine(by_ids["data"][0]["embedding"], openai_vectors[0]) > 0.9999
+    # Pooled states of a generative model: similar sentences still land closer than unrelated ones.
+    assert cosine(openai_vectors[0], openai_vectors[1]) > cosine(openai_vectors[0], openai_vectors[2])
+    assert too_narrow.status_code == 400 and too_narrow.json()["error"]["param"] == "dimensions"
+    legacy = httpx.post(f"{tokios_server.base_url}/api/embeddings", json={"model": model, "prompt": texts[0]},
+                        timeout=60).json()["embedding"]
+    assert cosine(legacy, openai_vectors[0]) > 0.9999

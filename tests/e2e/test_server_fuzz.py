@@ -37,7 +37,8 @@ OPERATIONS = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("G
               ("GET", "/v1/engine/stats"), ("POST", "/api/chat"), ("POST", "/api/generate"), ("GET", "/api/tags"),
               ("POST", "/api/show"), ("GET", "/api/ps"), ("GET", "/api/version"), ("POST", "/v1/messages"),
               ("POST", "/v1/messages/count_tokens"), ("POST", "/v1/responses"), ("GET", "/v1/responses/{response_id}"),
-              ("GET", "/tokenizer_info")]
+              ("GET", "/tokenizer_info"), ("POST", "/v1/embeddings"), ("POST", "/api/embed"),
+              ("POST", "/api/embeddings")]
 
 
 @pytest.fixture(scope="module")

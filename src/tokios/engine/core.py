@@ -249,18 +249,19 @@ class EngineCore:
             request_id = request.request_id
             new_token_ids = runner_output.sampled_token_ids.get(request_id, [])
             prompt_logprobs = runner_output.prompt_logprobs.get(request_id)
+            embedding = runner_output.embeddings.get(request_id)
             done = finish_by_id.get(request_id)
             self.num_generation_tokens += len(new_token_ids)
             if (error := runner_output.failed.get(request_id)) is not None:
                 outputs.append(EngineOutput(sequence_id=request_id, new_token_ids=[], finish_reason="abort",
                                             error=error))
                 continue
-            if not new_token_ids and not prompt_logprobs and done is None:
+            if not new_token_ids and not prompt_logprobs and embedding is None and done is None:
                 continue
             outputs.append(EngineOutput(
                 sequence_id=request_id, new_token_ids=new_token_ids,
                 new_logprobs=runner_output.logprobs.get(request_id),
-                new_prompt_logprobs=prompt_logprobs,
+                new_prompt_logprobs=prompt_logprobs, embedding=embedding,
                 finish_reason=done.status.value if done else None,
                 stop_reason=request.stop_reason if done else None,
                 num_cached_tokens=request.num_cached_tokens, num_preemptions=request.num_preemptions,

@@ -31,6 +31,8 @@ class EngineOutput:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     spec_counts: tuple[int, int, int] = (0, 0, 0)  # so far: drafts, draft tokens, accepted tokens
+    # The pooled prompt hidden states (SamplingParams.pooling), once the whole prompt is computed.
+    embedding: list[float] | None = None
     # Set when this sequence failed on its own (sampler found nothing to sample); its request fails.
     error: TokiosError | None = None
 
@@ -53,6 +55,7 @@ class _RequestState:
     sequences: list[_SequenceState]
     metrics: RequestMetrics
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    embedding: list[float] | None = None
     num_finished: int = 0
     changed: set[int] = field(default_factory=set)
 
@@ -124,6 +127,8 @@ class OutputProcessor:
             state.changed.add(index)
             if engine_output.new_prompt_logprobs:
                 state.prompt_logprobs.extend(self._prompt_logprobs(engine_output.new_prompt_logprobs))
+            if engine_output.embedding is not None:
+                state.embedding = engine_output.embedding
             if engine_output.new_token_ids:
                 if state.metrics.first_token_time is None:
                     state.metrics.first_token_time = now
@@ -229,7 +234,7 @@ class OutputProcessor:
         if finished:
             self.remove_request(state.request_id)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outputs, finished,
-                             state.prompt_logprobs, state.metrics)
+                             state.prompt_logprobs, state.metrics, state.embedding)
 
     def abort_outputs(self, request_id: str) -> RequestOutput | None:
         """Finish every unfinished sequence of a request with reason 'abort' (flushing held text)."""

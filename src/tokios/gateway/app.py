@@ -114,7 +114,8 @@ def _bearer_token(headers: Any) -> str | None:
 # The POST routes the gateway forwards to a backend serving the body's `model` (the backend's
 # connector allows the same list: gateway/connector.py ALLOWED_PATHS).
 FORWARDED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
-                   "/v1/messages/count_tokens", "/api/chat", "/api/generate", "/api/show")
+                   "/v1/messages/count_tokens", "/v1/embeddings", "/api/chat", "/api/generate", "/api/show",
+                   "/api/embed")
 _STREAMING_BY_DEFAULT = ("/api/chat", "/api/generate")
 
 

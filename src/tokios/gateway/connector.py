@@ -33,7 +33,8 @@ logger = logging.getLogger("tokios.connector")
 # The connector is not an open proxy into the local network: only the generation endpoints the
 # gateway forwards (gateway/app.py FORWARDED_PATHS) and the model list pass.
 ALLOWED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/responses", "/v1/messages",
-                           "/v1/messages/count_tokens", "/api/chat", "/api/generate", "/api/show"})
+                           "/v1/messages/count_tokens", "/v1/embeddings", "/api/chat", "/api/generate", "/api/show",
+                           "/api/embed"})
 MAX_REQUEST_BYTES = 8 * 1024 * 1024
 
 

@@ -44,6 +44,8 @@ class RunnerOutput:
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     # Sequences whose row had nothing to sample this step (see row_failure): each fails alone.
     failed: dict[str, TokiosError] = field(default_factory=dict)
+    # Pooled prompt hidden states, once a pooling request's whole prompt is computed.
+    embeddings: dict[str, list[float]] = field(default_factory=dict)
 
 
 def row_failure(logits_row: torch.Tensor) -> TokiosError:
@@ -81,6 +83,8 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
         self.rejection_sampler = RejectionSampler(self.sampler.shared_generator)
         self.request_to_state: dict[str, RequestSamplingState] = {}
+        # request id -> the running sum (mean pooling) of its prompt's hidden states so far.
+        self._pooled: dict[str, torch.Tensor] = {}
         self.grammar_bitmask = GrammarBitmask(model_config.vocab_size, device)
 
     # ---- per-request state ------------------------------------------------------------------
@@ -93,6 +97,7 @@ class ModelRunner:
         return state
 
     def drop_request(self, request_id: str) -> None:
+        self._pooled.pop(request_id, None)
         state = self.request_to_state.pop(request_id, None)
         if state is not None:
             self.state_store.remove(state)
@@ -145,7 +150,28 @@ class ModelRunner:
                 last_prompt_row = min(start + s.num_new_tokens, request.num_prompt_tokens - 1)
                 if last_prompt_row > start:
                     self._prompt_logprobs(s, hidden[rows[:last_prompt_row - start]], output)
+            if request.sampling_params.pooling is not None and start < request.num_prompt_tokens:
+                self._pool(request, hidden[rows[:min(s.num_new_tokens, request.num_prompt_tokens - start)]], output)
         return output
+
+    def _pool(self, request, hidden: torch.Tensor, output: RunnerOutput) -> None:
+        """Adds one chunk's prompt rows ([rows, hidden] final-normed states) to the request's pool;
+        at the prompt's end, the pooled vector goes out. A preempted request starts again at 0."""
+        start = request.num_computed_tokens
+        rows = hidden.float()
+        if request.sampling_params.pooling == "last":
+            pooled = rows[-1]
+        else:
+            previous = self._pooled.get(request.request_id) if start > 0 else None
+            pooled = rows.sum(dim=0) if previous is None else previous + rows.sum(dim=0)
+        end = start + hidden.shape[0]
+        if end < request.num_prompt_tokens:
+            self._pooled[request.request_id] = pooled
+            return
+        self._pooled.pop(request.request_id, None)
+        if request.sampling_params.pooling == "mean":
+            pooled = pooled / request.num_prompt_tokens
+        output.embeddings[request.request_id] = pooled.tolist()
 
     # A prompt chunk with at most this many (query x context) pairs is laid out as decode rows.
     # Measured in int4 on 2 threads: 16 prompts of 158 tokens, 1.70 -> 1.40 s; the same with 144

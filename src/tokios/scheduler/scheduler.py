@@ -198,9 +198,10 @@ class Scheduler:
                 request.num_computed_tokens = 0
             return copies
         computed_blocks, num_cached = [], 0
-        # Prompt logprobs need logits at every prompt position, so such a request computes its
-        # whole prompt (its blocks still join the cache for others).
-        if request.sampling_params.prompt_logprobs is None:
+        # Prompt logprobs and pooled embeddings need every prompt position's hidden state, so such
+        # a request computes its whole prompt (its blocks still join the cache for others).
+        params = request.sampling_params
+        if params.prompt_logprobs is None and params.pooling is None:
             computed_blocks, num_cached = self.kv.get_computed_blocks(request)
         num_new = min(request.num_tokens - num_cached, budget)
         copies = self.kv.allocate_slots(request, num_new, computed_blocks)

@@ -37,8 +37,8 @@ from tokios.server.connection_limits import BodyDeadline
 from tokios.server.dialects import DIALECT_ROUTES
 from tokios.server.errors import RequestTooLargeError, dialect_of_path, error_response
 from tokios.server.metrics import CONTENT_TYPE, ServerMetrics
-from tokios.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                                    parse_body)
+from tokios.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
+                                    TokenizeRequest, parse_body)
 from tokios.server.registry import ModelEntry, ModelLease, ModelRegistry, ModelSpec
 from tokios.server.serving import SSEResponse, Serving, ServerSettings
 
@@ -358,6 +358,12 @@ def create_app(settings: ServerSettings, *, registry: ModelRegistry | None = Non
         state.check_ready()
         body = await parse_body(request, CompletionRequest)
         return await state.respond(body.model, lambda lease: lease.serving.completions(request, body, lease))
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        state.check_ready()
+        body = await parse_body(request, EmbeddingRequest)
+        return await state.respond(body.model, lambda lease: lease.serving.embeddings(request, body, lease))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

@@ -101,6 +101,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--health-generate-timeout", type=float, default=10.0,
                         help="deadline in seconds of the one-token generation of GET /health?generate=1 "
                              "(default 10)")
+    server.add_argument("--pooling", default="mean", choices=["mean", "last"],
+                        help="how /v1/embeddings and /api/embed pool the prompt's final hidden states (default mean)")
     server.add_argument("--responses-store-size", type=int, default=1000,
                         help="responses the OpenAI Responses API keeps for previous_response_id (default 1000)")
     server.add_argument("--responses-store-ttl", default="1h",
@@ -256,6 +258,7 @@ def run(args: argparse.Namespace) -> int:
         stall_timeout_s=args.stall_timeout,
         health_generate_timeout_s=args.health_generate_timeout,
         request_body_timeout_s=args.request_body_timeout,
+        pooling=args.pooling,
         responses_store_size=args.responses_store_size,
         responses_store_ttl_s=parse_duration(args.responses_store_ttl, field_name="responses_store_ttl"),
     )

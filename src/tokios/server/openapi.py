@@ -18,7 +18,8 @@ from pydantic import BaseModel, ConfigDict
 from pydantic.json_schema import models_json_schema
 
 from tokios.server.dialects import DIALECT_OPENAPI_ROUTES
-from tokios.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from tokios.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
+                                    TokenizeRequest)
 
 REF_TEMPLATE = "#/components/schemas/{model}"
 
@@ -106,6 +107,19 @@ class DetokenizeResponse(_Out):
     prompt: str
 
 
+class Embedding(_Out):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingList(_Out):
+    object: Literal["list"]
+    data: list[Embedding]
+    model: str
+    usage: dict[str, int]
+
+
 class TokenizerInfo(_Out):
     model: str
     bos_token: str | None
@@ -141,10 +155,10 @@ class EngineStatsResponse(_Out):
     process: ProcessStats
 
 
-REQUEST_MODELS = [ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest] + [
+REQUEST_MODELS = [ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest, EmbeddingRequest] + [
     body for _, _, body, _ in DIALECT_OPENAPI_ROUTES.values() if body is not None]
 RESPONSE_MODELS = [ErrorResponse, ChatCompletion, TextCompletion, ModelList, TokenizeResponse, DetokenizeResponse,
-                   TokenizerInfo,
+                   TokenizerInfo, EmbeddingList,
                    Health, EngineStatsResponse]
 
 # One schema per event (as OpenAPI 3.2's itemSchema): `data` holds a JSON chunk, an error body
@@ -227,6 +241,9 @@ def build_openapi(title: str, version: str, protect_metrics: bool) -> dict[str, 
         "/v1/completions": {"post": _operation(
             "Text completion (OpenAI)", {**_json(TextCompletion), **SSE}, generate_errors, CompletionRequest)},
         "/v1/models": {"get": _operation("Served models", _json(ModelList), [401, 503])},
+        "/v1/embeddings": {"post": _operation(
+            "Embeddings (OpenAI): pooled, normalized final hidden states", _json(EmbeddingList), generate_errors,
+            EmbeddingRequest)},
         "/tokenize": {"post": _operation("Text or messages to token ids", _json(TokenizeResponse),
                                          [400, 401, 404, 408, 413, 503], TokenizeRequest)},
         "/detokenize": {"post": _operation("Token ids to text", _json(DetokenizeResponse),
@@ -250,7 +267,8 @@ def build_openapi(title: str, version: str, protect_metrics: bool) -> dict[str, 
                          "description": "which model (default: the first)"}])},
     }
     for path, (method, summary, body, stream_type) in DIALECT_OPENAPI_ROUTES.items():
-        generates = path in ("/api/chat", "/api/generate", "/v1/messages", "/v1/responses")
+        generates = path in ("/api/chat", "/api/generate", "/api/embed", "/api/embeddings", "/v1/messages",
+                             "/v1/responses")
         paths[path] = {method: _dialect_operation(path, summary, body, stream_type, generates)}
     # The 503 of /health is its answer, not an error body: same schema as its 200.
     paths["/health"]["get"]["responses"]["503"] = {"description": "Not ready", "content": _json(Health)}

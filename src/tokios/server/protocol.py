@@ -235,6 +235,25 @@ class TokenizeRequest(_Body):
             raise InvalidRequestError("exactly one of prompt and messages must be given", param="prompt")
 
 
+class EmbeddingRequest(_Body):
+    model: str | None = None
+    input: PromptInput
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = None
+
+    def inputs(self) -> list[str | list[int]]:
+        """The four accepted shapes as a list of texts or token id lists."""
+        value = self.input
+        if isinstance(value, str):
+            return [value]
+        if not value:
+            raise InvalidRequestError("input must not be empty", param="input")
+        if all(isinstance(item, int) for item in value):
+            return [list(value)]  # type: ignore[arg-type]
+        return list(value)  # type: ignore[arg-type]
+
+
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[TokenId]

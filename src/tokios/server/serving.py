@@ -28,7 +28,7 @@ from tokios.server.admission import Admission
 from tokios.server.errors import error_payload
 from tokios.server.metrics import ServerMetrics
 from tokios.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                    TokenizeRequest, sampling_kwargs)
+                                    EmbeddingRequest, TokenizeRequest, sampling_kwargs)
 from tokios.server.generation import ChatRun, ChatTurn
 from tokios.server.registry import ModelLease
 from tokios.server.streams import EngineStream, Job, run_watching_disconnect
@@ -53,6 +53,8 @@ class ServerSettings:
     health_generate_timeout_s: float = 10.0
     # A request body must fully arrive within this long (server/connection_limits.py).
     request_body_timeout_s: float = 30.0
+    # How /v1/embeddings and /api/embed pool a prompt's final hidden states: "mean" or "last".
+    pooling: str = "mean"
     # The OpenAI Responses API's store (previous_response_id, GET /v1/responses/{id}).
     responses_store_size: int = 1000
     responses_store_ttl_s: float = 3600.0
@@ -371,6 +373,58 @@ class Serving:
                                         for choice in stream.last_output.outputs)
             yield responses.sse_event(responses.usage_chunk(
                 response_id, created, model, "text_completion", num_prompt_tokens, num_completion_tokens))
+
+    # ---- embeddings (OpenAI's /v1/embeddings and Ollama's /api/embed) --------------------
+
+    async def embed(self, http_request: Request, prompt_ids_list: list[list[int]], lease: ModelLease | None,
+                    param: str = "input") -> list[list[float]]:
+        """One L2-normalized vector per prompt: its final hidden states pooled (--pooling). A
+        generative model's pooled states are not a trained sentence embedding: they serve
+        similarity search roughly, retrieval-tuned embedding models do it better (docs/apis.md)."""
+        import math
+
+        for prompt_ids in prompt_ids_list:
+            if not prompt_ids:
+                raise InvalidRequestError(f"{param} must not be empty", param=param)
+            self.resolve_max_tokens(len(prompt_ids), 1, param)
+        kwargs = {"max_tokens": 1, "temperature": 0.0, "ignore_eos": True, "pooling": self.settings.pooling}
+        job = self.new_job(f"embd-{uuid.uuid4().hex}", prompt_ids_list, make_sampling_params(kwargs), kwargs, lease)
+        outputs = await self.finish(http_request, job)
+        vectors = []
+        for output in outputs:
+            if output is None or output.embedding is None:
+                raise InvalidRequestError("the engine returned no embedding for an input", param=param)
+            norm = math.sqrt(sum(value * value for value in output.embedding)) or 1.0
+            vectors.append([value / norm for value in output.embedding])
+        return vectors
+
+    async def embeddings(self, http_request: Request, body: EmbeddingRequest, lease: ModelLease | None) -> Response:
+        """OpenAI's /v1/embeddings: texts or token id lists in, one vector each (float or base64)."""
+        import base64
+        import struct
+
+        model = self.check_model(body.model)
+        hidden_size = self.engine.model_config.hidden_size
+        if body.dimensions is not None and body.dimensions != hidden_size:
+            raise InvalidRequestError(f"dimensions: this model's embeddings have {hidden_size} dimensions and cannot "
+                                      f"be shortened, got {body.dimensions}", param="dimensions")
+        prompt_ids_list = []
+        for item in body.inputs():
+            if isinstance(item, str):
+                prompt_ids_list.append(self.tokenizer.encode(item, add_special_tokens=True))
+            else:
+                self.check_token_ids(item, "input")
+                prompt_ids_list.append(list(item))
+        vectors = await self.embed(http_request, prompt_ids_list, lease)
+        data = []
+        for index, vector in enumerate(vectors):
+            encoded: Any = vector
+            if body.encoding_format == "base64":  # float32 little-endian, as OpenAI's
+                encoded = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+            data.append({"object": "embedding", "index": index, "embedding": encoded})
+        num_tokens = sum(len(ids) for ids in prompt_ids_list)
+        return JSONResponse({"object": "list", "data": data, "model": model,
+                             "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}})
 
     # ---- utilities ----------------------------------------------------------------------
 

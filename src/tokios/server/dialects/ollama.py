@@ -95,6 +95,24 @@ class OllamaGenerateRequest(_OllamaBody):
     images: list[Any] | None = None
 
 
+class OllamaEmbedRequest(_Body):
+    model: str = Field(min_length=1)
+    input: str | list[str]
+    truncate: bool = True
+    options: dict[str, Any] | None = None
+    keep_alive: str | float | None = None
+    dimensions: int | None = Field(default=None, ge=1)
+
+
+class OllamaEmbeddingsRequest(_Body):
+    """The older /api/embeddings: one prompt, one vector."""
+
+    model: str = Field(min_length=1)
+    prompt: str
+    options: dict[str, Any] | None = None
+    keep_alive: str | float | None = None
+
+
 class OllamaModelRequest(_Body):
     model: str | None = None
     name: str | None = None  # older clients send `name`
@@ -439,6 +457,56 @@ def install(app: FastAPI, state) -> None:
         return JSONResponse({"model": model, "created_at": _now(), **piece, "done": True, "done_reason": "load",
                              "load_duration": int(lease.load_seconds * 1e9)})
 
+    async def embed_texts(request: Request, lease: ModelLease, texts: list[str], truncate: bool,
+                          options: dict[str, Any] | None) -> tuple[list[list[float]], int]:
+        serving = lease.serving
+        if options:
+            sampling, _, _ = options_to_sampling(options, serving.max_model_len)
+            if sampling:
+                raise InvalidRequestError(f"options: {sorted(sampling)} do not apply to embeddings", param="options")
+        prompt_ids_list = []
+        for index, text in enumerate(texts):
+            ids = serving.tokenizer.encode(text, add_special_tokens=True)
+            if len(ids) >= serving.max_model_len:
+                if not truncate:
+                    raise InvalidRequestError(f"input[{index}] has {len(ids)} tokens, over the context of "
+                                              f"{serving.max_model_len} (truncate is false)", param="input")
+                ids = ids[:serving.max_model_len - 1]
+            prompt_ids_list.append(ids)
+        return await serving.embed(request, prompt_ids_list, lease), sum(len(ids) for ids in prompt_ids_list)
+
+    @app.post("/api/embed")
+    async def embed(request: Request) -> Response:
+        state.check_ready()
+        body = await parse_body(request, OllamaEmbedRequest)
+        texts = [body.input] if isinstance(body.input, str) else body.input
+        if not texts:
+            raise InvalidRequestError("input must not be empty", param="input")
+
+        async def run(lease: ModelLease) -> Response:
+            import time
+
+            started = time.monotonic()
+            hidden_size = lease.serving.engine.model_config.hidden_size
+            if body.dimensions is not None and body.dimensions != hidden_size:
+                raise InvalidRequestError(f"dimensions: this model's embeddings have {hidden_size} dimensions",
+                                          param="dimensions")
+            vectors, num_tokens = await embed_texts(request, lease, texts, body.truncate, body.options)
+            return JSONResponse({"model": body.model, "embeddings": vectors,
+                                 "total_duration": int((time.monotonic() - started + lease.load_seconds) * 1e9),
+                                 "load_duration": int(lease.load_seconds * 1e9), "prompt_eval_count": num_tokens})
+        return await state.respond(body.model, run, _keep_alive(body.keep_alive))
+
+    @app.post("/api/embeddings")
+    async def embeddings(request: Request) -> Response:
+        state.check_ready()
+        body = await parse_body(request, OllamaEmbeddingsRequest)
+
+        async def run(lease: ModelLease) -> Response:
+            vectors, _ = await embed_texts(request, lease, [body.prompt], True, body.options)
+            return JSONResponse({"embedding": vectors[0]})
+        return await state.respond(body.model, run, _keep_alive(body.keep_alive))
+
     @app.get("/api/tags")
     async def tags() -> Response:
         return JSONResponse({"models": [_model_summary(entry, name) for entry in registry.entries
@@ -454,7 +522,7 @@ def install(app: FastAPI, state) -> None:
         facts = _file_facts(entry.spec.path)
         metadata = facts["metadata"]
         template = metadata.get("tokenizer.chat_template") or ""
-        capabilities = ["completion"] + (["tools"] if template else [])
+        capabilities = ["completion", "embedding"] + (["tools"] if template else [])
         return JSONResponse({"license": str(metadata.get("general.license", "")), "modelfile": "",
                              "parameters": "", "template": template, "details": facts["details"],
                              "model_info": _model_info(metadata, body.verbose), "capabilities": capabilities,
@@ -483,6 +551,8 @@ def install(app: FastAPI, state) -> None:
 OLLAMA_ROUTES = {
     "/api/chat": ("post", "Chat (Ollama): NDJSON stream by default", OllamaChatRequest, NDJSON),
     "/api/generate": ("post", "Generate (Ollama): NDJSON stream by default", OllamaGenerateRequest, NDJSON),
+    "/api/embed": ("post", "Embeddings: pooled, normalized final hidden states (Ollama)", OllamaEmbedRequest, None),
+    "/api/embeddings": ("post", "One prompt's embedding (Ollama's older route)", OllamaEmbeddingsRequest, None),
     "/api/tags": ("get", "Every model this server can serve (Ollama)", None, None),
     "/api/show": ("post", "One model's details, metadata and capabilities (Ollama)", OllamaModelRequest, None),
     "/api/ps": ("get", "Loaded models and when they unload (Ollama)", None, None),

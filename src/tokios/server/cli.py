@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     engine.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     engine.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
-    models = parser.add_argument_group("several models (docs/server.md, Models)")
+    models = parser.add_argument_group("several models (docs/apis.md)")
     models.add_argument("--keep-alive", default=None,
                         help="unload a model idle this long, e.g. 5m, 1h, 30s, 0 (at once), -1 (never); "
                              "per request in the Ollama API (default: 5m with several models, never with one)")

@@ -182,6 +182,21 @@ class ChatCompletionRequest(SamplingFields):
 PromptInput = str | list[str] | list[TokenId] | list[list[TokenId]]
 
 
+def prompt_list(value: PromptInput, param: str) -> list[str | list[int]]:
+    """A completions prompt or an embeddings input, in its four accepted shapes, as a list of
+    texts or token id lists."""
+    if isinstance(value, str):
+        return [value]
+    if not value:
+        raise InvalidRequestError(f"{param} must not be empty", param=param)
+    if all(isinstance(item, int) for item in value):
+        return [list(value)]  # type: ignore[arg-type]
+    items: list[str | list[int]] = list(value)  # type: ignore[arg-type]
+    if any(isinstance(item, list) and not item for item in items):
+        raise InvalidRequestError(f"{param} token lists must not be empty", param=param)
+    return items
+
+
 class CompletionRequest(SamplingFields):
     prompt: PromptInput
     echo: bool = False
@@ -201,18 +216,7 @@ class CompletionRequest(SamplingFields):
             raise InvalidRequestError("echo with logprobs is supported without stream only", param="echo")
 
     def prompts(self) -> list[str | list[int]]:
-        """Normalizes the four accepted shapes to a list of texts or token id lists."""
-        prompt = self.prompt
-        if isinstance(prompt, str):
-            return [prompt]
-        if not prompt:
-            raise InvalidRequestError("prompt must not be empty", param="prompt")
-        if all(isinstance(item, int) for item in prompt):
-            return [list(prompt)]  # type: ignore[arg-type]
-        items: list[str | list[int]] = list(prompt)  # type: ignore[arg-type]
-        if any(isinstance(item, list) and not item for item in items):
-            raise InvalidRequestError("prompt token lists must not be empty", param="prompt")
-        return items
+        return prompt_list(self.prompt, "prompt")
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -243,15 +247,7 @@ class EmbeddingRequest(_Body):
     user: str | None = None
 
     def inputs(self) -> list[str | list[int]]:
-        """The four accepted shapes as a list of texts or token id lists."""
-        value = self.input
-        if isinstance(value, str):
-            return [value]
-        if not value:
-            raise InvalidRequestError("input must not be empty", param="input")
-        if all(isinstance(item, int) for item in value):
-            return [list(value)]  # type: ignore[arg-type]
-        return list(value)  # type: ignore[arg-type]
+        return prompt_list(self.input, "input")
 
 
 class DetokenizeRequest(_Body):

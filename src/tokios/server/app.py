@@ -39,7 +39,7 @@ from tokios.server.errors import RequestTooLargeError, dialect_of_path, error_re
 from tokios.server.metrics import CONTENT_TYPE, ServerMetrics
 from tokios.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
                                     TokenizeRequest, parse_body)
-from tokios.server.registry import ModelEntry, ModelLease, ModelRegistry, ModelSpec
+from tokios.server.registry import UNLOADED, ModelEntry, ModelLease, ModelRegistry, ModelSpec
 from tokios.server.serving import SSEResponse, Serving, ServerSettings
 
 logger = logging.getLogger("tokios.server")
@@ -125,7 +125,7 @@ class ServerState:
             logger.error("model %s failed (%s); every request in flight on it got the error; it is unloaded "
                          "and loads again on its next request", entry.name, message)
             if entry.engine is engine:
-                entry.state, entry.engine, entry.serving = "unloaded", None, None
+                entry.state, entry.engine, entry.serving = UNLOADED, None, None
             return
         self.engine_failure = error
         logger.error("the engine failed (%s); every request in flight got the error; the server exits", message)

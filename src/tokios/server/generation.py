@@ -108,11 +108,6 @@ class ChatRun:
         output = self.stream.last_output
         return 0 if output is None else sum(len(choice.token_ids) for choice in output.outputs)
 
-    @property
-    def finish_reason(self) -> str | None:
-        output = self.stream.last_output
-        return None if output is None or not output.outputs else output.outputs[0].finish_reason
-
     async def start_streaming(self) -> None:
         """Waits for the first output, so that bad input is an HTTP error before the first byte."""
         self._first_output = (await self.serving.start_stream(self.http_request, self.job))[0]

@@ -74,10 +74,7 @@ class ModelEntry:
     # Per-model keep-alive set by a request (Ollama's keep_alive); None: the registry default.
     keep_alive_s: float | None = None
     load_seconds: float | None = None
-    loaded_at: float | None = None
-    expires_at: float | None = None
     last_error: str | None = None
-    num_loads: int = 0
 
     @property
     def name(self) -> str:
@@ -294,8 +291,6 @@ class ModelRegistry:
                 entry.engine = engine
                 entry.serving = self.make_serving(engine, entry.spec)
                 entry.load_seconds = time.monotonic() - started
-                entry.loaded_at = time.time()
-                entry.num_loads += 1
                 entry.last_error = None
                 entry.last_used = time.monotonic()
                 entry.state = LOADED

@@ -315,3 +315,60 @@ def test_portable_scalar_path_matches_the_vector_path():
     torch.testing.assert_close(portable.glu_mul(gate_up, False), extension.glu_mul(gate_up, False))
     torch.testing.assert_close(portable.glu_mul(gate_up, True), extension.glu_mul(gate_up, True))
     torch.testing.assert_close(portable.rms_norm(gate_up, weight, 1e-5), extension.rms_norm(gate_up, weight, 1e-5))
+
+
+def reference_attention(qkv, key_cache, value_cache, slot_table, context_lens, num_heads, num_kv_heads, head_dim):
+    """Each row's softmax(q K^T / sqrt(d)) V over its own first context_lens slots, in float64."""
+    group = num_heads // num_kv_heads
+    rows = []
+    for row in range(qkv.shape[0]):
+        slots = slot_table[row, :context_lens[row]]
+        keys, values = key_cache[slots].double(), value_cache[slots].double()  # [L, kv_heads, hd]
+        heads = []
+        for h in range(num_heads):
+            q = qkv[row, h * head_dim:(h + 1) * head_dim].double()
+            weights = torch.softmax(keys[:, h // group] @ q / head_dim ** 0.5, dim=0)
+            heads.append(weights @ values[:, h // group])
+        rows.append(torch.cat(heads))
+    return torch.stack(rows).float()
+
+
+@needs_extension
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"),
+                         [(9, 3, 64),  # SmolLM2: 3 heads a KV head, 4 rows a pass
+                          (16, 1, 16),  # a GQA group larger than one pass holds (12 queries)
+                          (4, 1, 256),  # Gemma 3 270M
+                          (6, 2, 24)])  # the portable loops
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_over_a_prompt_chunk_equals_each_row_alone(num_heads, num_kv_heads, head_dim, cache_dtype):
+    """The rows of a causal prompt chunk share passes over their keys (decode_attention_rows); a
+    row's result must not change with that (verify rows equal plain decodes bit for bit), and
+    rows of other requests, even over the very same slots, are never merged into the chunk."""
+    torch.manual_seed(3)
+    num_slots, prefix = 256, 37
+    key_cache = torch.randn(num_slots, num_kv_heads, head_dim).to(cache_dtype)
+    value_cache = torch.randn(num_slots, num_kv_heads, head_dim).to(cache_dtype)
+    chunk_slots = torch.randperm(num_slots)[:prefix + 20]
+    other_slots = torch.randperm(num_slots)[:30]
+    # A decode over other slots, 20 rows of one chunk (contexts prefix+1 .. prefix+20), then a
+    # decode of another request that shares the chunk's slots but not its length pattern.
+    lens = [30] + [prefix + 1 + i for i in range(20)] + [prefix + 5]
+    max_len = max(lens)
+    table = torch.zeros(len(lens), max_len, dtype=torch.long)
+    table[0, :30] = other_slots
+    for row in range(1, len(lens)):
+        table[row, :lens[row]] = chunk_slots[:lens[row]]
+    context_lens = torch.tensor(lens)
+    qkv = torch.randn(len(lens), (num_heads + 2 * num_kv_heads) * head_dim)
+
+    def attend(rows):
+        return extension.decode_attention(qkv[rows].contiguous(), key_cache, value_cache, table[rows].contiguous(),
+                                          context_lens[rows].contiguous(), num_heads, num_kv_heads, head_dim,
+                                          head_dim ** -0.5)
+
+    together = attend(list(range(len(lens))))
+    for row in range(len(lens)):
+        assert torch.equal(together[row], attend([row])[0]), row
+    expected = reference_attention(qkv, key_cache.float(), value_cache.float(), table, lens, num_heads,
+                                   num_kv_heads, head_dim)
+    torch.testing.assert_close(together, expected, rtol=2e-5, atol=2e-5)

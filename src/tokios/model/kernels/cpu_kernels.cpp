@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <utility>
 
 #include "blocks.h"
@@ -134,126 +135,6 @@ inline __m256 load8(const at::BFloat16* p) {
 }
 #endif
 
-// Softmax weights in place over scores[0, length): exp(s - max), returns their sum.
-inline float exponentiate(float* scores, int64_t length, float maximum) {
-  float total = 0.f;
-  int64_t l = 0;
-#if TOKIOS_AVX2 && !TOKIOS_VNNI
-  __m256 sums = _mm256_setzero_ps();
-  for (; l + 8 <= length; l += 8) {
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + l), _mm256_set1_ps(maximum)));
-    _mm256_storeu_ps(scores + l, e);
-    sums = _mm256_add_ps(sums, e);
-  }
-  total = horizontal_add(sums);
-#endif
-  for (; l < length; ++l) {
-    scores[l] = std::exp(scores[l] - maximum);
-    total += scores[l];
-  }
-  return total;
-}
-
-// One query head over its context: out = softmax(q . K^T * scale) V. `kv_stride` is the
-// distance between slots and `kv_offset` the head's place inside a slot. CHUNKS = head_dim / 16
-// selects the AVX-512 or AVX2 path (0: portable loops). The profile at 16 decode rows x 256 tokens of
-// context had the portable loops at 1.0 ms per layer, as much as all four matrix products.
-template <typename KV, int CHUNKS>
-void attend_head(const float* query, const KV* key_cache, const KV* value_cache, const int64_t* slots,
-                 int64_t length, int64_t kv_stride, int64_t kv_offset, int64_t hd, float scale, float* scores,
-                 float* out) {
-#if TOKIOS_VNNI
-  if constexpr (CHUNKS > 0) {
-    __m512 q[CHUNKS];
-    for (int c = 0; c < CHUNKS; ++c) q[c] = _mm512_loadu_ps(query + 16 * c);
-    float maximum = -INFINITY;
-    for (int64_t l = 0; l < length; ++l) {
-      const KV* key = key_cache + slots[l] * kv_stride + kv_offset;
-      __m512 dot = _mm512_mul_ps(q[0], load16(key));
-      for (int c = 1; c < CHUNKS; ++c) dot = _mm512_fmadd_ps(q[c], load16(key + 16 * c), dot);
-      scores[l] = _mm512_reduce_add_ps(dot) * scale;
-      maximum = std::max(maximum, scores[l]);
-    }
-    const float inverse = 1.f / exponentiate(scores, length, maximum);
-    __m512 acc[CHUNKS];
-    for (int c = 0; c < CHUNKS; ++c) acc[c] = _mm512_setzero_ps();
-    for (int64_t l = 0; l < length; ++l) {
-      const KV* value = value_cache + slots[l] * kv_stride + kv_offset;
-      const __m512 p = _mm512_set1_ps(scores[l]);
-      for (int c = 0; c < CHUNKS; ++c) acc[c] = _mm512_fmadd_ps(p, load16(value + 16 * c), acc[c]);
-    }
-    for (int c = 0; c < CHUNKS; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(acc[c], _mm512_set1_ps(inverse)));
-    return;
-  }
-#elif TOKIOS_AVX2
-  if constexpr (CHUNKS > 0) {
-    constexpr int kVectors = 2 * CHUNKS;  // of 8 floats
-    __m256 q[kVectors];
-    for (int c = 0; c < kVectors; ++c) q[c] = _mm256_loadu_ps(query + 8 * c);
-    float maximum = -INFINITY;
-    for (int64_t l = 0; l < length; ++l) {
-      const KV* key = key_cache + slots[l] * kv_stride + kv_offset;
-      __m256 dot = _mm256_mul_ps(q[0], load8(key));
-      for (int c = 1; c < kVectors; ++c) dot = _mm256_fmadd_ps(q[c], load8(key + 8 * c), dot);
-      scores[l] = horizontal_add(dot) * scale;
-      maximum = std::max(maximum, scores[l]);
-    }
-    const float inverse = 1.f / exponentiate(scores, length, maximum);
-    __m256 acc[kVectors];
-    for (int c = 0; c < kVectors; ++c) acc[c] = _mm256_setzero_ps();
-    for (int64_t l = 0; l < length; ++l) {
-      const KV* value = value_cache + slots[l] * kv_stride + kv_offset;
-      const __m256 p = _mm256_set1_ps(scores[l]);
-      for (int c = 0; c < kVectors; ++c) acc[c] = _mm256_fmadd_ps(p, load8(value + 8 * c), acc[c]);
-    }
-    for (int c = 0; c < kVectors; ++c) _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(acc[c], _mm256_set1_ps(inverse)));
-    return;
-  }
-#endif
-  float maximum = -INFINITY;
-  for (int64_t l = 0; l < length; ++l) {
-    const KV* key = key_cache + slots[l] * kv_stride + kv_offset;
-    float dot = 0.f;
-    for (int64_t j = 0; j < hd; ++j) dot += query[j] * load_kv(key[j]);
-    scores[l] = dot * scale;
-    maximum = std::max(maximum, scores[l]);
-  }
-  const float inverse = 1.f / exponentiate(scores, length, maximum);
-  for (int64_t j = 0; j < hd; ++j) out[j] = 0.f;
-  for (int64_t l = 0; l < length; ++l) {
-    const KV* value = value_cache + slots[l] * kv_stride + kv_offset;
-    for (int64_t j = 0; j < hd; ++j) out[j] += scores[l] * load_kv(value[j]);
-  }
-  for (int64_t j = 0; j < hd; ++j) out[j] *= inverse;
-}
-
-// One query token per request over its paged context. q rows are read from qkv (stride
-// q_stride); out [D, H * hd]. Parallel over (request, head); a head's result does not depend on
-// the batch.
-template <typename KV>
-void decode_attention_rows(const float* q, int64_t q_stride, const KV* key_cache, const KV* value_cache,
-                           const int64_t* slot_table, int64_t max_context, const int64_t* context_lens,
-                           int64_t num_requests, const Shape& shape, float scale, float* out) {
-  const int64_t H = shape.num_heads, KVH = shape.num_kv_heads, hd = shape.head_dim;
-  const int64_t group = H / KVH;
-  auto attend = &attend_head<KV, 0>;
-  if (hd == 16) attend = &attend_head<KV, 1>;
-  if (hd == 32) attend = &attend_head<KV, 2>;
-  if (hd == 64) attend = &attend_head<KV, 4>;
-  if (hd == 128) attend = &attend_head<KV, 8>;
-  // Gemma 3: q and the accumulators need more vector registers than there are, and the compiler
-  // keeps some on the stack (L1), still far faster than the portable loop.
-  if (hd == 256) attend = &attend_head<KV, 16>;
-  at::parallel_for(0, num_requests * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(max_context);
-    for (int64_t index = begin; index < end; ++index) {
-      const int64_t d = index / H, h = index % H;
-      attend(q + d * q_stride + h * hd, key_cache, value_cache, slot_table + d * max_context, context_lens[d],
-             KVH * hd, (h / group) * hd, hd, scale, scores.data(), out + d * H * hd + h * hd);
-    }
-  });
-}
-
 #if TOKIOS_VNNI
 // exp on 16 lanes (Cephes' single-precision polynomial, about 1 ulp): std::exp one element at a
 // time was 8% of a 128-token prefill and 3% of a 16-row decode step inside SiLU.
@@ -273,6 +154,213 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 #endif
+
+// Softmax weights in place over scores[0, length): exp(s - max), returns their sum.
+inline float exponentiate(float* scores, int64_t length, float maximum) {
+  float total = 0.f;
+  int64_t l = 0;
+#if TOKIOS_VNNI
+  // Scalar std::exp here was most of a decode row's attention at long context (0.34 ms of a
+  // 4,000-token row, 9 heads, one layer).
+  __m512 wide_sums = _mm512_setzero_ps();
+  for (; l + 16 <= length; l += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + l), _mm512_set1_ps(maximum)));
+    _mm512_storeu_ps(scores + l, e);
+    wide_sums = _mm512_add_ps(wide_sums, e);
+  }
+  total = _mm512_reduce_add_ps(wide_sums);
+#elif TOKIOS_AVX2
+  __m256 sums = _mm256_setzero_ps();
+  for (; l + 8 <= length; l += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + l), _mm256_set1_ps(maximum)));
+    _mm256_storeu_ps(scores + l, e);
+    sums = _mm256_add_ps(sums, e);
+  }
+  total = horizontal_add(sums);
+#endif
+  for (; l < length; ++l) {
+    scores[l] = std::exp(scores[l] - maximum);
+    total += scores[l];
+  }
+  return total;
+}
+
+// The vector type the attention loops use: 16 lanes on AVX-512, 8 on AVX2 (kLanes 0: the
+// portable loops).
+#if TOKIOS_VNNI
+using Vec = __m512;
+constexpr int kLanes = 16;
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec vload(const at::BFloat16* p) { return load16(p); }
+inline Vec vfmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec vset1(float x) { return _mm512_set1_ps(x); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
+#elif TOKIOS_AVX2
+using Vec = __m256;
+constexpr int kLanes = 8;
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec vload(const at::BFloat16* p) { return load8(p); }
+inline Vec vfmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec vset1(float x) { return _mm256_set1_ps(x); }
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline float vsum(Vec v) { return horizontal_add(v); }
+#else
+constexpr int kLanes = 0;
+#endif
+
+// The most queries one pass over a context serves (a GQA group's heads times consecutive rows
+// of a prompt chunk): their scores and accumulators stay in L1.
+constexpr int kMaxQueries = 12;
+
+// Queries that share one KV head over one paged context: out_q = softmax(q . K^T * scale) V
+// over the first lengths[q] slots. Each key and value is loaded (and widened from bfloat16)
+// once for all the queries: per query, a decode read the context's K/V once per head of its
+// GQA group and a prompt chunk once per row, which left attention at 8 ms per prompt token at
+// 5,000 tokens of context (SmolLM2, 2 threads) and made long-context decode bandwidth-bound on
+// the same bytes three times. `kv_stride` is the distance between slots, `kv_offset` the head's
+// place inside a slot. VECS = head_dim / kLanes (0: portable loops). A query's result does not
+// depend on which other queries share its pass (each sums in the same order), so a verify row
+// equals the plain decode of the same token bit for bit.
+template <typename KV, int VECS>
+void attend_queries(const float* const* queries, const int64_t* lengths, int num_queries, const KV* key_cache,
+                    const KV* value_cache, const int64_t* slots, int64_t kv_stride, int64_t kv_offset, int64_t hd,
+                    float scale, float* scores, int64_t score_stride, float* const* outs) {
+  int64_t longest = 0;
+  for (int q = 0; q < num_queries; ++q) longest = std::max(longest, lengths[q]);
+  float maxima[kMaxQueries];
+  for (int q = 0; q < num_queries; ++q) maxima[q] = -INFINITY;
+#if TOKIOS_VNNI || TOKIOS_AVX2
+  if constexpr (VECS > 0) {
+    for (int64_t l = 0; l < longest; ++l) {
+      const KV* key = key_cache + slots[l] * kv_stride + kv_offset;
+      Vec k[VECS];
+      for (int c = 0; c < VECS; ++c) k[c] = vload(key + kLanes * c);
+      for (int q = 0; q < num_queries; ++q) {
+        if (l >= lengths[q]) continue;
+        Vec dot = vmul(vload(queries[q]), k[0]);
+        for (int c = 1; c < VECS; ++c) dot = vfmadd(vload(queries[q] + kLanes * c), k[c], dot);
+        const float s = vsum(dot) * scale;
+        scores[q * score_stride + l] = s;
+        maxima[q] = std::max(maxima[q], s);
+      }
+    }
+    float inverses[kMaxQueries];
+    for (int q = 0; q < num_queries; ++q) {
+      inverses[q] = 1.f / exponentiate(scores + q * score_stride, lengths[q], maxima[q]);
+      std::memset(outs[q], 0, hd * sizeof(float));
+    }
+    for (int64_t l = 0; l < longest; ++l) {
+      const KV* value = value_cache + slots[l] * kv_stride + kv_offset;
+      Vec v[VECS];
+      for (int c = 0; c < VECS; ++c) v[c] = vload(value + kLanes * c);
+      for (int q = 0; q < num_queries; ++q) {
+        if (l >= lengths[q]) continue;
+        const Vec p = vset1(scores[q * score_stride + l]);
+        for (int c = 0; c < VECS; ++c) vstore(outs[q] + kLanes * c, vfmadd(p, v[c], vload(outs[q] + kLanes * c)));
+      }
+    }
+    for (int q = 0; q < num_queries; ++q) {
+      const Vec inverse = vset1(inverses[q]);
+      for (int c = 0; c < VECS; ++c) vstore(outs[q] + kLanes * c, vmul(vload(outs[q] + kLanes * c), inverse));
+    }
+    return;
+  }
+#endif
+  for (int64_t l = 0; l < longest; ++l) {
+    const KV* key = key_cache + slots[l] * kv_stride + kv_offset;
+    for (int q = 0; q < num_queries; ++q) {
+      if (l >= lengths[q]) continue;
+      float dot = 0.f;
+      for (int64_t j = 0; j < hd; ++j) dot += queries[q][j] * load_kv(key[j]);
+      scores[q * score_stride + l] = dot * scale;
+      maxima[q] = std::max(maxima[q], dot * scale);
+    }
+  }
+  float inverses[kMaxQueries];
+  for (int q = 0; q < num_queries; ++q) {
+    inverses[q] = 1.f / exponentiate(scores + q * score_stride, lengths[q], maxima[q]);
+    for (int64_t j = 0; j < hd; ++j) outs[q][j] = 0.f;
+  }
+  for (int64_t l = 0; l < longest; ++l) {
+    const KV* value = value_cache + slots[l] * kv_stride + kv_offset;
+    for (int q = 0; q < num_queries; ++q) {
+      if (l >= lengths[q]) continue;
+      const float p = scores[q * score_stride + l];
+      for (int64_t j = 0; j < hd; ++j) outs[q][j] += p * load_kv(value[j]);
+    }
+  }
+  for (int q = 0; q < num_queries; ++q) {
+    for (int64_t j = 0; j < hd; ++j) outs[q][j] *= inverses[q];
+  }
+}
+
+// One query token per row over its paged context. q rows are read from qkv (stride q_stride);
+// out [D, H * hd]. Consecutive rows that are one causal prompt chunk (each sees one more
+// position than the row before, over the same slots: found by comparing the slot tables, so
+// rows of different requests are never merged) form a tile; each pass serves up to
+// kMaxQueries queries of one KV head: the heads of its GQA group, for as many rows of the tile
+// as fit. Parallel over (tile part, KV head).
+template <typename KV>
+void decode_attention_rows(const float* q, int64_t q_stride, const KV* key_cache, const KV* value_cache,
+                           const int64_t* slot_table, int64_t max_context, const int64_t* context_lens,
+                           int64_t num_rows, const Shape& shape, float scale, float* out) {
+  const int64_t H = shape.num_heads, KVH = shape.num_kv_heads, hd = shape.head_dim;
+  const int64_t group = H / KVH;
+  auto attend = &attend_queries<KV, 0>;
+  if constexpr (kLanes > 0) {
+    if (hd == kLanes) attend = &attend_queries<KV, 1>;
+    if (hd == 2 * kLanes) attend = &attend_queries<KV, 2>;
+    if (hd == 4 * kLanes) attend = &attend_queries<KV, 4>;
+    if (hd == 8 * kLanes) attend = &attend_queries<KV, 8>;
+    // Gemma 3's 256: the compiler keeps some vectors on the stack (L1), still far faster than the portable loop.
+    if (hd == 16 * kLanes) attend = &attend_queries<KV, 16>;
+  }
+  // Passes: (first row, rows), all rows of a pass in one tile; the last row's slots serve all.
+  // A GQA group larger than kMaxQueries is split into parts of heads.
+  const int64_t heads_per_part = std::min<int64_t>(group, kMaxQueries);
+  const int64_t num_head_parts = (group + heads_per_part - 1) / heads_per_part;
+  const int64_t rows_per_pass = kMaxQueries / heads_per_part;
+  std::vector<std::pair<int64_t, int64_t>> passes;
+  for (int64_t first = 0; first < num_rows;) {
+    int64_t end = first + 1;
+    while (end < num_rows && end - first < rows_per_pass && context_lens[end] == context_lens[end - 1] + 1 &&
+           std::memcmp(slot_table + end * max_context, slot_table + (end - 1) * max_context,
+                       context_lens[end - 1] * sizeof(int64_t)) == 0) {
+      ++end;
+    }
+    passes.emplace_back(first, end - first);
+    first = end;
+  }
+  const int64_t items_per_pass = KVH * num_head_parts;
+  at::parallel_for(0, static_cast<int64_t>(passes.size()) * items_per_pass, 1, [&](int64_t begin, int64_t end) {
+    // Not zeroed: every score a pass reads it has written.
+    std::unique_ptr<float[]> scores(new float[kMaxQueries * max_context]);
+    const float* queries[kMaxQueries];
+    float* outs[kMaxQueries];
+    int64_t lengths[kMaxQueries];
+    for (int64_t index = begin; index < end; ++index) {
+      const auto [first, rows] = passes[index / items_per_pass];
+      const int64_t kv_head = index % items_per_pass / num_head_parts;
+      const int64_t first_head = index % num_head_parts * heads_per_part;
+      int num_queries = 0;
+      for (int64_t r = first; r < first + rows; ++r) {
+        for (int64_t g = first_head; g < std::min(group, first_head + heads_per_part); ++g) {
+          const int64_t h = kv_head * group + g;
+          queries[num_queries] = q + r * q_stride + h * hd;
+          outs[num_queries] = out + r * H * hd + h * hd;
+          lengths[num_queries] = context_lens[r];
+          ++num_queries;
+        }
+      }
+      attend(queries, lengths, num_queries, key_cache, value_cache, slot_table + (first + rows - 1) * max_context,
+             KVH * hd, kv_head * hd, hd, scale, scores.get(), max_context, outs);
+    }
+  });
+}
+
 
 
 // Gated feed-forward activations: out = act(gate) * up, act = SiLU (Llama) or tanh-GELU (Gemma).

@@ -134,6 +134,9 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # auto: float32 for float32 weights, bfloat16 otherwise (model/llama.py kv_cache_dtype)
     kv_cache_dtype: str = "auto"
+    # The prefix cache's disk tier (kv_cache/disk_tier.py): a directory and its size limit.
+    kv_cache_disk: str | None = None
+    kv_cache_disk_bytes: int = 4 * 1024**3
 
     def __post_init__(self) -> None:
         _require(self.kv_cache_dtype in SUPPORTED_KV_CACHE_DTYPES, "kv_cache_dtype",
@@ -142,6 +145,13 @@ class CacheConfig:
                  f"must be a power of two from 1 to 128, got {self.block_size}")
         _require(self.kv_cache_memory_bytes >= 1024**2, "kv_cache_memory",
                  f"must be at least 1MiB, got {self.kv_cache_memory_bytes} bytes")
+        _require(self.kv_cache_disk_bytes >= 1024**2, "kv_cache_disk_size",
+                 f"must be at least 1MiB, got {self.kv_cache_disk_bytes} bytes")
+        _require(self.kv_cache_disk is None or self.enable_prefix_caching, "kv_cache_disk",
+                 "needs prefix caching (it is the prefix cache's disk tier)")
+
+
+DEFAULT_MAX_STEP_MS = 250.0
 
 
 @dataclass(frozen=True)
@@ -149,8 +159,17 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # None: the model's own context length
+    # A step's time budget while it carries decodes (fair chunked prefill, scheduler.py):
+    # milliseconds, "auto" (prefill gets the decodes' own time), or None (the token budget alone).
+    # 250 ms: the measured trade in docs/benchmarks.md ("Fairness"): a stall a quarter of what
+    # the token budget alone gives, for 40% more TTFT on a 5,500-token prompt; "auto" keeps
+    # steps within 2x but multiplies that prompt's TTFT by 5 on a CPU.
+    max_step_ms: float | str | None = DEFAULT_MAX_STEP_MS
 
     def __post_init__(self) -> None:
+        _require(self.max_step_ms is None or self.max_step_ms == "auto"
+                 or (isinstance(self.max_step_ms, (int, float)) and self.max_step_ms > 0), "max_step_ms",
+                 f"must be a positive number of milliseconds, 'auto' or None, got {self.max_step_ms!r}")
         _require(1 <= self.max_num_seqs <= 4096, "max_num_seqs", f"must be in 1..4096, got {self.max_num_seqs}")
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
                  f"must be >= 1, got {self.max_num_batched_tokens}")

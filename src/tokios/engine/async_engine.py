@@ -225,6 +225,11 @@ class AsyncEngine:
                 return
             for output in outputs:
                 self._deliver(output)
+        if self.failure is None:
+            try:
+                self.core.save_prefix_cache()
+            except Exception:  # the disk tier is a cache: a failure to fill it loses nothing
+                logger.exception("could not write the prefix cache to its disk tier")
 
     def _drain_commands(self) -> None:
         while True:

@@ -66,6 +66,13 @@ class EngineStats:
     num_constrained_requests: int = 0
     grammar_compile_seconds: object | None = None
     grammar_mask_seconds: object | None = None
+    # The prefix cache's disk tier (kv_cache/disk_tier.py): prompt tokens loaded from it, blocks
+    # written, files rejected (corrupt, truncated, foreign), and what it holds now.
+    disk_cache_hit_tokens: int = 0
+    disk_cache_writes: int = 0
+    disk_cache_rejected: int = 0
+    disk_cache_files: int = 0
+    disk_cache_bytes: int = 0
 
 
 def resolve_device(name: str) -> torch.device:
@@ -126,9 +133,10 @@ class EngineCore:
             raise InvalidRequestError(
                 f"kv_cache_memory {config.cache.kv_cache_memory_bytes} bytes holds no block of {block_size} tokens "
                 f"({block_bytes * len(layout.groups)} bytes)", param="kv_cache_memory")
-        self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
-                                 cache_salt=f"{path}|{self.weight_format}|{self.tokenizer.chat_template_fingerprint}",
-                                 layout=layout)
+        cache_salt = f"{path}|{self.weight_format}|{self.tokenizer.chat_template_fingerprint}"
+        self.disk_cache = self._open_disk_cache(config.cache, cache_salt, path, kv_dtype, layout)
+        self.kv = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, cache_salt=cache_salt,
+                                 layout=layout, disk=self.disk_cache, block_payload_bytes=block_bytes)
         max_chunk = config.scheduler.max_num_batched_tokens
         self.kv_max_request_tokens = self.kv.max_request_tokens(max_chunk)
         if layout.has_windows:
@@ -143,15 +151,50 @@ class EngineCore:
             logger.info("KV cache: %s, %d bytes per token, %d blocks of %d tokens, capacity %d tokens",
                         str(kv_dtype).removeprefix("torch."), self.kv_bytes_per_token, num_blocks, block_size,
                         num_blocks * block_size)
+        max_step_ms = config.scheduler.max_step_ms
         self.scheduler = Scheduler(self.kv, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
-                                   self.max_model_len)
+                                   self.max_model_len,
+                                   max_step_s=max_step_ms / 1000 if isinstance(max_step_ms, (int, float)) else max_step_ms)
         self.runner = ModelRunner(self.model, self.model_config, num_blocks, block_size, self.device, kv_dtype,
                                   seed=config.seed)
+        if self.disk_cache is not None:
+            self.runner.block_sink = self.disk_cache.write_async
         self.speculator = Speculator(config.speculative, self._make_proposers(num_blocks, block_size))
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.num_steps = 0
         self.num_constrained_requests = 0
+
+    def _open_disk_cache(self, cache, cache_salt: str, path: str, kv_dtype, layout):
+        if cache.kv_cache_disk is None:
+            return None
+        from tokios.kv_cache.disk_tier import DiskPrefixCache, fingerprint
+
+        try:
+            stat = os.stat(path) if os.path.isfile(path) else None
+        except OSError:
+            stat = None
+        config = self.model_config
+        identity = fingerprint(cache_salt, stat and (stat.st_size, stat.st_mtime_ns), str(kv_dtype), cache.block_size,
+                               config.num_layers, config.num_kv_heads, config.head_dim, layout.windows)
+        disk = DiskPrefixCache(cache.kv_cache_disk, cache.kv_cache_disk_bytes, identity)
+        logger.info("KV cache disk tier: %s, %d blocks (%.1f MiB) of this model there, limit %.1f MiB%s",
+                    disk.directory, disk.num_files, disk.total_bytes / 2**20, cache.kv_cache_disk_bytes / 2**20,
+                    "" if disk.is_writable else " (not writable: read only)")
+        return disk
+
+    def save_prefix_cache(self) -> int:
+        """Write every block of the memory prefix cache to the disk tier and wait for the writes
+        (at shutdown; a restart then starts warm). Returns the blocks handed to the tier."""
+        if self.disk_cache is None:
+            return 0
+        blocks = [(block_id, key) for block_id, key in self.kv.cached_block_keys() if key not in self.disk_cache]
+        for (_, key), payload in zip(blocks, self.runner.block_payloads(blocks)):
+            self.disk_cache.write_async(key, payload)
+        self.disk_cache.flush()
+        logger.info("KV cache disk tier: wrote %d blocks at shutdown (%d on disk, %.1f MiB)", len(blocks),
+                    self.disk_cache.num_files, self.disk_cache.total_bytes / 2**20)
+        return len(blocks)
 
     def _make_proposers(self, num_blocks: int, block_size: int) -> dict:
         spec = self.config.speculative
@@ -236,6 +279,7 @@ class EngineCore:
         self.speculator.propose(scheduler_output)
         started = time.perf_counter()
         runner_output = self.runner.execute(scheduler_output)
+        self.scheduler.observe_step(scheduler_output, time.perf_counter() - started)
         finished = self.scheduler.update(scheduler_output, runner_output.sampled_token_ids)
         self.speculator.observe(scheduler_output, runner_output.sampled_token_ids, time.perf_counter() - started)
         for sequence_id, error in runner_output.failed.items():
@@ -278,6 +322,11 @@ class EngineCore:
             num_blocks_free=pool.num_free_blocks, num_blocks_cached=pool.num_cached_blocks,
             kv_cache_usage=pool.num_used_blocks / pool.num_blocks,
             prefix_cache_queries=self.kv.prefix_cache_queries, prefix_cache_hits=self.kv.prefix_cache_hits,
+            disk_cache_hit_tokens=self.kv.disk_hits,
+            disk_cache_writes=self.disk_cache.num_writes if self.disk_cache else 0,
+            disk_cache_rejected=self.disk_cache.num_rejected if self.disk_cache else 0,
+            disk_cache_files=self.disk_cache.num_files if self.disk_cache else 0,
+            disk_cache_bytes=self.disk_cache.total_bytes if self.disk_cache else 0,
             num_preemptions=self.scheduler.num_preemptions,
             num_prompt_tokens=self.num_prompt_tokens, num_generation_tokens=self.num_generation_tokens,
             num_steps=self.num_steps,
@@ -292,7 +341,7 @@ class EngineCore:
     def reset_counters(self) -> None:
         """Cumulative request counters back to zero (the KV cache and its contents stay)."""
         self.num_prompt_tokens = self.num_generation_tokens = self.num_steps = self.num_constrained_requests = 0
-        self.kv.prefix_cache_queries = self.kv.prefix_cache_hits = 0
+        self.kv.prefix_cache_queries = self.kv.prefix_cache_hits = self.kv.disk_hits = 0
         self.scheduler.num_preemptions = 0
 
     def check_invariants(self) -> None:

@@ -30,15 +30,20 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_model_len: int | None = None,
                  num_threads: int | None = None, seed: int = 0,
                  speculative_config: SpeculativeConfig | None = None, kv_cache_dtype: str = "auto",
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, max_step_ms: float | str | None = None,
+                 kv_cache_disk: str | None = None, kv_cache_disk_size: str | int = "4GiB"):
+        # max_step_ms defaults to None here, unlike the server: a batch run has no one waiting
+        # on a stream, so prefill chunks are cut by the token budget alone (SchedulerConfig).
         self.engine_config = EngineConfig(
             load=LoadConfig(model=model, dtype=dtype, device=device, num_threads=num_threads,
                             chat_template=chat_template),
             cache=CacheConfig(block_size=block_size,
                               kv_cache_memory_bytes=parse_size(kv_cache_memory, field_name="kv_cache_memory"),
-                              enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype),
+                              enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype,
+                              kv_cache_disk=kv_cache_disk,
+                              kv_cache_disk_bytes=parse_size(kv_cache_disk_size, field_name="kv_cache_disk_size")),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      max_model_len=max_model_len),
+                                      max_model_len=max_model_len, max_step_ms=max_step_ms),
             speculative=speculative_config or SpeculativeConfig(),
             seed=seed)
         self.core = EngineCore(self.engine_config)
@@ -106,6 +111,10 @@ class LLM:
         self.output_processor.add_request(request_id, text, token_ids, params)
         self.core.add_requests(requests)
         return request_id
+
+    def close(self) -> None:
+        """Write the prefix cache to its disk tier (--kv-cache-disk), so the next start is warm."""
+        self.core.save_prefix_cache()
 
     def stats(self) -> EngineStats:
         return self.core.stats()

@@ -34,6 +34,11 @@ class BlockPool:
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
         self.num_evictions = 0
+        # With a disk tier (kv_cache/disk_tier.py): (block id, cache key) of every cached block
+        # evicted since the last take_evicted(), whose bytes are still in the block until the
+        # step that reuses it runs.
+        self.record_evictions = False
+        self._evicted: list[tuple[int, object]] = []
         # Kept as a count (not recomputed by scanning the free queue) so that stats() from another
         # thread never iterates a structure the engine thread is changing.
         self._num_cached_free = 0
@@ -60,6 +65,8 @@ class BlockPool:
             block_id, _ = self.free_queue.popitem(last=False)
             if self.block_hashes[block_id] is not None:
                 self._num_cached_free -= 1
+                if self.record_evictions:
+                    self._evicted.append((block_id, self.block_hashes[block_id]))
             self._evict_hash(block_id)
             self.ref_counts[block_id] = 1
             block_ids.append(block_id)
@@ -72,6 +79,25 @@ class BlockPool:
             if self.hash_to_block.get(block_hash) == block_id:
                 del self.hash_to_block[block_hash]
             self.num_evictions += 1
+
+    def uncache(self, block_id: int) -> None:
+        """Drop a block's hash without counting an eviction (its bytes were never the tokens')."""
+        block_hash = self.block_hashes[block_id]
+        if block_hash is None:
+            return
+        self.block_hashes[block_id] = None
+        if self.hash_to_block.get(block_hash) == block_id:
+            del self.hash_to_block[block_hash]
+        if self.ref_counts[block_id] == 0:
+            self._num_cached_free -= 1
+
+    def take_evicted(self) -> list[tuple[int, object]]:
+        evicted, self._evicted = self._evicted, []
+        return evicted
+
+    def cached_blocks(self) -> list[tuple[int, object]]:
+        """(block id, cache key) of every block registered in the cache, in use or free."""
+        return [(block_id, key) for block_id, key in enumerate(self.block_hashes) if key is not None]
 
     def get_cached_block(self, block_hash: int) -> int | None:
         return self.hash_to_block.get(block_hash) if self.enable_caching else None

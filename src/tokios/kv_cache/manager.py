@@ -15,6 +15,11 @@ template), so blocks are only shared between requests whose whole prefix matches
 Writes into a block that another request also holds (a forked sample re-writing its last
 prompt token, see fork) are copy-on-write: allocate_slots returns the (source, destination)
 block pairs the runner must copy before the step.
+
+With a disk tier (kv_cache/disk_tier.py), a prefix lookup goes on past the memory hit into the
+blocks on disk: each is read (and verified) at once into a newly taken block, and the runner
+writes its bytes into the cache before the step (take_transfers: loads). A cached block evicted
+to make room is written to disk from the bytes it still holds when the step starts (spills).
 """
 
 from __future__ import annotations
@@ -52,7 +57,9 @@ NULL_BLOCK = -1  # a block-table entry a sliding-window group has freed (never r
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 cache_salt: str = "", layout: KVCacheLayout | None = None):
+                 cache_salt: str = "", layout: KVCacheLayout | None = None, disk=None, block_payload_bytes: int = 0):
+        """disk: a DiskPrefixCache (or None); block_payload_bytes: the bytes of one block of one
+        KV group (what a disk file must hold)."""
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.layout = layout or KVCacheLayout.for_windows((None,))
@@ -63,7 +70,14 @@ class KVCacheManager:
         self.request_to_hashes: dict[str, list[int]] = {}
         self.request_to_num_cached_blocks: dict[str, int] = {}  # full blocks registered in the cache
         self.prefix_cache_queries = 0  # tokens looked up
-        self.prefix_cache_hits = 0  # tokens found
+        self.prefix_cache_hits = 0  # tokens found (in memory or on disk)
+        self.disk = disk if enable_prefix_caching else None
+        self.block_payload_bytes = block_payload_bytes
+        self.disk_hits = 0  # tokens loaded from disk
+        self.pool.record_evictions = self.disk is not None
+        # Blocks read from disk this step: (block id, cache key, payload); each holds a reference
+        # until take_transfers(), so nothing can take it before the runner has written it.
+        self._loads: list[tuple[int, object, bytes]] = []
 
     # ---- hashing -------------------------------------------------------------------------
     def _block_hashes(self, request: CacheRequest, num_tokens: int) -> list[int]:
@@ -99,14 +113,11 @@ class KVCacheManager:
         max_blocks = (num_tokens - 1) // self.block_size
         hashes = self._block_hashes(request, max_blocks * self.block_size)
         cached = [[self.pool.get_cached_block(self._cache_key(g, h)) for h in hashes] for g in range(len(self.groups))]
-        num_hit = max_blocks
-        while True:  # shrink until every group can serve the same prefix (0 always can)
-            before = num_hit
-            for g, group in enumerate(self.groups):
-                while num_hit and any(block is None
-                                      for block in cached[g][self._first_needed_block(group, num_hit * self.block_size):num_hit]):
-                    num_hit -= 1
-            if num_hit == before:
+        on_disk = [[block is None and self.disk is not None and self._cache_key(g, h) in self.disk
+                    for block, h in zip(cached[g], hashes)] for g in range(len(self.groups))]
+        while True:
+            num_hit = self._servable_prefix(cached, on_disk, max_blocks)
+            if self._load_from_disk(cached, on_disk, hashes, num_hit):
                 break
         tables = []
         for g, group in enumerate(self.groups):
@@ -115,6 +126,66 @@ class KVCacheManager:
         self.prefix_cache_queries += num_tokens
         self.prefix_cache_hits += num_hit * self.block_size
         return tables, num_hit * self.block_size
+
+    def _servable_prefix(self, cached: list[list[int | None]], on_disk: list[list[bool]], max_blocks: int) -> int:
+        """The most leading blocks every group can serve, from memory or from disk."""
+        num_hit = max_blocks
+        while True:  # shrink until every group can serve the same prefix (0 always can)
+            before = num_hit
+            for g, group in enumerate(self.groups):
+                first = self._first_needed_block(group, num_hit * self.block_size)
+                while num_hit and any(block is None and not disk
+                                      for block, disk in zip(cached[g][first:num_hit], on_disk[g][first:num_hit])):
+                    num_hit -= 1
+                    first = self._first_needed_block(group, num_hit * self.block_size)
+            if num_hit == before:
+                return num_hit
+
+    def _load_from_disk(self, cached, on_disk, hashes: list[int], num_hit: int) -> bool:
+        """Read the disk blocks the first num_hit blocks need into new blocks (cached[g][i] set).
+        False when one could not be (a bad file, no free block): it is marked unavailable and
+        the caller looks for a shorter prefix."""
+        for i in range(num_hit):
+            for g, group in enumerate(self.groups):
+                if i < self._first_needed_block(group, num_hit * self.block_size) or cached[g][i] is not None:
+                    continue
+                key = self._cache_key(g, hashes[i])
+                payload = self.disk.read(key, self.block_payload_bytes) if self.pool.num_free_blocks else None
+                if payload is None:
+                    on_disk[g][i] = False
+                    return False
+                (block_id,) = self.pool.get_new_blocks(1)
+                self.pool.cache_block(block_id, key)
+                self._loads.append((block_id, key, payload))
+                self.disk_hits += self.block_size if g == 0 else 0
+                cached[g][i] = block_id
+        return True
+
+    def take_transfers(self) -> tuple[list[tuple[int, object]], list[tuple[int, object, bytes]]]:
+        """Since the last call: (block id, cache key) of cached blocks evicted, whose bytes the
+        runner writes to disk before the step, and (block id, cache key, payload) of blocks read
+        from disk, which it writes into the cache after those. Drops the references the loaded
+        blocks held."""
+        spills = self.pool.take_evicted() if self.disk is not None else []
+        loads, self._loads = self._loads, []
+        self.pool.free_blocks([block_id for block_id, _, _ in loads])
+        return spills, loads
+
+    def cached_block_keys(self) -> list[tuple[int, object]]:
+        """(block id, cache key) of every block in the memory cache (what shutdown writes to disk)."""
+        return self.pool.cached_blocks()
+
+    def uncache_uncomputed(self, request: CacheRequest) -> None:
+        """Take out of the cache the request's blocks registered for tokens it has not computed
+        (it was scheduled this step and then preempted before the step ran): their bytes are not
+        the tokens' K/V and must never be found by a prefix lookup, in memory or on disk."""
+        first = request.num_computed_tokens // self.block_size
+        for table in self.request_to_blocks.get(request.request_id, []):
+            for block_id in table[first:]:
+                if block_id != NULL_BLOCK and self.pool.ref_counts[block_id] == 1:
+                    self.pool.uncache(block_id)
+        num_cached = self.request_to_num_cached_blocks.get(request.request_id, 0)
+        self.request_to_num_cached_blocks[request.request_id] = min(num_cached, first)
 
     def can_fit(self, num_tokens: int, max_chunk_tokens: int | None = None) -> bool:
         """Could a request of num_tokens ever fit, with the whole pool to itself? A sliding group

@@ -86,6 +86,8 @@ class ModelRunner:
         # request id -> the running sum (mean pooling) of its prompt's hidden states so far.
         self._pooled: dict[str, torch.Tensor] = {}
         self.grammar_bitmask = GrammarBitmask(model_config.vocab_size, device)
+        # Where evicted cached blocks' bytes go (the disk tier's write_async), or None.
+        self.block_sink = None
 
     # ---- per-request state ------------------------------------------------------------------
     def _state(self, request: Request) -> RequestSamplingState:
@@ -102,6 +104,42 @@ class ModelRunner:
         if state is not None:
             self.state_store.remove(state)
 
+    # ---- the disk tier's bytes (kv_cache/disk_tier.py) ----------------------------------------
+    def _group_layers(self, cache_key) -> tuple[int, ...]:
+        group = cache_key[0] if isinstance(cache_key, tuple) else 0
+        return self.layout.groups[group].layers
+
+    def block_payloads(self, blocks: list[tuple[int, object]]) -> list[bytes]:
+        """The bytes of each (block id, cache key): every layer of the key's KV group, keys then
+        values, [block_size, kv_heads, head_dim] each, in the cache's dtype."""
+        payloads = []
+        bs = self.block_size
+        for block_id, key in blocks:
+            parts = []
+            for layer in self._group_layers(key):
+                key_cache, value_cache = self.kv_caches[layer]
+                parts.append(key_cache[block_id * bs:(block_id + 1) * bs])
+                parts.append(value_cache[block_id * bs:(block_id + 1) * bs])
+            payloads.append(torch.stack(parts).cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        return payloads
+
+    def payload_bytes(self) -> int:
+        """Bytes of one block of one KV group (what block_payloads gives for each)."""
+        key_cache = self.kv_caches[0][0]
+        return 2 * len(self.layout.groups[0].layers) * self.block_size * key_cache[0].numel() * key_cache.element_size()
+
+    def _load_blocks(self, loads: list[tuple[int, object, bytes]]) -> None:
+        bs = self.block_size
+        for block_id, key, payload in loads:
+            layers = self._group_layers(key)
+            reference = self.kv_caches[layers[0]][0]
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(reference.dtype)
+            data = data.view(2 * len(layers), bs, *reference.shape[1:]).to(self.device)
+            for index, layer in enumerate(layers):
+                key_cache, value_cache = self.kv_caches[layer]
+                key_cache[block_id * bs:(block_id + 1) * bs] = data[2 * index]
+                value_cache[block_id * bs:(block_id + 1) * bs] = data[2 * index + 1]
+
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         # Copies are of block ids in the one pool; each group's blocks live in the same tensors.
         bs = self.block_size
@@ -116,6 +154,13 @@ class ModelRunner:
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         for request_id in scheduler_output.finished_request_ids:
             self.drop_request(request_id)
+        # Evicted blocks leave for disk before anything overwrites them, then disk blocks come in.
+        if scheduler_output.block_spills and self.block_sink is not None:
+            for (_, key), payload in zip(scheduler_output.block_spills,
+                                         self.block_payloads(scheduler_output.block_spills)):
+                self.block_sink(key, payload)
+        if scheduler_output.block_loads:
+            self._load_blocks(scheduler_output.block_loads)
         if scheduler_output.block_copies:
             self._copy_blocks(scheduler_output.block_copies)
         if scheduler_output.is_empty:

@@ -4,14 +4,24 @@ Pure Python (no torch). There is no prefill/decode split: every request has
 num_computed_tokens and a target (all of its token ids); a step gives each scheduled request
 some new tokens to compute, under two limits (max_num_batched_tokens, max_num_seqs):
 
-1. Running requests first, oldest first: each gets what it still lacks (one token when
-   decoding; the rest of its prompt, cut to the remaining budget, when prefilling in chunks).
+1. Running requests first: decoding ones (oldest first) get their one token, then prefilling
+   ones (oldest first) the rest of their prompt, cut to the remaining budget (chunked prefill).
    When the KV pool cannot hold a running request's new tokens, the newest running request is
    preempted (blocks freed, generated tokens kept, recomputed later) and put at the head of the
    waiting queue, until the older one fits.
 2. Then waiting requests, in order, while budget, sequence slots and blocks last: each starts
    from its longest cached prefix (prefix caching) or, for the extra samples of an n > 1
    request, from a fork of its parent's prompt blocks.
+
+Fair chunked prefill: when a step carries decodes, its prefill chunks are also cut to a time
+budget (max_step_s; "auto" gives prefill as much time as the step's decodes take, so a long
+prompt at most doubles the other streams' inter-token latency), predicted from the measured
+step times (step_cost.py: a decode step's time, and what a prompt token adds to a step at the
+context it is at now). Each prefilling request still gets
+at least MIN_PREFILL_CHUNK tokens a step, so a long prompt always progresses. Until the model
+has seen enough steps to predict (just after start), chunks next to decodes are
+CALIBRATION_CHUNK tokens. A step without decodes has no time budget: a prompt alone on the
+engine prefills at full speed.
 
 update() takes the sampled tokens back, appends them, checks EOS / stop tokens / length, and
 frees the blocks of finished requests.
@@ -25,12 +35,22 @@ before anyone is preempted. After verification update() rolls the rejected posit
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from tokios.kv_cache.manager import KVCacheManager
 from tokios.request import Request, RequestStatus
+from tokios.scheduler.step_cost import StepCostModel
+
+# The fewest prompt tokens a prefilling request gets in a step that has a time budget.
+MIN_PREFILL_CHUNK = 8
+# A prefill chunk next to decodes while the cost model cannot predict yet: small enough not to
+# stall the streams, large enough to teach the model the per-row cost.
+CALIBRATION_CHUNK = 32
+# max_step_s value: prefill gets as much time as the step's decodes (a step at most doubles).
+AUTO_STEP_BUDGET = "auto"
 
 
 @dataclass
@@ -41,6 +61,11 @@ class ScheduledRequest:
     # Room reserved for proposed tokens (speculative decoding); the speculator fills
     # request.spec_token_ids with at most this many and sets num_new_tokens = 1 + their count.
     num_spec_slots: int = 0
+
+    @property
+    def is_prefill(self) -> bool:
+        """A chunk of known tokens, not a decode (one new token, or a verify of proposals)."""
+        return self.request.num_tokens - self.request.num_computed_tokens > 1
 
     @property
     def samples_this_step(self) -> bool:
@@ -55,10 +80,19 @@ class SchedulerOutput:
     preempted_request_ids: list[str] = field(default_factory=list)
     # Requests that left the engine since the last step: the runner drops their state.
     finished_request_ids: list[str] = field(default_factory=list)
+    # The disk tier (kv_cache/manager.py take_transfers): cached blocks evicted this step, whose
+    # bytes go to disk before the step runs, then blocks read from disk, written into the cache.
+    block_spills: list[tuple[int, object]] = field(default_factory=list)
+    block_loads: list[tuple[int, object, bytes]] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Prompt tokens (or tokens recomputed after a preemption) in the step; valid until update()."""
+        return sum(s.num_new_tokens for s in self.scheduled if s.is_prefill)
 
     @property
     def is_empty(self) -> bool:
@@ -71,10 +105,39 @@ class FinishedRequest:
     status: RequestStatus
 
 
+class PrefillAllowance:
+    """The time a step's prefill chunks may still take: unlimited (no decodes, or no budget),
+    calibrating (a budget but no estimate yet) or seconds under the step cost model."""
+
+    def __init__(self, cost: StepCostModel | None, seconds: float):
+        self.cost = cost  # None: unlimited
+        self.seconds = seconds
+
+    @classmethod
+    def unlimited(cls) -> "PrefillAllowance":
+        return cls(None, math.inf)
+
+    def chunk(self, num_new: int) -> int:
+        """num_new prompt tokens cut to what the allowance holds."""
+        if self.cost is None or num_new <= MIN_PREFILL_CHUNK:
+            return num_new
+        if not self.cost.is_calibrated:
+            return min(num_new, CALIBRATION_CHUNK)
+        return min(num_new, max(MIN_PREFILL_CHUNK, self.cost.max_prefill_tokens(self.seconds)))
+
+    def spend(self, num_tokens: int) -> None:
+        if self.cost is not None and self.cost.is_calibrated:
+            self.seconds -= num_tokens * self.cost.seconds_per_prefill_token
+
+
 class Scheduler:
     def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int):
+                 max_model_len: int, max_step_s: float | str | None = None):
+        """max_step_s: a step's time budget when it carries decodes: seconds, AUTO_STEP_BUDGET, or
+        None (the token budget alone)."""
         self.kv = kv_manager
+        self.max_step_s = max_step_s
+        self.step_cost = StepCostModel()
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -114,10 +177,19 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         now = time.monotonic()
 
-        index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens != 1]
+        allowance = PrefillAllowance.unlimited()
+        reached_prefills = False
+        for request in decoding + prefilling:
+            if budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            if request in prefilling and not reached_prefills:
+                reached_prefills = True
+                allowance = self._prefill_allowance(output)
+            num_new = allowance.chunk(min(request.num_tokens - request.num_computed_tokens, budget))
             num_spec = self._num_spec_slots(request, num_new, budget)
             copies = self.kv.allocate_slots(request, num_new + num_spec) if num_spec else None
             if copies is None:
@@ -135,11 +207,29 @@ class Scheduler:
             output.scheduled.append(ScheduledRequest(request, num_new + num_spec, self.kv.block_tables(request.request_id),
                                                      num_spec))
             budget -= num_new + num_spec
-            index += 1
+            if request in prefilling:
+                allowance.spend(num_new)
 
         if not output.preempted_request_ids:
-            self._admit_waiting(output, budget, now)
+            if not reached_prefills:
+                allowance = self._prefill_allowance(output)
+            self._admit_waiting(output, budget, now, allowance)
+        output.block_spills, output.block_loads = self.kv.take_transfers()
         return output
+
+    def _prefill_allowance(self, output: SchedulerOutput) -> "PrefillAllowance":
+        """What the step's prefill chunks may add, given the decodes scheduled so far."""
+        if self.max_step_s is None or not output.scheduled:
+            return PrefillAllowance.unlimited()
+        decode_s = self.step_cost.decode_s or 0.0
+        return PrefillAllowance(self.step_cost, decode_s if self.max_step_s == AUTO_STEP_BUDGET
+                                else self.max_step_s - decode_s)
+
+    def observe_step(self, output: SchedulerOutput, seconds: float) -> None:
+        """The measured time of the step that ran `output` (feeds the step cost model). Call it
+        before update(), while num_computed_tokens still describe the step."""
+        num_prefill = output.num_prefill_tokens
+        self.step_cost.observe(output.num_scheduled_tokens - num_prefill, num_prefill, seconds)
 
     def _num_spec_slots(self, request: Request, num_new: int, budget: int) -> int:
         """Proposed tokens a decoding request may verify this step: its wish, cut so the
@@ -152,6 +242,8 @@ class Scheduler:
 
     def _preempt(self, request: Request, output: SchedulerOutput) -> None:
         self.running.remove(request)
+        if any(s.request is request for s in output.scheduled):
+            self.kv.uncache_uncomputed(request)  # its blocks for this step's tokens stay unwritten
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -162,7 +254,7 @@ class Scheduler:
         # A request scheduled earlier in this step may be the victim: unschedule it.
         output.scheduled = [s for s in output.scheduled if s.request is not request]
 
-    def _admit_waiting(self, output: SchedulerOutput, budget: int, now: float) -> None:
+    def _admit_waiting(self, output: SchedulerOutput, budget: int, now: float, allowance: "PrefillAllowance") -> None:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.popleft()
@@ -171,22 +263,24 @@ class Scheduler:
                     parent.status != RequestStatus.RUNNING or parent.num_computed_tokens < parent.num_prompt_tokens):
                 skipped.append(request)  # its parent's prompt is not computed yet: fork later
                 continue
-            copies = self._admit(request, budget, parent)
+            copies, num_new = self._admit(request, budget, parent, allowance)
             if copies is None:
                 self.waiting.appendleft(request)
                 break
             output.block_copies.extend(copies)
-            num_new = request.num_tokens - request.num_computed_tokens
-            num_new = min(num_new, budget)
             output.scheduled.append(ScheduledRequest(request, num_new, self.kv.block_tables(request.request_id)))
             budget -= num_new
+            allowance.spend(num_new)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
             self.running.append(request)
         self.waiting.extendleft(reversed(skipped))
 
-    def _admit(self, request: Request, budget: int, parent: Request | None) -> list[tuple[int, int]] | None:
+    def _admit(self, request: Request, budget: int, parent: Request | None,
+               allowance: "PrefillAllowance") -> tuple[list[tuple[int, int]] | None, int]:
+        """Blocks for a waiting request's first chunk: (copy-on-write pairs or None when the pool
+        cannot hold it, the chunk's token count)."""
         if parent is not None and not parent.is_finished and request.num_output_tokens == 0:
             # n > 1: share the parent's prompt blocks and recompute only the last prompt token
             # (this sample's own logits); that write is copied on write.
@@ -196,20 +290,20 @@ class Scheduler:
             if copies is None:
                 self.kv.free(request)
                 request.num_computed_tokens = 0
-            return copies
+            return copies, 1
         computed_blocks, num_cached = [], 0
         # Prompt logprobs and pooled embeddings need every prompt position's hidden state, so such
         # a request computes its whole prompt (its blocks still join the cache for others).
         params = request.sampling_params
         if params.prompt_logprobs is None and params.pooling is None:
             computed_blocks, num_cached = self.kv.get_computed_blocks(request)
-        num_new = min(request.num_tokens - num_cached, budget)
+        num_new = allowance.chunk(min(request.num_tokens - num_cached, budget))
         copies = self.kv.allocate_slots(request, num_new, computed_blocks)
         if copies is not None:
             request.num_computed_tokens = num_cached
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_cached
-        return copies
+        return copies, num_new
 
     def update(self, output: SchedulerOutput, sampled_token_ids: dict[str, list[int]]) -> list[FinishedRequest]:
         """Advance computed counts, append sampled tokens, finish requests that ended."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 import socket
 import sys
@@ -20,6 +21,7 @@ from pathlib import Path
 import uvicorn
 
 from tokios.commands.generate import add_chat_template_argument
+from tokios.config import DEFAULT_MAX_STEP_MS
 from tokios.errors import InvalidRequestError
 from tokios.server.connection_limits import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
                                              DEFAULT_MAX_CONNECTIONS, header_timeout_protocol, raise_open_file_limit)
@@ -48,8 +50,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--kv-cache-memory", default="512MiB", help="memory for the KV cache, e.g. 512MiB, 2GiB")
     engine.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="KV cache element type; auto = float32 for float32 weights, else bfloat16")
+    engine.add_argument("--kv-cache-disk", default=None, metavar="DIR",
+                        help="keep the prefix cache's evicted blocks, and all of it at shutdown, in DIR; a prompt "
+                             "whose prefix is there loads it instead of recomputing, after a restart too")
+    engine.add_argument("--kv-cache-disk-size", default="4GiB", metavar="SIZE",
+                        help="the most DIR may hold; least recently used blocks go first (default 4GiB)")
     engine.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once (default 64)")
     engine.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step (default 512)")
+    engine.add_argument("--max-step-ms", type=parse_step_budget, default=DEFAULT_MAX_STEP_MS, metavar="MS|auto|off",
+                        help="while streams decode, cut prefill chunks so a step stays within this many ms; "
+                             "auto: prefill may take as long as the step's decodes (a long prompt at most "
+                             "doubles the others' inter-token latency, and waits longer itself); off: the token "
+                             f"budget alone (default {DEFAULT_MAX_STEP_MS:g})")
     engine.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     engine.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     engine.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
@@ -112,6 +124,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
+def parse_step_budget(text: str) -> float | str | None:
+    """--max-step-ms: a positive number of milliseconds, auto, or off (None)."""
+    if text in ("auto", "off"):
+        return None if text == "off" else text
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of milliseconds, auto or off, got {text!r}")
+    return value
+
+
 def _engine_config(args: argparse.Namespace, model: str | None):
     from tokios.config import CacheConfig, EngineConfig, LoadConfig, SchedulerConfig, parse_size
     from tokios.speculative.config import SpeculativeConfig
@@ -120,9 +145,11 @@ def _engine_config(args: argparse.Namespace, model: str | None):
         load=LoadConfig(model=model, dtype=args.dtype, chat_template=args.chat_template),
         cache=CacheConfig(block_size=args.block_size,
                           kv_cache_memory_bytes=parse_size(args.kv_cache_memory, field_name="kv_cache_memory"),
-                          enable_prefix_caching=not args.no_prefix_caching, kv_cache_dtype=args.kv_cache_dtype),
+                          enable_prefix_caching=not args.no_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
+                          kv_cache_disk=args.kv_cache_disk,
+                          kv_cache_disk_bytes=parse_size(args.kv_cache_disk_size, field_name="kv_cache_disk_size")),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_model_len=args.max_model_len),
+                                  max_model_len=args.max_model_len, max_step_ms=args.max_step_ms),
         speculative=SpeculativeConfig(method=args.speculative_method,
                                       num_speculative_tokens=args.num_speculative_tokens,
                                       draft_model=args.draft_model, draft_dtype=args.dtype,

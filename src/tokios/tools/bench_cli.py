@@ -1,4 +1,4 @@
-"""`tokios bench offline|serve|compare|prefix`: wires the benchmark sub-commands to their modules.
+"""`tokios bench offline|serve|compare|prefix|fairness|restart`: wires the benchmark sub-commands to their modules.
 
 Each module exposes `add_arguments(parser)` and `run(args) -> int`, like the top-level commands.
 The modules keep torch, transformers and llama_cpp imports inside functions, so building this
@@ -15,8 +15,12 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
     "offline": ("tokios.tools.bench_offline",
                 "single-stream decode/prefill and 64-prompt throughput: tokios vs llama.cpp and transformers"),
     "prefix": ("tokios.tools.bench_prefix", "TTFT with a warm vs a cold prefix cache (shared 1,000-token system prompt)"),
+    "restart": ("tokios.tools.bench_restart",
+                "TTFT of a 4,000-token prompt after a restart, with the prefix cache's disk tier and without"),
     "serve": ("tokios.tools.bench_serve", "streaming load generator against any OpenAI-compatible URL"),
     "compare": ("tokios.tools.bench_compare", "start tokios serve and llama-server, run the same load on both"),
+    "fairness": ("tokios.tools.bench_fairness",
+                 "decoding streams' inter-token latency while a long prompt prefills: tokios vs llama-server"),
 }
 
 

@@ -65,7 +65,19 @@ def llama_server_command(args: argparse.Namespace, binary: str, model_path: str,
     # -c is the whole context; --no-kv-unified splits it evenly, so each slot owns ctx_per_slot.
     return [binary, "-m", model_path, "--host", "127.0.0.1", "--port", str(port), "--parallel", str(num_slots),
             "-t", str(args.threads), "-tb", str(args.threads), "-c", str(num_slots * args.ctx_per_slot),
-            "--no-kv-unified", "--no-webui", *shlex.split(args.llama_server_args)]
+            "--no-kv-unified", "--no-webui", *llama_machine_arguments(), *shlex.split(args.llama_server_args)]
+
+
+def llama_machine_arguments() -> list[str]:
+    """llama.cpp arguments this machine needs to run at all. On a CPU with AMX, a -DGGML_NATIVE
+    build repacks weights for AMX and llama-server crashes (SIGSEGV in ggml_backend_amx_mul_mat,
+    llama.cpp 0.3.36 in a VM on a Sapphire Rapids Xeon); --no-repack keeps it on its AVX-512 kernels."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            has_amx = " amx_int8" in cpuinfo.read()
+    except OSError:
+        has_amx = False
+    return ["--no-repack"] if has_amx else []
 
 
 def kv_bytes_per_token(model_path: str, *, bytes_per_element: int) -> int:

@@ -1,0 +1,235 @@
+"""`tokios bench fairness`: what one long prompt does to the streams already decoding, tokios
+against llama-server.
+
+--streams requests (default 8) decode long replies (--stream-output tokens, EOS ignored);
+--long-after seconds after they start, one --long-prompt-token prompt arrives. For each server
+the streams' inter-token latency (the gap between consecutive streamed chunks, assigned to the
+window where the gap ends) is reported before the long prompt (from each stream's first token
+to the long prompt's arrival) and during its prefill (from its arrival to its first
+token), with the long prompt's own TTFT: the trade fair chunked prefill makes (`--max-step-ms`).
+
+Servers run one after the other with the same GGUF, the same slots and the same context per
+slot (bench_compare's commands), never sharing the CPU; --tokios-step-budgets runs tokios once
+per --max-step-ms value (auto,off compares fair chunking with the token budget alone). With
+--repeats the servers alternate in ABBA order, and each figure is the median over rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+from tokios.errors import InvalidRequestError
+from tokios.tools import bench_report
+from tokios.tools.bench_offline import machine_line, noise_note
+from tokios.tools.bench_prompts import LengthSpec, make_prompt
+from tokios.tools.bench_report import fmt, fmt_ratio, markdown_table
+from tokios.tools.bench_serve import BenchRequest, ServeLoad, _client, discover_model, send_one
+from tokios.tools.bench_stats import RequestRecord, percentile
+
+SECTION = "Fairness: a long prompt among decoding streams"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from tokios.tools.peers import add_model_arguments
+
+    add_model_arguments(parser)
+    parser.add_argument("--llama-server", default=None, metavar="PATH",
+                        help="llama-server binary (default: cached build, PATH, or build it once)")
+    parser.add_argument("--servers", default="tokios,llama.cpp", help="which of tokios,llama.cpp to run")
+    parser.add_argument("--tokios-step-budgets", default="auto",
+                        help="comma-separated --max-step-ms values; tokios runs once per value (e.g. auto,off,50)")
+    parser.add_argument("--streams", type=int, default=8, help="streams decoding when the long prompt arrives")
+    parser.add_argument("--stream-prompt", type=int, default=128, help="each stream's prompt tokens")
+    parser.add_argument("--stream-output", type=int, default=1024, help="each stream's reply tokens")
+    parser.add_argument("--long-prompt", type=int, default=5500, help="the long prompt's tokens")
+    parser.add_argument("--long-output", type=int, default=16, help="the long prompt's reply tokens")
+    parser.add_argument("--long-after", type=float, default=3.0,
+                        help="seconds after the streams start that the long prompt arrives")
+    parser.add_argument("--ctx-per-slot", type=int, default=8192, help="context tokens per slot on both servers")
+    parser.add_argument("--threads", type=int, default=2, help="llama-server threads")
+    parser.add_argument("--dtype", default="auto", help="tokios serve --dtype")
+    parser.add_argument("--tokios-args", default="", help="extra arguments for tokios serve (one string)")
+    parser.add_argument("--llama-server-args", default="", help="extra arguments for llama-server (one string)")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds, the servers alternating (ABBA)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--startup-timeout", type=float, default=300.0)
+    parser.add_argument("--json", dest="json_path", default=None, metavar="PATH")
+    parser.add_argument("--write-docs", nargs="?", const="docs/benchmarks.md", default=None, metavar="PATH")
+
+
+@dataclass(frozen=True)
+class FairnessRound:
+    """One server's run: the streams' gaps before and during the long prefill, in ms."""
+
+    itl_before_ms: list[float]
+    itl_during_ms: list[float]
+    long_ttft_s: float
+    streams_ended_early: int  # streams that finished before the long prompt's first token
+    error: str = ""
+
+    def figure(self, name: str) -> float:
+        values = {"before p50": (self.itl_before_ms, 50), "before p99": (self.itl_before_ms, 99),
+                  "during p50": (self.itl_during_ms, 50), "during p99": (self.itl_during_ms, 99),
+                  "during max": (self.itl_during_ms, 100)}
+        if name == "ttft":
+            return self.long_ttft_s
+        samples, q = values[name]
+        return percentile(samples, q) if samples else math.nan
+
+
+def split_gaps(streams: list[RequestRecord], long_sent: float,
+               long_first_token: float) -> tuple[list[float], list[float]]:
+    """Inter-chunk gaps (ms) of the streams that end before the long prompt was sent and in
+    [long_sent, long_first_token). Gaps are between a stream's own tokens, so they start after
+    its first one (its prompt's prefill is not an inter-token gap)."""
+    before, during = [], []
+    for record in streams:
+        for previous, current in zip(record.chunk_times, record.chunk_times[1:]):
+            gap_ms = (current - previous) * 1000
+            if current < long_sent:
+                before.append(gap_ms)
+            elif long_sent <= current < long_first_token:
+                during.append(gap_ms)
+    return before, during
+
+
+async def run_round(base_url: str, args: argparse.Namespace, stream_prompts: list[str], long_prompt: str,
+                    warmup_prompt: str) -> FairnessRound:
+    load = ServeLoad(base_url=base_url, endpoint="chat", num_prompts=len(stream_prompts) + 1,
+                     input_len=LengthSpec(args.stream_prompt, args.stream_prompt),
+                     output_len=LengthSpec(args.stream_output, args.stream_output), timeout_s=1800.0)
+    async with _client(load, len(stream_prompts) + 2) as client:
+        model = await discover_model(client, load)
+        await send_one(client, load, model, BenchRequest(warmup_prompt, 8, 0))
+        started = time.perf_counter()
+        stream_tasks = [asyncio.create_task(send_one(client, load, model, BenchRequest(p, args.stream_output, 0)))
+                        for p in stream_prompts]
+        await asyncio.sleep(max(0.0, started + args.long_after - time.perf_counter()))
+        long_record = await send_one(client, load, model, BenchRequest(long_prompt, args.long_output, 0))
+        streams = await asyncio.gather(*stream_tasks)
+    errors = [r.error for r in [*streams, long_record] if not r.is_success]
+    if errors:
+        return FairnessRound([], [], math.nan, 0, error=errors[0])
+    long_sent, long_first = long_record.start_time, long_record.chunk_times[0]
+    before, during = split_gaps(streams, long_sent, long_first)
+    ended_early = sum(1 for r in streams if r.chunk_times[-1] < long_first)
+    return FairnessRound(before, during, long_first - long_sent, ended_early)
+
+
+def parse_step_budgets(text: str) -> list[str]:
+    from tokios.server.cli import parse_step_budget
+
+    budgets = [value.strip() for value in text.split(",") if value.strip()]
+    if not budgets:
+        raise InvalidRequestError("tokios_step_budgets lists no value", param="tokios_step_budgets")
+    for value in budgets:
+        try:
+            parse_step_budget(value)
+        except argparse.ArgumentTypeError as exc:
+            raise InvalidRequestError(f"tokios_step_budgets: {exc}", param="tokios_step_budgets") from None
+    return budgets
+
+
+FIGURES = ["before p50", "before p99", "during p50", "during p99", "during max", "ttft"]
+
+
+def result_table(name_to_rounds: dict[str, list[FairnessRound]]) -> str:
+    rows = []
+    for name, rounds in name_to_rounds.items():
+        good = [r for r in rounds if not r.error]
+
+        def median(figure: str) -> float:
+            values = [r.figure(figure) for r in good if not math.isnan(r.figure(figure))]
+            return statistics.median(values) if values else math.nan
+
+        ratios = [r.figure("during p99") / r.figure("before p99") for r in good]
+        rows.append([name, fmt(median("before p50")), fmt(median("before p99")), fmt(median("during p50")),
+                     fmt(median("during p99")), fmt(median("during max")),
+                     fmt_ratio(statistics.median(ratios) if ratios else math.nan),
+                     fmt(median("ttft"), 2), f"{len(rounds) - len(good)}"])
+    return markdown_table(["server", "ITL p50 before ms", "ITL p99 before ms", "ITL p50 during ms",
+                           "ITL p99 during ms", "longest gap during ms", "p99 during / before",
+                           "long prompt TTFT s", "failed rounds"], rows)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tokios.tools.bench_compare import llama_server_command, tokios_command
+    from tokios.tools.peers import ServerProcess, benchmark_model_path, find_llama_server, free_port, load_prompt_codec
+
+    servers = [s.strip() for s in args.servers.split(",") if s.strip()]
+    if not servers or any(s not in ("tokios", "llama.cpp") for s in servers):
+        raise InvalidRequestError(f"servers must be a subset of tokios,llama.cpp, got {args.servers!r}",
+                                  param="servers")
+    if args.repeats < 1 or args.streams < 1:
+        raise InvalidRequestError("repeats and streams must be at least 1", param="repeats")
+    needed = max(args.long_prompt + args.long_output, args.stream_prompt + args.stream_output) + 64
+    if args.ctx_per_slot < needed:
+        raise InvalidRequestError(f"ctx_per_slot {args.ctx_per_slot} is below the {needed} tokens a request needs",
+                                  param="ctx_per_slot")
+    budgets = parse_step_budgets(args.tokios_step_budgets) if "tokios" in servers else []
+    model_path = benchmark_model_path(args)
+    codec = load_prompt_codec(model_path)
+    rng = random.Random(args.seed)
+    stream_prompts = [make_prompt(args.stream_prompt, rng, codec) for _ in range(args.streams)]
+    long_prompt = make_prompt(args.long_prompt, rng, codec)
+    warmup_prompt = make_prompt(16, rng, codec)
+    binary = find_llama_server(args.llama_server) if "llama.cpp" in servers else None
+    num_slots = args.streams + 1
+    # The same knobs bench_compare's commands read.
+    compare_args = argparse.Namespace(ctx_per_slot=args.ctx_per_slot, dtype=args.dtype, threads=args.threads,
+                                      llama_server_args=args.llama_server_args)
+
+    variants: list[tuple[str, str | None]] = []
+    for name in servers:
+        if name == "tokios":
+            variants += [(f"tokios --max-step-ms {b}", b) for b in budgets]
+        else:
+            variants.append(("llama.cpp", None))
+    name_to_rounds: dict[str, list[FairnessRound]] = {label: [] for label, _ in variants}
+    for round_index in range(args.repeats):
+        for label, budget in (variants if round_index % 2 == 0 else variants[::-1]):
+            port = free_port()
+            if budget is None:
+                command = llama_server_command(compare_args, binary, model_path, port, num_slots)
+            else:
+                compare_args.tokios_args = f"{args.tokios_args} --max-step-ms {budget}"
+                command = tokios_command(compare_args, model_path, port, num_slots)
+            print(f"round {round_index + 1}/{args.repeats}, {label}: {' '.join(command)}", file=sys.stderr)
+            with ServerProcess(label, command, port).start(timeout_s=args.startup_timeout) as server:
+                result = asyncio.run(run_round(server.base_url, args, stream_prompts, long_prompt, warmup_prompt))
+            if result.error:
+                print(f"  failed: {result.error}", file=sys.stderr)
+            else:
+                print(f"  ITL p99 before {result.figure('before p99'):.1f} ms, during {result.figure('during p99'):.1f}"
+                      f" ms; long TTFT {result.long_ttft_s:.2f} s; streams ended early: {result.streams_ended_early}",
+                      file=sys.stderr)
+            name_to_rounds[label].append(result)
+
+    text = result_table(name_to_rounds)
+    early = sum(r.streams_ended_early for rounds in name_to_rounds.values() for r in rounds)
+    if early:
+        text += (f"\n\n{early} stream(s) ended before a long prompt's first token: raise --stream-output "
+                 "so every stream decodes through the whole prefill.")
+    print(text)
+    if args.json_path:
+        bench_report.write_json(args.json_path, {
+            "command": bench_report.command_line(), "machine": machine_line(),
+            "rounds": {name: [r.__dict__ for r in rounds] for name, rounds in name_to_rounds.items()}})
+    if args.write_docs:
+        body = (f"Command: `{bench_report.command_line()}`\n\nMeasured {machine_line()}. {noise_note()}\n\n"
+                f"{args.streams} streams ({args.stream_prompt}-token prompts) decode {args.stream_output}-token replies "
+                f"(EOS ignored, greedy); {args.long_after:g} s in, a {args.long_prompt}-token prompt arrives. "
+                f"Inter-token latency (ITL) of the streams before it (from each stream's first token) and "
+                f"during its prefill (its arrival to its first token); each server alone on the machine with "
+                f"{num_slots} slots of {args.ctx_per_slot} tokens; median of {args.repeats} round(s), "
+                f"servers alternating.\n\n{text}")
+        bench_report.update_docs_section(args.write_docs, SECTION, body)
+        print(f"updated {args.write_docs}", file=sys.stderr)
+    return 0 if all(not r.error for rounds in name_to_rounds.values() for r in rounds) else 1

@@ -1,0 +1,50 @@
+"""`tokios bench fairness`'s arithmetic: which inter-token gaps fall before and during the long
+prompt's prefill, and the --max-step-ms values it accepts (the server's own parser)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from tokios.errors import InvalidRequestError
+from tokios.server.cli import parse_step_budget
+from tokios.tools.bench_fairness import FairnessRound, parse_step_budgets, split_gaps
+from tokios.tools.bench_stats import RequestRecord
+
+
+def record(times: list[float]) -> RequestRecord:
+    return RequestRecord(start_time=0.0, chunk_times=times, is_success=True)
+
+
+def test_gaps_are_split_where_they_end_and_never_include_a_prefill():
+    # Stream a decodes from t=1; stream b's first token comes during the long prefill (4..6).
+    streams = [record([1.0, 1.5, 2.0, 4.5, 5.0, 7.0]), record([5.5, 5.6])]
+    before, during = split_gaps(streams, long_sent=4.0, long_first_token=6.0)
+    assert before == pytest.approx([500.0, 500.0])
+    assert during == pytest.approx([2500.0, 500.0, 100.0])  # the 2.0 -> 4.5 gap ends during the prefill
+
+
+def test_a_round_reports_percentiles_and_nan_without_samples():
+    result = FairnessRound(itl_before_ms=[10.0] * 99 + [50.0], itl_during_ms=[], long_ttft_s=3.0,
+                           streams_ended_early=0)
+    assert result.figure("before p50") == 10.0 and result.figure("before p99") > 10.0
+    assert result.figure("ttft") == 3.0
+    assert result.figure("during p99") != result.figure("during p99")  # NaN
+
+
+@pytest.mark.parametrize(("text", "value"), [("auto", "auto"), ("off", None), ("250", 250.0), ("0.5", 0.5)])
+def test_step_budgets_the_server_accepts(text, value):
+    assert parse_step_budget(text) == value
+
+
+@pytest.mark.parametrize("text", ["0", "-5", "fast", "nan", ""])
+def test_step_budgets_the_server_refuses(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="positive number of milliseconds"):
+        parse_step_budget(text)
+
+
+def test_the_benchmark_checks_every_budget_before_starting_a_server():
+    assert parse_step_budgets("auto, off,100") == ["auto", "off", "100"]
+    with pytest.raises(InvalidRequestError, match="fast"):
+        parse_step_budgets("auto,fast")

@@ -2,7 +2,8 @@
 against llama-server.
 
 --streams requests (default 8) decode long replies (--stream-output tokens, EOS ignored);
---long-after seconds after they start, one --long-prompt-token prompt arrives. For each server
+--long-after seconds after every stream has its first token, one --long-prompt-token prompt
+arrives. For each server
 the streams' inter-token latency (the gap between consecutive streamed chunks, assigned to the
 window where the gap ends) is reported before the long prompt (from each stream's first token
 to the long prompt's arrival) and during its prefill (from its arrival to its first
@@ -22,7 +23,6 @@ import math
 import random
 import statistics
 import sys
-import time
 from dataclasses import dataclass
 
 from tokios.errors import InvalidRequestError
@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--long-prompt", type=int, default=5500, help="the long prompt's tokens")
     parser.add_argument("--long-output", type=int, default=16, help="the long prompt's reply tokens")
     parser.add_argument("--long-after", type=float, default=3.0,
-                        help="seconds after the streams start that the long prompt arrives")
+                        help="seconds after every stream has its first token that the long prompt arrives")
     parser.add_argument("--ctx-per-slot", type=int, default=8192, help="context tokens per slot on both servers")
     parser.add_argument("--threads", type=int, default=2, help="llama-server threads")
     parser.add_argument("--dtype", default="auto", help="tokios serve --dtype")
@@ -108,10 +108,14 @@ async def run_round(base_url: str, args: argparse.Namespace, stream_prompts: lis
     async with _client(load, len(stream_prompts) + 2) as client:
         model = await discover_model(client, load)
         await send_one(client, load, model, BenchRequest(warmup_prompt, 8, 0))
-        started = time.perf_counter()
-        stream_tasks = [asyncio.create_task(send_one(client, load, model, BenchRequest(p, args.stream_output, 0)))
-                        for p in stream_prompts]
-        await asyncio.sleep(max(0.0, started + args.long_after - time.perf_counter()))
+        records = [RequestRecord(start_time=0.0) for _ in stream_prompts]
+        stream_tasks = [asyncio.create_task(send_one(client, load, model, BenchRequest(p, args.stream_output, 0), r))
+                        for p, r in zip(stream_prompts, records)]
+        # The long prompt comes once every stream decodes: a server slow to prefill the streams'
+        # own prompts would otherwise see it arrive among them, not among decodes.
+        while not all(r.chunk_times for r in records) and not all(t.done() for t in stream_tasks):
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(args.long_after)
         long_record = await send_one(client, load, model, BenchRequest(long_prompt, args.long_output, 0))
         streams = await asyncio.gather(*stream_tasks)
     errors = [r.error for r in [*streams, long_record] if not r.is_success]
@@ -225,7 +229,8 @@ def run(args: argparse.Namespace) -> int:
     if args.write_docs:
         body = (f"Command: `{bench_report.command_line()}`\n\nMeasured {machine_line()}. {noise_note()}\n\n"
                 f"{args.streams} streams ({args.stream_prompt}-token prompts) decode {args.stream_output}-token replies "
-                f"(EOS ignored, greedy); {args.long_after:g} s in, a {args.long_prompt}-token prompt arrives. "
+                f"(EOS ignored, greedy); {args.long_after:g} s after every stream has its first token, a "
+                f"{args.long_prompt}-token prompt arrives. "
                 f"Inter-token latency (ITL) of the streams before it (from each stream's first token) and "
                 f"during its prefill (its arrival to its first token); each server alone on the machine with "
                 f"{num_slots} slots of {args.ctx_per_slot} tokens; median of {args.repeats} round(s), "

@@ -214,8 +214,11 @@ def stream_error(payload: dict) -> str | None:
     return f"stream error: {json.dumps(error if error is not None else payload)[:200]}"
 
 
-async def send_one(client: httpx.AsyncClient, load: ServeLoad, model: str, request: BenchRequest) -> RequestRecord:
-    record = RequestRecord(start_time=time.perf_counter())
+async def send_one(client: httpx.AsyncClient, load: ServeLoad, model: str, request: BenchRequest,
+                   record: RequestRecord | None = None) -> RequestRecord:
+    """Stream one request; `record` (filled as the chunks arrive) lets a caller watch it run."""
+    record = record or RequestRecord(start_time=0.0)
+    record.start_time = time.perf_counter()
     num_chunks = 0
     usage: dict[str, int] = {}
     try:

@@ -33,21 +33,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from tokios.tools.peers import add_model_arguments
 
     add_model_arguments(parser)
-    parser.add_argument("--llama-server", default=None, metavar="PATH",
-                        help="llama-server binary (default: cached build, PATH, or build it once)")
     parser.add_argument("--parallel", type=int, default=None,
                         help="slots on both servers (default: the largest concurrency)")
-    parser.add_argument("--ctx-per-slot", type=int, default=2048, help="context tokens per slot on both servers")
-    parser.add_argument("--threads", type=int, default=2, help="llama-server threads")
-    parser.add_argument("--dtype", default="auto", help="tokios serve --dtype")
-    parser.add_argument("--tokios-args", default="", help="extra arguments for tokios serve (one string)")
-    parser.add_argument("--llama-server-args", default="", help="extra arguments for llama-server (one string)")
-    parser.add_argument("--servers", default="tokios,llama.cpp", help="which of tokios,llama.cpp to run")
+    add_server_pair_arguments(parser, ctx_per_slot=2048)
     parser.add_argument("--repeats", type=int, default=1,
                         help="rounds, the servers alternating; tables show each level's median round")
     parser.add_argument("--startup-timeout", type=float, default=300.0)
     parser.add_argument("--write-docs", nargs="?", const="docs/benchmarks.md", default=None, metavar="PATH")
     add_load_arguments(parser)
+
+
+def add_server_pair_arguments(parser: argparse.ArgumentParser, *, ctx_per_slot: int) -> None:
+    """How tokios serve and llama-server are started side by side (also bench fairness)."""
+    parser.add_argument("--llama-server", default=None, metavar="PATH",
+                        help="llama-server binary (default: cached build, PATH, or build it once)")
+    parser.add_argument("--servers", default="tokios,llama.cpp", help="which of tokios,llama.cpp to run")
+    parser.add_argument("--ctx-per-slot", type=int, default=ctx_per_slot, help="context tokens per slot on both servers")
+    parser.add_argument("--threads", type=int, default=2, help="llama-server threads")
+    parser.add_argument("--dtype", default="auto", help="tokios serve --dtype")
+    parser.add_argument("--tokios-args", default="", help="extra arguments for tokios serve (one string)")
+    parser.add_argument("--llama-server-args", default="", help="extra arguments for llama-server (one string)")
 
 
 def tokios_command(args: argparse.Namespace, model_path: str, port: int, num_slots: int) -> list[str]:

@@ -37,14 +37,14 @@ SECTION = "Fairness: a long prompt among decoding streams"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from tokios.tools.bench_compare import add_server_pair_arguments
     from tokios.tools.peers import add_model_arguments
 
     add_model_arguments(parser)
-    parser.add_argument("--llama-server", default=None, metavar="PATH",
-                        help="llama-server binary (default: cached build, PATH, or build it once)")
-    parser.add_argument("--servers", default="tokios,llama.cpp", help="which of tokios,llama.cpp to run")
-    parser.add_argument("--tokios-step-budgets", default="auto",
-                        help="comma-separated --max-step-ms values; tokios runs once per value (e.g. auto,off,50)")
+    add_server_pair_arguments(parser, ctx_per_slot=8192)
+    parser.add_argument("--tokios-step-budgets", default="250,auto,off",
+                        help="comma-separated --max-step-ms values; tokios runs once per value (default: the "
+                             "server's default, auto and off: the trade)")
     parser.add_argument("--streams", type=int, default=8, help="streams decoding when the long prompt arrives")
     parser.add_argument("--stream-prompt", type=int, default=128, help="each stream's prompt tokens")
     parser.add_argument("--stream-output", type=int, default=1024, help="each stream's reply tokens")
@@ -52,11 +52,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--long-output", type=int, default=16, help="the long prompt's reply tokens")
     parser.add_argument("--long-after", type=float, default=3.0,
                         help="seconds after every stream has its first token that the long prompt arrives")
-    parser.add_argument("--ctx-per-slot", type=int, default=8192, help="context tokens per slot on both servers")
-    parser.add_argument("--threads", type=int, default=2, help="llama-server threads")
-    parser.add_argument("--dtype", default="auto", help="tokios serve --dtype")
-    parser.add_argument("--tokios-args", default="", help="extra arguments for tokios serve (one string)")
-    parser.add_argument("--llama-server-args", default="", help="extra arguments for llama-server (one string)")
     parser.add_argument("--repeats", type=int, default=1, help="rounds, the servers alternating (ABBA)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--startup-timeout", type=float, default=300.0)

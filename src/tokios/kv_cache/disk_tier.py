@@ -28,6 +28,8 @@ import threading
 from collections import OrderedDict
 from pathlib import Path
 
+from tokios.kv_cache.manager import split_cache_key
+
 logger = logging.getLogger("tokios.kv_cache")
 
 MAGIC = b"TKVB"
@@ -48,7 +50,7 @@ def fingerprint(*parts: object) -> bytes:
 
 def key_bytes(cache_key: int | tuple[int, int]) -> bytes:
     """A block's cache key (hash, or (group, hash) for KV groups after the first) as 32 bytes."""
-    group, block_hash = (0, cache_key) if isinstance(cache_key, int) else cache_key
+    group, block_hash = split_cache_key(cache_key)
     return group.to_bytes(16, "little") + block_hash.to_bytes(16, "little")
 
 
@@ -63,7 +65,7 @@ class DiskPrefixCache:
         self._total_bytes = 0
         self._pending: queue.Queue = queue.Queue(maxsize=MAX_PENDING_WRITES)
         self._writable = True
-        self._warned: set[str] = set()
+        self._warned = False
         self.num_writes = self.num_reads = self.num_rejected = self.num_dropped = 0
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -223,9 +225,9 @@ class DiskPrefixCache:
 
     def _disable(self, reason: str) -> None:
         self._writable = False
-        if reason not in self._warned and not self._warned:
+        if not self._warned:  # once: a full disk would say so for every block
             logger.warning("KV disk tier: %s; serving from the memory cache only from now on", reason)
-        self._warned.add(reason)
+        self._warned = True
 
     @property
     def is_writable(self) -> bool:

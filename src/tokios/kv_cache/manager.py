@@ -55,6 +55,17 @@ def salt_hash(cache_salt: str) -> int:
 NULL_BLOCK = -1  # a block-table entry a sliding-window group has freed (never read again)
 
 
+def cache_key(group: int, block_hash: int) -> int | tuple[int, int]:
+    """The key a group's copy of a block is cached under: every group caches its own copy (its
+    own layers' K/V) of the same tokens; group 0's key is the hash itself."""
+    return block_hash if group == 0 else (group, block_hash)
+
+
+def split_cache_key(key: int | tuple[int, int]) -> tuple[int, int]:
+    """(group, block hash) of a cache key (the runner and the disk tier read keys with it)."""
+    return (0, key) if isinstance(key, int) else key
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  cache_salt: str = "", layout: KVCacheLayout | None = None, disk=None, block_payload_bytes: int = 0):
@@ -91,11 +102,6 @@ class KVCacheManager:
             hashes.append(chain_hash(parent, token_ids[index * bs:(index + 1) * bs]))
         return hashes
 
-    @staticmethod
-    def _cache_key(group: int, block_hash: int):
-        # Every group caches its own copy of a block (its own layers' K/V) under the same tokens.
-        return block_hash if group == 0 else (group, block_hash)
-
     def _first_needed_block(self, group: KVCacheGroup, num_tokens: int) -> int:
         """The first block a query at position num_tokens still reads in this group."""
         return group.first_needed_position(num_tokens) // self.block_size
@@ -112,8 +118,8 @@ class KVCacheManager:
         num_tokens = len(request.all_token_ids)
         max_blocks = (num_tokens - 1) // self.block_size
         hashes = self._block_hashes(request, max_blocks * self.block_size)
-        cached = [[self.pool.get_cached_block(self._cache_key(g, h)) for h in hashes] for g in range(len(self.groups))]
-        on_disk = [[block is None and self.disk is not None and self._cache_key(g, h) in self.disk
+        cached = [[self.pool.get_cached_block(cache_key(g, h)) for h in hashes] for g in range(len(self.groups))]
+        on_disk = [[block is None and self.disk is not None and cache_key(g, h) in self.disk
                     for block, h in zip(cached[g], hashes)] for g in range(len(self.groups))]
         while True:
             num_hit = self._servable_prefix(cached, on_disk, max_blocks)
@@ -149,7 +155,7 @@ class KVCacheManager:
             for g, group in enumerate(self.groups):
                 if i < self._first_needed_block(group, num_hit * self.block_size) or cached[g][i] is not None:
                     continue
-                key = self._cache_key(g, hashes[i])
+                key = cache_key(g, hashes[i])
                 payload = self.disk.read(key, self.block_payload_bytes) if self.pool.num_free_blocks else None
                 if payload is None:
                     on_disk[g][i] = False
@@ -284,7 +290,7 @@ class KVCacheManager:
         for g, table in enumerate(tables):
             for index in range(start, num_full):
                 if table[index] != NULL_BLOCK:
-                    self.pool.cache_block(table[index], self._cache_key(g, hashes[index]))
+                    self.pool.cache_block(table[index], cache_key(g, hashes[index]))
         self.request_to_num_cached_blocks[request.request_id] = num_full
 
     def fork(self, parent: CacheRequest, child: CacheRequest, num_tokens: int) -> None:

@@ -21,6 +21,7 @@ import torch
 from tokios.config import ModelConfig
 from tokios.errors import InvalidRequestError, TokiosError
 from tokios.kv_cache.layout import KVCacheLayout
+from tokios.kv_cache.manager import split_cache_key
 from tokios.model.attention import AttentionMetadata, MultiTokenSpan, allocate_kv_caches
 from tokios.request import Request
 from tokios.sampler import ops
@@ -106,7 +107,7 @@ class ModelRunner:
 
     # ---- the disk tier's bytes (kv_cache/disk_tier.py) ----------------------------------------
     def _group_layers(self, cache_key) -> tuple[int, ...]:
-        group = cache_key[0] if isinstance(cache_key, tuple) else 0
+        group, _ = split_cache_key(cache_key)
         return self.layout.groups[group].layers
 
     def block_payloads(self, blocks: list[tuple[int, object]]) -> list[bytes]:
@@ -122,11 +123,6 @@ class ModelRunner:
                 parts.append(value_cache[block_id * bs:(block_id + 1) * bs])
             payloads.append(torch.stack(parts).cpu().contiguous().view(torch.uint8).numpy().tobytes())
         return payloads
-
-    def payload_bytes(self) -> int:
-        """Bytes of one block of one KV group (what block_payloads gives for each)."""
-        key_cache = self.kv_caches[0][0]
-        return 2 * len(self.layout.groups[0].layers) * self.block_size * key_cache[0].numel() * key_cache.element_size()
 
     def _load_blocks(self, loads: list[tuple[int, object, bytes]]) -> None:
         bs = self.block_size

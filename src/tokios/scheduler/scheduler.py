@@ -186,7 +186,8 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
-            if request in prefilling and not reached_prefills:
+            is_prefill = request.num_tokens - request.num_computed_tokens != 1
+            if is_prefill and not reached_prefills:
                 reached_prefills = True
                 allowance = self._prefill_allowance(output)
             num_new = allowance.chunk(min(request.num_tokens - request.num_computed_tokens, budget))
@@ -207,7 +208,7 @@ class Scheduler:
             output.scheduled.append(ScheduledRequest(request, num_new + num_spec, self.kv.block_tables(request.request_id),
                                                      num_spec))
             budget -= num_new + num_spec
-            if request in prefilling:
+            if is_prefill:
                 allowance.spend(num_new)
 
         if not output.preempted_request_ids:

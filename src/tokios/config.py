@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokios.errors import InvalidRequestError
+from tokios.kv_cache.dtypes import ENGINE_KV_DTYPES
 from tokios.speculative.config import SpeculativeConfig
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "int8", "int4")
-SUPPORTED_KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+SUPPORTED_KV_CACHE_DTYPES = ("auto", *ENGINE_KV_DTYPES)
 # What "auto" resolves to on each device; chosen by measurement (docs/benchmarks.md).
 # "stored": every tensor as the file holds it (GGUF blocks on the quantized kernels, dense
 # tensors in their own precision); conversions are only ever explicit.
@@ -100,13 +101,14 @@ class ModelConfig:
     def window_of(self, layer: int) -> int | None:
         return None if self.layer_windows is None else self.layer_windows[layer]
 
-    def kv_bytes_per_token(self, bytes_per_element: int) -> int:
-        """Every layer's K and V of one token (what a context shorter than every window costs)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
+    def kv_bytes_per_token(self, bytes_per_element: float) -> int:
+        """Every layer's K and V of one token (what a context shorter than every window costs).
+        bytes_per_element: kv_cache/dtypes.py kv_bytes_per_element (an int8 head's scale included)."""
+        return round(2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element)
 
-    def kv_bytes_for_context(self, context_len: int, bytes_per_element: int) -> int:
+    def kv_bytes_for_context(self, context_len: int, bytes_per_element: float) -> int:
         """K and V bytes one request of context_len tokens keeps: a sliding layer holds at most its window."""
-        per_layer_token = 2 * self.num_kv_heads * self.head_dim * bytes_per_element
+        per_layer_token = round(2 * self.num_kv_heads * self.head_dim * bytes_per_element)
         return sum(per_layer_token * (context_len if self.window_of(i) is None else min(context_len, self.window_of(i)))
                    for i in range(self.num_layers))
 

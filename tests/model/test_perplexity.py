@@ -53,6 +53,19 @@ def test_perplexity_within_one_percent_of_transformers(dtype, text_token_ids, re
     assert gap <= (MAX_RELATIVE_GAP_FLOAT32 if dtype == "float32" else MAX_RELATIVE_GAP)
 
 
+def test_int8_kv_cache_passes_the_perplexity_gate(text_token_ids, reference_perplexity):
+    """--kv-cache-dtype int8 (kv_cache/dtypes.py) on the default weights: both prefill chunks
+    attend through the quantized cache (the first chunk's keys are read back as int8 by the second)."""
+    from tokios.engine import LLM
+
+    llm = LLM(kv_cache_dtype="int8", kv_cache_memory="64MiB")
+    ours = engine_perplexity(llm, text_token_ids)
+    llm.check_invariants()
+    gap = abs(ours - reference_perplexity) / reference_perplexity
+    print(f"\nperplexity kv int8: engine {ours:.4f}, transformers float32 {reference_perplexity:.4f}, gap {gap:.3%}")
+    assert gap <= MAX_RELATIVE_GAP
+
+
 def test_reference_perplexity_is_that_of_a_language_model(reference_perplexity, text_token_ids):
     # Guards the gate itself: a broken reference (say, shifted targets) gives hundreds or more.
     assert 1.5 < reference_perplexity < 60

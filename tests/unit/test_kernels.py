@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
+from tokios.model.attention import dequantize_kv, quantize_kv
 from tokios.model.blocks import BLOCK_BYTES, KERNEL_TYPES, LAYOUTS, quantize, quantize_ints, unpack
 from tokios.model.blocks.codec import pack
 from tokios.model.kernels import (BLOCK, FORMAT_BY_TYPE, QuantizedLinear, load_extension, quantize_q4_1,
@@ -247,9 +248,21 @@ def test_elementwise_ops_match_torch():
     torch.testing.assert_close(extension.glu_mul(gate_up, True), F.gelu(gate, approximate="tanh") * up)
 
 
+def random_kv_cache(num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    values = torch.randn(num_slots, num_kv_heads, head_dim)
+    return quantize_kv(values) if dtype == torch.int8 else values.to(dtype)
+
+
+def kv_as_float(cache: torch.Tensor) -> torch.Tensor:
+    return dequantize_kv(cache, torch.float32) if cache.dtype == torch.int8 else cache.float()
+
+
+KV_CACHE_DTYPES = [torch.float32, torch.bfloat16, torch.int8]
+
+
 @needs_extension
 @pytest.mark.parametrize("head_dim", [16, 24, 256])  # 16: the vector path; 24: the portable loops; 256: Gemma 3
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", KV_CACHE_DTYPES)
 def test_rope_write_and_decode_attention_match_torch_path(head_dim, cache_dtype):
     from tokios.config import ModelConfig
     from tokios.model.attention import AttentionMetadata
@@ -265,7 +278,7 @@ def test_rope_write_and_decode_attention_match_torch_path(head_dim, cache_dtype)
     # Two decoding requests with 5 and 9 tokens of context in scattered slots.
     slot_table = torch.tensor([[3, 9, 4, 20, 21, 0, 0, 0, 0], [30, 31, 32, 33, 40, 41, 42, 43, 44]])
     context_lens = torch.tensor([5, 9])
-    caches = [(torch.randn(num_slots, 2, head_dim).to(cache_dtype), torch.randn(num_slots, 2, head_dim).to(cache_dtype))
+    caches = [(random_kv_cache(num_slots, 2, head_dim, cache_dtype), random_kv_cache(num_slots, 2, head_dim, cache_dtype))
               for _ in range(2)]
     caches[1] = (caches[0][0].clone(), caches[0][1].clone())
     qkv = torch.randn(2, qkv_size)
@@ -276,10 +289,12 @@ def test_rope_write_and_decode_attention_match_torch_path(head_dim, cache_dtype)
     expected = torch_ops.attention(qkv.clone(), positions, *caches[0], metadata, torch_ops.rope_tables(positions))
     actual = kernel_ops.attention(qkv.clone(), positions, *caches[1], metadata, None)
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
-    # Rotated keys may differ in the last float32 bit, which can flip a bfloat16 rounding.
-    key_tolerance = 1e-6 if cache_dtype == torch.float32 else 2 ** -8
-    torch.testing.assert_close(caches[1][0], caches[0][0], rtol=key_tolerance, atol=key_tolerance)
-    torch.testing.assert_close(caches[1][1], caches[0][1], rtol=0, atol=0)  # values are copied, not computed
+    # Rotated keys may differ in the last float32 bit, which can flip a bfloat16 or int8 rounding.
+    key_tolerance = {torch.float32: 1e-6, torch.bfloat16: 2 ** -8, torch.int8: 4 / 127}[cache_dtype]
+    torch.testing.assert_close(kv_as_float(caches[1][0]), kv_as_float(caches[0][0]), rtol=key_tolerance,
+                               atol=key_tolerance)
+    # Values are copied, not computed: the same bytes (int8: quantized by the same arithmetic).
+    assert torch.equal(caches[1][1], caches[0][1])
 
 
 @needs_extension
@@ -339,15 +354,15 @@ def reference_attention(qkv, key_cache, value_cache, slot_table, context_lens, n
                           (16, 1, 16),  # a GQA group larger than one pass holds (12 queries)
                           (4, 1, 256),  # Gemma 3 270M
                           (6, 2, 24)])  # the portable loops
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", KV_CACHE_DTYPES)
 def test_decode_attention_over_a_prompt_chunk_equals_each_row_alone(num_heads, num_kv_heads, head_dim, cache_dtype):
     """The rows of a causal prompt chunk share passes over their keys (decode_attention_rows); a
     row's result must not change with that (verify rows equal plain decodes bit for bit), and
     rows of other requests, even over the very same slots, are never merged into the chunk."""
     torch.manual_seed(3)
     num_slots, prefix = 256, 37
-    key_cache = torch.randn(num_slots, num_kv_heads, head_dim).to(cache_dtype)
-    value_cache = torch.randn(num_slots, num_kv_heads, head_dim).to(cache_dtype)
+    key_cache = random_kv_cache(num_slots, num_kv_heads, head_dim, cache_dtype)
+    value_cache = random_kv_cache(num_slots, num_kv_heads, head_dim, cache_dtype)
     chunk_slots = torch.randperm(num_slots)[:prefix + 20]
     other_slots = torch.randperm(num_slots)[:30]
     # A decode over other slots, 20 rows of one chunk (contexts prefix+1 .. prefix+20), then a
@@ -369,6 +384,6 @@ def test_decode_attention_over_a_prompt_chunk_equals_each_row_alone(num_heads, n
     together = attend(list(range(len(lens))))
     for row in range(len(lens)):
         assert torch.equal(together[row], attend([row])[0]), row
-    expected = reference_attention(qkv, key_cache.float(), value_cache.float(), table, lens, num_heads,
+    expected = reference_attention(qkv, kv_as_float(key_cache), kv_as_float(value_cache), table, lens, num_heads,
                                    num_kv_heads, head_dim)
     torch.testing.assert_close(together, expected, rtol=2e-5, atol=2e-5)

@@ -103,7 +103,7 @@ def test_suggestions_each_carry_a_number_and_the_fitting_ones_fit():
     changes = [s.change for s in plan.suggestions]
     assert any("fewer users" in c for c in changes)
     assert any("GQA" in c for c in changes)  # llama-2-7b has no GQA
-    assert any("fp8" in c for c in changes)
+    assert any("int8" in c for c in changes)
     devices = next(s for s in plan.suggestions if s.change.startswith("more devices"))
     count = int(devices.change.split(": ")[1].split(" x ")[0])
     assert make_plan(dataclasses.replace(inputs, count=count, tp=count)).fits
@@ -135,3 +135,14 @@ def test_weight_bits_names_and_numbers():
     assert parse_weight_bits("6.5") == 6.5
     with pytest.raises(InvalidRequestError, match="weight_bits"):
         parse_weight_bits("nf4-ish")
+
+
+def test_int8_kv_is_sized_as_the_engine_stores_it():
+    """`tokios plan --kv-dtype int8` counts each token-head's float32 scale, as the cache does
+    (kv_cache/dtypes.py): SmolLM2 is 2 x 30 layers x 3 heads x (64 + 4) bytes a token, 0.53 of bf16."""
+    smollm = NAME_TO_PRESET["smollm2-135m"]
+    int8 = make_plan(PlanInputs(smollm, NAME_TO_HARDWARE["l4"], kv_dtype="int8"))
+    bf16 = make_plan(PlanInputs(smollm, NAME_TO_HARDWARE["l4"], kv_dtype="bf16"))
+    assert int8.kv_bytes_per_token == 2 * 30 * 3 * 68
+    assert int8.kv_bytes_per_token / bf16.kv_bytes_per_token == pytest.approx(68 / 128)
+    assert int8.kv_capacity_tokens == pytest.approx(bf16.kv_capacity_tokens * 128 / 68, rel=1e-3)

@@ -19,6 +19,7 @@ import torch
 from tokios.config import AUTO_DTYPE_BY_DEVICE, EngineConfig
 from tokios.engine.output_processor import EngineOutput, sequence_ids
 from tokios.errors import ContextLengthExceededError, InvalidRequestError
+from tokios.kv_cache.dtypes import kv_bytes_per_element
 from tokios.kv_cache.layout import KVCacheLayout
 from tokios.kv_cache.manager import KVCacheManager
 from tokios.model.llama import kv_cache_dtype
@@ -124,7 +125,8 @@ class EngineCore:
         kv_dtype = kv_cache_dtype(self.weight_format, config.cache.kv_cache_dtype)
         self.kv_dtype = kv_dtype
         block_size = config.cache.block_size
-        self.kv_bytes_per_token = self.model_config.kv_bytes_per_token(kv_dtype.itemsize)
+        self.kv_bytes_per_token = self.model_config.kv_bytes_per_token(
+            kv_bytes_per_element(kv_dtype, self.model_config.head_dim))
         layout = KVCacheLayout.for_config(self.model_config)
         # A block id is block_size tokens of one KV group's layers (kv_cache/layout.py).
         block_bytes = self.kv_bytes_per_token // self.model_config.num_layers * layout.num_tensor_pairs * block_size

@@ -1,7 +1,8 @@
 """Attention over the paged KV cache, and the metadata that drives it.
 
 The KV cache of one layer is a pair of tensors [num_slots, num_kv_heads, head_dim], where
-slot = block_id * block_size + offset. The runner (the only layer that builds tensors) fills
+slot = block_id * block_size + offset (an int8 cache keeps each head's scale after its values:
+head_dim + 4, kv_cache/dtypes.py). The runner (the only layer that builds tensors) fills
 AttentionMetadata once per step; every layer reuses it. Nothing here imports the runner.
 
 Batch layout, fixed by the runner: the requests with one query token (decodes) come first, as
@@ -15,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from tokios.kv_cache.dtypes import INT8_SCALE_BYTES, slot_width
 
 
 @dataclass
@@ -57,17 +60,43 @@ def allocate_kv_caches(config, num_slots: int, dtype: torch.dtype,
     from tokios.kv_cache.layout import KVCacheLayout
 
     layout = KVCacheLayout.for_config(config)
-    shape = (num_slots, config.num_kv_heads, config.head_dim)
+    shape = (num_slots, config.num_kv_heads, slot_width(dtype, config.head_dim))
     tensors = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                for _ in range(layout.num_tensor_pairs)]
     return [tensors[layout.layer_to_tensor[layer]] for layer in range(config.num_layers)]
 
 
+def quantize_kv(values: torch.Tensor) -> torch.Tensor:
+    """[..., head_dim] float -> [..., head_dim + 4] int8: round(x / scale) with scale = absmax / 127
+    per head, then the float32 scale (kv_cache/dtypes.py). The C++ kernels' store_head does the
+    same float32 arithmetic, so both write the same bytes."""
+    values = values.float()
+    scale = values.abs().amax(dim=-1, keepdim=True) / 127.0
+    quantized = torch.where(scale > 0, torch.round(values / scale), 0.0).clamp_(-127, 127).to(torch.int8)
+    return torch.cat([quantized, scale.contiguous().view(torch.int8)], dim=-1)
+
+
+def dequantize_kv(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[..., head_dim + 4] int8 (quantize_kv's layout) -> [..., head_dim] of `dtype`."""
+    head_dim = rows.shape[-1] - INT8_SCALE_BYTES
+    scale = rows[..., head_dim:].contiguous().view(torch.float32)
+    return (rows[..., :head_dim].to(torch.float32) * scale).to(dtype)
+
+
 def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     # key/value: [num_tokens, num_kv_heads, head_dim]
+    if key_cache.dtype == torch.int8:
+        key, value = quantize_kv(key), quantize_kv(value)
     key_cache.index_copy_(0, slot_mapping, key.to(key_cache.dtype))
     value_cache.index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+
+
+def gather_kv(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The cached heads at `slots` (any index shape), as `dtype`: an int8 cache is widened after
+    the gather, so only the context read is dequantized."""
+    rows = cache[slots]
+    return dequantize_kv(rows, dtype) if cache.dtype == torch.int8 else rows.to(dtype)
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -79,14 +108,13 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     """
     output = torch.empty_like(query)
     # A bfloat16 cache under float32 activations is widened, not the query narrowed.
-    compute_dtype = torch.promote_types(query.dtype, key_cache.dtype)
+    compute_dtype = query.dtype if key_cache.dtype == torch.int8 else torch.promote_types(query.dtype, key_cache.dtype)
     num_decode = metadata.num_decode_tokens
     if num_decode:
         # Decode: gather only each request's own slots (not a whole padded cache copy per
         # request), then one batched SDPA over [num_decode, heads, 1, max_context_len].
-        keys = key_cache[metadata.decode_slot_indices].transpose(1, 2)  # [D, kv_heads, L, head_dim]
-        values = value_cache[metadata.decode_slot_indices].transpose(1, 2)
-        keys, values = keys.to(compute_dtype), values.to(compute_dtype)
+        keys = gather_kv(key_cache, metadata.decode_slot_indices, compute_dtype).transpose(1, 2)  # [D, kv_heads, L, head_dim]
+        values = gather_kv(value_cache, metadata.decode_slot_indices, compute_dtype).transpose(1, 2)
         decode_query = query[:num_decode].unsqueeze(2).to(compute_dtype)  # [D, heads, 1, head_dim]
         # Padding mask [D, 1, 1, L], derived here: the C++ decode path needs only the lengths.
         positions = torch.arange(keys.shape[2], device=keys.device)
@@ -99,9 +127,9 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         # 4-D [1, heads, length, head_dim]: PyTorch's CPU SDPA only takes its fused (flash) kernel
         # for 4-D inputs; 3-D ones fall back to the math path, measured 2.6x slower on a
         # 512-token prefill (53 ms vs 20 ms per layer, one thread).
-        keys = key_cache[span.slot_indices].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, context_len, head_dim]
-        values = value_cache[span.slot_indices].transpose(0, 1).unsqueeze(0)
-        keys, values = keys.to(compute_dtype), values.to(compute_dtype)
+        # [1, kv_heads, context_len, head_dim]
+        keys = gather_kv(key_cache, span.slot_indices, compute_dtype).transpose(0, 1).unsqueeze(0)
+        values = gather_kv(value_cache, span.slot_indices, compute_dtype).transpose(0, 1).unsqueeze(0)
         span_query = query[rows].transpose(0, 1).unsqueeze(0).to(compute_dtype)  # [1, heads, query_len, head_dim]
         attended = F.scaled_dot_product_attention(span_query, keys, values, attn_mask=span.attn_mask,
                                                   is_causal=span.attn_mask is None, scale=scale,

@@ -15,6 +15,7 @@ import logging
 from tokios.config import AUTO_DTYPE_BY_DEVICE
 from tokios.errors import InvalidRequestError, UnsupportedError
 from tokios.model.attention import allocate_kv_caches
+from tokios.kv_cache.dtypes import kv_bytes_per_element
 from tokios.model.llama import kv_cache_dtype
 from tokios.model.loader import load_model
 from tokios.speculative.config import SpeculativeConfig
@@ -45,6 +46,6 @@ def load_draft_proposer(spec: SpeculativeConfig, core, num_blocks: int, block_si
     kv_caches = allocate_kv_caches(config, num_blocks * block_size, kv_dtype, core.device)
     logger.info("draft model %s (%s, %d layers) loaded in %.1f s; its KV cache: %d bytes per token",
                 spec.draft_model, weight_format, config.num_layers, loaded.load_seconds,
-                config.kv_bytes_per_token(kv_dtype.itemsize))
+                config.kv_bytes_per_token(kv_bytes_per_element(kv_dtype, config.head_dim)))
     return ModelDraftProposer("draft_model", loaded.model, kv_caches, None, core.runner.build_batch, block_size,
                               shares_target_cache=False)

@@ -18,6 +18,7 @@ import dataclasses
 import math
 
 from tokios.errors import InvalidRequestError
+from tokios.kv_cache.dtypes import kv_bytes_per_element
 from tokios.tools import plan_math
 from tokios.tools.hardware import HardwareSpec
 from tokios.tools.model_presets import ModelShape
@@ -30,7 +31,9 @@ WEIGHT_DTYPE_TO_BITS = {
     "q8_0": 8.5, "q6_k": 6.5625, "q5_k": 5.5, "q5_0": 5.5, "q5_1": 6.0,
     "q4_k": 4.5, "q4_0": 4.5, "q4_1": 5.0,
 }
-KV_DTYPE_TO_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0}
+# Bytes per element: kv_cache/dtypes.py, the engine's own arithmetic (int8 carries a float32
+# scale per token and head, as `tokios serve --kv-cache-dtype int8` stores it).
+KV_DTYPES = ("fp32", "fp16", "bf16", "fp8", "int8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,9 +72,9 @@ class PlanInputs:
         if self.weight_bits is not None and not 1 <= self.weight_bits <= 32:
             raise InvalidRequestError(f"weight_bits: {self.weight_bits} must be within [1, 32]",
                                       param="weight_bits")
-        if self.kv_dtype not in KV_DTYPE_TO_BYTES:
+        if self.kv_dtype not in KV_DTYPES:
             raise InvalidRequestError(
-                f"kv_dtype: {self.kv_dtype!r} must be one of {', '.join(KV_DTYPE_TO_BYTES)}",
+                f"kv_dtype: {self.kv_dtype!r} must be one of {', '.join(KV_DTYPES)}",
                 param="kv_dtype")
         if self.acceptance is not None and not 0 <= self.acceptance <= 1:
             raise InvalidRequestError(f"acceptance: {self.acceptance} must be within [0, 1]",
@@ -90,6 +93,10 @@ class PlanInputs:
     @property
     def num_replicas(self) -> int:
         return self.count // self.tp_size
+
+    @property
+    def kv_bytes_per_element(self) -> float:
+        return kv_bytes_per_element(self.kv_dtype, self.model.head_dim)
 
     @property
     def resolved_compute_dtype(self) -> str:
@@ -181,8 +188,8 @@ def make_plan(inputs: PlanInputs, *, with_suggestions: bool = True) -> Plan:
 
     weights = plan_math.weight_bytes(model, inputs.weight_bits)
     step_weights = plan_math.step_weight_bytes(model, inputs.weight_bits)
-    kv_per_token = plan_math.kv_bytes_per_token(model, KV_DTYPE_TO_BYTES[inputs.kv_dtype], tp=tp)
-    kv_per_sequence = plan_math.kv_bytes_per_sequence(model, KV_DTYPE_TO_BYTES[inputs.kv_dtype], inputs.context_len,
+    kv_per_token = plan_math.kv_bytes_per_token(model, inputs.kv_bytes_per_element, tp=tp)
+    kv_per_sequence = plan_math.kv_bytes_per_sequence(model, inputs.kv_bytes_per_element, inputs.context_len,
                                                       tp=tp)
     activations = _activation_bytes(model, dtype)
     overhead = tp * hardware.runtime_overhead_bytes
@@ -198,7 +205,7 @@ def make_plan(inputs: PlanInputs, *, with_suggestions: bool = True) -> Plan:
     def kv_read_per_token(context: float) -> float:
         # What a step reads per context token: less than kv_per_token once sliding windows cap layers.
         context = max(1, int(context))
-        return plan_math.kv_bytes_per_sequence(model, KV_DTYPE_TO_BYTES[inputs.kv_dtype], context, tp=tp) / context
+        return plan_math.kv_bytes_per_sequence(model, inputs.kv_bytes_per_element, context, tp=tp) / context
 
     batch1_bytes = plan_math.decode_step_bytes(step_weights, kv_read_per_token(inputs.context_len), 1,
                                                inputs.context_len)
@@ -238,7 +245,7 @@ def make_plan(inputs: PlanInputs, *, with_suggestions: bool = True) -> Plan:
         headroom_bytes=usable - total,
         fits=fits,
         max_concurrency=int(max(0.0, free_for_kv) // kv_per_sequence) * inputs.num_replicas,
-        max_context_len=_max_context_len(model, KV_DTYPE_TO_BYTES[inputs.kv_dtype], tp, free_for_kv, users_per_replica),
+        max_context_len=_max_context_len(model, inputs.kv_bytes_per_element, tp, free_for_kv, users_per_replica),
         kv_capacity_tokens=capacity_tokens,
         decode_context_len=decode_context,
         batch1_step_bytes=batch1_bytes,
@@ -304,10 +311,10 @@ def suggest(inputs: PlanInputs, plan: Plan) -> list[Suggestion]:
     if plan.max_context_len >= 1:
         suggestions.append(Suggestion("shorter context", f"at most {plan.max_context_len:,} tokens "
                                       f"per user for {users:,} users", False))
-    if KV_DTYPE_TO_BYTES["fp8"] < KV_DTYPE_TO_BYTES[inputs.kv_dtype]:
-        candidate = replan(kv_dtype="fp8")
+    if kv_bytes_per_element("int8", inputs.model.head_dim) < inputs.kv_bytes_per_element:
+        candidate = replan(kv_dtype="int8")
         kib = candidate.kv_bytes_per_token / 1024
-        suggestions.append(Suggestion(f"KV cache in fp8 ({kib:,.0f} KiB per token)",
+        suggestions.append(Suggestion(f"KV cache in int8 ({kib:,.0f} KiB per token; --kv-cache-dtype int8)",
                                       outcome(candidate), candidate.fits))
     if inputs.model.num_kv_heads > 8:
         candidate = replan(model=dataclasses.replace(inputs.model, num_kv_heads=8))

@@ -13,7 +13,7 @@ import math
 
 from tokios.tools.hardware import HARDWARE_NAMES, THIS_MACHINE, load_hardware
 from tokios.tools.model_presets import NAME_TO_PRESET, load_model_shape
-from tokios.tools.plan import KV_DTYPE_TO_BYTES, Plan, PlanInputs, make_plan, parse_weight_bits
+from tokios.tools.plan import KV_DTYPES, Plan, PlanInputs, make_plan, parse_weight_bits
 
 DEFAULT_CONTEXT_LEN = 4096
 
@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weight-bits", default=None,
                         help="bits per weight (number, or fp16, int8, q4_1, q4_k...); default: as "
                         "stored in the model file, 16 for a preset")
-    parser.add_argument("--kv-dtype", default="fp16", choices=list(KV_DTYPE_TO_BYTES))
+    parser.add_argument("--kv-dtype", default="fp16", choices=KV_DTYPES)
     parser.add_argument("--tp", type=int, default=None,
                         help="tensor-parallel degree (default: all devices in one group)")
     parser.add_argument("--concurrency", type=int, default=1, help="target concurrent users")

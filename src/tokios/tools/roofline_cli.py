@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 
+from tokios.config import SUPPORTED_KV_CACHE_DTYPES
 from tokios.errors import InvalidRequestError, TokiosError
 from tokios.tools.roofline import Roofs, RooflinePoint, verdict
 
@@ -31,6 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: bundled SmolLM2)")
     parser.add_argument("--dtype", default="auto",
                         help="engine dtype: auto, float32, bfloat16, int8, int4 (default auto)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=list(SUPPORTED_KV_CACHE_DTYPES),
+                        help="the engine's KV cache element type (default auto); a decode point's bytes count "
+                             "its context in this format")
+    parser.add_argument("--kv-cache-memory", default="512MiB",
+                        help="the engine's KV cache memory (default 512MiB); long --decode-prompt-len at large "
+                             "batch sizes need more")
     parser.add_argument("--compute-dtype", default=None, choices=["fp32", "bf16", "fp16", "int8"],
                         help="which matmul roof the engine's steps are held to (default: from --dtype)")
     parser.add_argument("--batch-sizes", type=_int_list, default=[1, 2, 4, 8, 16],
@@ -94,7 +101,8 @@ def _measure_engine(args: argparse.Namespace) -> tuple[str, list[RooflinePoint]]
     longest = max(max(args.prompt_lens), args.decode_prompt_len + max(args.decode_steps))
     print(f"loading the engine ({args.dtype})...", file=sys.stderr)
     engine = LLM(model=args.model, dtype=args.dtype, max_num_seqs=max(max_batch, 1),
-                 max_num_batched_tokens=max(longest, max_batch))
+                 max_num_batched_tokens=max(longest, max_batch), kv_cache_dtype=args.kv_cache_dtype,
+                 kv_cache_memory=args.kv_cache_memory)
     print("measuring prefill...", file=sys.stderr)
     points = measure_prefill_utilization(engine, args.prompt_lens, num_repeats=args.repeats)
     print("measuring decode...", file=sys.stderr)

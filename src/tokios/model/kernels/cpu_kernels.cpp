@@ -19,6 +19,7 @@
 #include <sys/mman.h>
 #endif
 
+#include <algorithm>
 #include <array>
 #include <cfloat>
 #include <cmath>
@@ -66,18 +67,52 @@ struct Shape {
   int64_t num_heads, num_kv_heads, head_dim;
 };
 
-// KV cache elements: float32, or bfloat16 (round to nearest even on write, exact widening on read).
-inline void store_kv(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
-inline void store_kv(at::BFloat16* dst, const float* src, int64_t n) {
+// KV cache elements: float32, bfloat16 (round to nearest even on write, exact widening on read),
+// or int8: symmetric per token and head, the head's float32 scale (absmax / 127) stored right
+// after its head_dim values, so a slot of KV heads is KVH * (head_dim + 4) bytes (what
+// llama.cpp's q8_0 spends per 64 values) and a block stays one slice of one tensor: the
+// prefix cache's copies, spills and loads move scales with their values. The quantization is
+// the same float32 arithmetic as model/attention.py's quantize_kv (x / scale, rounded half to
+// even), so both paths write the same bytes.
+template <typename KV>
+constexpr int64_t kScaleElements = 0;
+template <>
+constexpr int64_t kScaleElements<int8_t> = sizeof(float);
+template <typename KV>
+constexpr int64_t head_stride(int64_t head_dim) { return head_dim + kScaleElements<KV>; }
+
+inline void store_head(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void store_head(at::BFloat16* dst, const float* src, int64_t n) {
   for (int64_t j = 0; j < n; ++j) dst[j] = at::BFloat16(src[j]);
+}
+inline void store_head(int8_t* dst, const float* src, int64_t n) {
+  float absmax = 0.f;
+  for (int64_t j = 0; j < n; ++j) absmax = std::max(absmax, std::fabs(src[j]));
+  const float scale = absmax / 127.f;
+  for (int64_t j = 0; j < n; ++j) {
+    dst[j] = scale > 0.f ? static_cast<int8_t>(std::clamp(std::nearbyint(src[j] / scale), -127.f, 127.f)) : 0;
+  }
+  std::memcpy(dst + n, &scale, sizeof(scale));
 }
 inline float load_kv(float v) { return v; }
 inline float load_kv(at::BFloat16 v) { return static_cast<float>(v); }
+inline float load_kv(int8_t v) { return static_cast<float>(v); }
+// What a head's loaded values are multiplied by: 1 (folded away) unless the cache is int8.
+template <typename KV>
+inline float head_scale(const KV*, int64_t) { return 1.f; }
+inline float head_scale(const int8_t* head, int64_t head_dim) {
+  float scale;
+  std::memcpy(&scale, head + head_dim, sizeof(scale));
+  return scale;
+}
 #if TOKIOS_VNNI
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 #endif
 
@@ -87,15 +122,17 @@ void rope_and_write(float* qkv, int64_t num_tokens, const int64_t* positions, co
                     const float* sin_table, KV* key_cache, KV* value_cache, const int64_t* slot_mapping,
                     const Shape& shape) {
   const int64_t hd = shape.head_dim, q_size = shape.num_heads * hd, kv_size = shape.num_kv_heads * hd;
-  const int64_t row = q_size + 2 * kv_size;
+  const int64_t row = q_size + 2 * kv_size, stride = head_stride<KV>(hd), slot_size = shape.num_kv_heads * stride;
   for (int64_t t = 0; t < num_tokens; ++t) {
     float* token = qkv + t * row;
     const float* cos = cos_table + positions[t] * hd;
     const float* sin = sin_table + positions[t] * hd;
     rotate(token, shape.num_heads, hd, cos, sin);
     rotate(token + q_size, shape.num_kv_heads, hd, cos, sin);
-    store_kv(key_cache + slot_mapping[t] * kv_size, token + q_size, kv_size);
-    store_kv(value_cache + slot_mapping[t] * kv_size, token + q_size + kv_size, kv_size);
+    for (int64_t h = 0; h < shape.num_kv_heads; ++h) {
+      store_head(key_cache + slot_mapping[t] * slot_size + h * stride, token + q_size + h * hd, hd);
+      store_head(value_cache + slot_mapping[t] * slot_size + h * stride, token + q_size + kv_size + h * hd, hd);
+    }
   }
 }
 
@@ -132,6 +169,9 @@ inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::BFloat16* p) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 #endif
 
@@ -192,6 +232,7 @@ using Vec = __m512;
 constexpr int kLanes = 16;
 inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline Vec vload(const at::BFloat16* p) { return load16(p); }
+inline Vec vload(const int8_t* p) { return load16(p); }
 inline Vec vfmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
 inline Vec vset1(float x) { return _mm512_set1_ps(x); }
@@ -202,6 +243,7 @@ using Vec = __m256;
 constexpr int kLanes = 8;
 inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline Vec vload(const at::BFloat16* p) { return load8(p); }
+inline Vec vload(const int8_t* p) { return load8(p); }
 inline Vec vfmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
 inline Vec vset1(float x) { return _mm256_set1_ps(x); }
@@ -238,11 +280,12 @@ void attend_queries(const float* const* queries, const int64_t* lengths, int num
       const KV* key = key_cache + slots[l] * kv_stride + kv_offset;
       Vec k[VECS];
       for (int c = 0; c < VECS; ++c) k[c] = vload(key + kLanes * c);
+      const float key_scale = head_scale(key, hd);
       for (int q = 0; q < num_queries; ++q) {
         if (l >= lengths[q]) continue;
         Vec dot = vmul(vload(queries[q]), k[0]);
         for (int c = 1; c < VECS; ++c) dot = vfmadd(vload(queries[q] + kLanes * c), k[c], dot);
-        const float s = vsum(dot) * scale;
+        const float s = vsum(dot) * scale * key_scale;
         scores[q * score_stride + l] = s;
         maxima[q] = std::max(maxima[q], s);
       }
@@ -256,9 +299,10 @@ void attend_queries(const float* const* queries, const int64_t* lengths, int num
       const KV* value = value_cache + slots[l] * kv_stride + kv_offset;
       Vec v[VECS];
       for (int c = 0; c < VECS; ++c) v[c] = vload(value + kLanes * c);
+      const float value_scale = head_scale(value, hd);
       for (int q = 0; q < num_queries; ++q) {
         if (l >= lengths[q]) continue;
-        const Vec p = vset1(scores[q * score_stride + l]);
+        const Vec p = vset1(scores[q * score_stride + l] * value_scale);
         for (int c = 0; c < VECS; ++c) vstore(outs[q] + kLanes * c, vfmadd(p, v[c], vload(outs[q] + kLanes * c)));
       }
     }
@@ -271,12 +315,13 @@ void attend_queries(const float* const* queries, const int64_t* lengths, int num
 #endif
   for (int64_t l = 0; l < longest; ++l) {
     const KV* key = key_cache + slots[l] * kv_stride + kv_offset;
+    const float key_scale = head_scale(key, hd);
     for (int q = 0; q < num_queries; ++q) {
       if (l >= lengths[q]) continue;
       float dot = 0.f;
       for (int64_t j = 0; j < hd; ++j) dot += queries[q][j] * load_kv(key[j]);
-      scores[q * score_stride + l] = dot * scale;
-      maxima[q] = std::max(maxima[q], dot * scale);
+      scores[q * score_stride + l] = dot * scale * key_scale;
+      maxima[q] = std::max(maxima[q], dot * scale * key_scale);
     }
   }
   float inverses[kMaxQueries];
@@ -286,9 +331,10 @@ void attend_queries(const float* const* queries, const int64_t* lengths, int num
   }
   for (int64_t l = 0; l < longest; ++l) {
     const KV* value = value_cache + slots[l] * kv_stride + kv_offset;
+    const float value_scale = head_scale(value, hd);
     for (int q = 0; q < num_queries; ++q) {
       if (l >= lengths[q]) continue;
-      const float p = scores[q * score_stride + l];
+      const float p = scores[q * score_stride + l] * value_scale;
       for (int64_t j = 0; j < hd; ++j) outs[q][j] += p * load_kv(value[j]);
     }
   }
@@ -356,7 +402,7 @@ void decode_attention_rows(const float* q, int64_t q_stride, const KV* key_cache
         }
       }
       attend(queries, lengths, num_queries, key_cache, value_cache, slot_table + (first + rows - 1) * max_context,
-             KVH * hd, kv_head * hd, hd, scale, scores.get(), max_context, outs);
+             KVH * head_stride<KV>(hd), kv_head * head_stride<KV>(hd), hd, scale, scores.get(), max_context, outs);
     }
   });
 }
@@ -621,16 +667,25 @@ torch::Tensor glu_mul(const torch::Tensor& gate_up, bool gelu) {
   return out;
 }
 
-// Calls fn(key, value) with the caches' data as float* or at::BFloat16*.
+// Calls fn(key, value) with the caches' data as float*, at::BFloat16* or int8_t*, after checking
+// that a slot is num_kv_heads heads of head_dim values (plus the scale of an int8 head).
 template <typename Fn>
-void with_kv_cache(const torch::Tensor& key_cache, const torch::Tensor& value_cache, Fn&& fn) {
+void with_kv_cache(const torch::Tensor& key_cache, const torch::Tensor& value_cache, const Shape& shape, Fn&& fn) {
   const auto dtype = key_cache.scalar_type();
-  TORCH_CHECK((dtype == torch::kFloat32 || dtype == torch::kBFloat16) && value_cache.scalar_type() == dtype &&
-                  key_cache.is_contiguous() && value_cache.is_contiguous(),
-              "the KV cache must be contiguous float32 or bfloat16, the same for keys and values; got ",
+  TORCH_CHECK((dtype == torch::kFloat32 || dtype == torch::kBFloat16 || dtype == torch::kChar) &&
+                  value_cache.scalar_type() == dtype && key_cache.is_contiguous() && value_cache.is_contiguous(),
+              "the KV cache must be contiguous float32, bfloat16 or int8, the same for keys and values; got ",
               key_cache.scalar_type(), " and ", value_cache.scalar_type());
+  const int64_t width = dtype == torch::kChar ? head_stride<int8_t>(shape.head_dim) : shape.head_dim;
+  for (const auto* cache : {&key_cache, &value_cache}) {
+    TORCH_CHECK(cache->dim() == 3 && cache->size(1) == shape.num_kv_heads && cache->size(2) == width,
+                "a KV cache of ", dtype, " for ", shape.num_kv_heads, " heads of ", shape.head_dim,
+                " must be [slots, ", shape.num_kv_heads, ", ", width, "]; got ", cache->sizes());
+  }
   if (dtype == torch::kBFloat16) {
     fn(key_cache.data_ptr<at::BFloat16>(), value_cache.data_ptr<at::BFloat16>());
+  } else if (dtype == torch::kChar) {
+    fn(key_cache.data_ptr<int8_t>(), value_cache.data_ptr<int8_t>());
   } else {
     fn(key_cache.data_ptr<float>(), value_cache.data_ptr<float>());
   }
@@ -641,7 +696,7 @@ void rope_write_kv(torch::Tensor& qkv, const torch::Tensor& positions, const tor
                    const torch::Tensor& sin, torch::Tensor& key_cache, torch::Tensor& value_cache,
                    const torch::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
   check_f32(qkv, "qkv");
-  with_kv_cache(key_cache, value_cache, [&](auto* keys, auto* values) {
+  with_kv_cache(key_cache, value_cache, Shape{num_heads, num_kv_heads, head_dim}, [&](auto* keys, auto* values) {
     rope_and_write(qkv.data_ptr<float>(), qkv.size(0), positions.data_ptr<int64_t>(), cos.data_ptr<float>(),
                    sin.data_ptr<float>(), keys, values, slot_mapping.data_ptr<int64_t>(),
                    Shape{num_heads, num_kv_heads, head_dim});
@@ -656,7 +711,7 @@ torch::Tensor decode_attention(const torch::Tensor& qkv, const torch::Tensor& ke
   check_f32(qkv, "qkv");
   const int64_t D = slot_table.size(0);
   torch::Tensor out = torch::empty({D, num_heads * head_dim}, qkv.options());
-  with_kv_cache(key_cache, value_cache, [&](auto* keys, auto* values) {
+  with_kv_cache(key_cache, value_cache, Shape{num_heads, num_kv_heads, head_dim}, [&](auto* keys, auto* values) {
     decode_attention_rows(qkv.data_ptr<float>(), qkv.size(1), keys, values, slot_table.data_ptr<int64_t>(),
                           slot_table.size(1), context_lens.data_ptr<int64_t>(), D,
                           Shape{num_heads, num_kv_heads, head_dim}, static_cast<float>(scale), out.data_ptr<float>());
@@ -723,7 +778,7 @@ class FusedDecoder {
         normalize_heads_rows(qkv.data(), D, qkv_size, shape_, q_norms_[layer].data_ptr<float>(),
                              k_norms_[layer].data_ptr<float>(), eps_);
       }
-      with_kv_cache(key_caches_[layer], value_caches_[layer], [&](auto* keys, auto* values) {
+      with_kv_cache(key_caches_[layer], value_caches_[layer], shape_, [&](auto* keys, auto* values) {
         rope_and_write(qkv.data(), D, positions.data_ptr<int64_t>(), cos_[layer].data_ptr<float>(),
                        sin_[layer].data_ptr<float>(), keys, values, slot_mappings[group].data_ptr<int64_t>(), shape_);
         decode_attention_rows(qkv.data(), qkv_size, keys, values, slot_table.data_ptr<int64_t>(), slot_table.size(1),

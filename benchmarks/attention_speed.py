@@ -2,8 +2,9 @@
 KV bytes it must read per second (each KV head's keys and values once per pass), and GFLOPS
 (4 x heads x head_dim per query-key pair). Three shapes per context length: one decode row,
 8 decode rows of 8 requests (8 contexts), and one 8-row prompt chunk (one context, the rows
-sharing passes over it). Random bfloat16 caches in blocks of 16 slots, as the engine lays them;
-best of --repeats rounds of --iterations calls.
+sharing passes over it). Random caches of each --kv-dtypes format (bfloat16; int8 with its
+per token-head scales, kv_cache/dtypes.py) in blocks of 16 slots, as the engine lays them;
+best of --repeats rounds of --iterations calls. GB/s counts the bytes of the format read.
 
     python benchmarks/attention_speed.py --contexts 512,4096,8192 --heads 9 --kv-heads 3 --head-dim 64
 """
@@ -15,6 +16,8 @@ import time
 
 import torch
 
+from tokios.kv_cache.dtypes import kv_bytes_per_element
+from tokios.model.attention import quantize_kv
 from tokios.model.kernels import kernel_status, load_extension
 
 BLOCK = 16
@@ -34,18 +37,24 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--kv-dtypes", default="bfloat16,int8")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     extension = load_extension()
     print(kernel_status())
     heads, kv_heads, head_dim = args.heads, args.kv_heads, args.head_dim
     generator = torch.Generator().manual_seed(0)
-    print("| context | shape | ms / layer | KV GB/s | GFLOPS |")
-    print("|---|---|---|---|---|")
-    for context in (int(c) for c in args.contexts.split(",")):
+    print("| context | KV dtype | shape | ms / layer | KV GB/s | GFLOPS |")
+    print("|---|---|---|---|---|---|")
+    for context, kv_dtype in ((int(c), d) for c in args.contexts.split(",") for d in args.kv_dtypes.split(",")):
         num_blocks = 8 * (context // BLOCK + 2)
-        keys = torch.randn(num_blocks * BLOCK, kv_heads, head_dim, generator=generator).bfloat16()
-        values = torch.randn(num_blocks * BLOCK, kv_heads, head_dim, generator=generator).bfloat16()
+        keys = torch.randn(num_blocks * BLOCK, kv_heads, head_dim, generator=generator)
+        values = torch.randn(num_blocks * BLOCK, kv_heads, head_dim, generator=generator)
+        if kv_dtype == "int8":
+            keys, values = quantize_kv(keys), quantize_kv(values)
+        else:
+            keys, values = keys.to(getattr(torch, kv_dtype)), values.to(getattr(torch, kv_dtype))
+        element_bytes = kv_bytes_per_element(kv_dtype, head_dim)
         chunk = block_slots(num_blocks, context + 8, generator)
         shapes = {
             "1 decode row": ([context], [block_slots(num_blocks, context, generator)]),
@@ -73,9 +82,9 @@ def main() -> None:
                     call()
                 best = min(best, (time.perf_counter() - started) / args.iterations)
             distinct_contexts = 1 if name.endswith("chunk") else rows
-            kv_bytes = distinct_contexts * max(lengths) * kv_heads * head_dim * 2 * 2
+            kv_bytes = distinct_contexts * max(lengths) * kv_heads * head_dim * 2 * element_bytes
             pairs = sum(lengths) * heads
-            print(f"| {context} | {name} | {best * 1e3:.3f} | {kv_bytes / best / 1e9:.1f} | "
+            print(f"| {context} | {kv_dtype} | {name} | {best * 1e3:.3f} | {kv_bytes / best / 1e9:.1f} | "
                   f"{pairs * head_dim * 4 / best / 1e9:.1f} |")
 
 

@@ -1,4 +1,4 @@
-"""`tokios bench offline|serve|compare|prefix|fairness|restart`: wires the benchmark sub-commands to their modules.
+"""`tokios bench offline|serve|compare|prefix|fairness|restart|capacity`: wires the benchmark sub-commands to their modules.
 
 Each module exposes `add_arguments(parser)` and `run(args) -> int`, like the top-level commands.
 The modules keep torch, transformers and llama_cpp imports inside functions, so building this
@@ -19,6 +19,8 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
                 "TTFT of a 4,000-token prompt after a restart, with the prefix cache's disk tier and without"),
     "serve": ("tokios.tools.bench_serve", "streaming load generator against any OpenAI-compatible URL"),
     "compare": ("tokios.tools.bench_compare", "start tokios serve and llama-server, run the same load on both"),
+    "capacity": ("tokios.tools.bench_capacity",
+                 "long-context streams one KV memory serves at once: tokios bf16/int8 vs llama-server f16/q8_0"),
     "fairness": ("tokios.tools.bench_fairness",
                  "decoding streams' inter-token latency while a long prompt prefills: tokios vs llama-server"),
 }

@@ -55,13 +55,15 @@ def add_server_pair_arguments(parser: argparse.ArgumentParser, *, ctx_per_slot: 
     parser.add_argument("--llama-server-args", default="", help="extra arguments for llama-server (one string)")
 
 
-def tokios_command(args: argparse.Namespace, model_path: str, port: int, num_slots: int) -> list[str]:
-    # The same context capacity as llama-server's 16-bit cache: a bfloat16 cache of the same size.
-    kv_cache_bytes = num_slots * args.ctx_per_slot * kv_bytes_per_token(model_path, bytes_per_element=2)
+def tokios_command(args: argparse.Namespace, model_path: str, port: int, num_slots: int, *,
+                   kv_cache_bytes: int | None = None, kv_cache_dtype: str = "bfloat16") -> list[str]:
+    # By default the same context capacity as llama-server's 16-bit cache: a bfloat16 cache of the same size.
+    if kv_cache_bytes is None:
+        kv_cache_bytes = num_slots * args.ctx_per_slot * kv_bytes_per_token(model_path, "bfloat16")
     return [sys.executable, "-m", "tokios.cli", "serve", "--model", model_path, "--host", "127.0.0.1",
             "--port", str(port), "--dtype", args.dtype, "--max-num-seqs", str(num_slots),
             "--max-model-len", str(args.ctx_per_slot), "--kv-cache-memory", str(kv_cache_bytes),
-            "--kv-cache-dtype", "bfloat16",
+            "--kv-cache-dtype", kv_cache_dtype,
             *shlex.split(args.tokios_args)]
 
 
@@ -85,8 +87,15 @@ def llama_machine_arguments() -> list[str]:
     return ["--no-repack"] if has_amx else []
 
 
-def kv_bytes_per_token(model_path: str, *, bytes_per_element: int) -> int:
-    """2 x layers x kv_heads x head_dim x bytes, from the GGUF metadata (sizes tokios' KV cache)."""
+# llama.cpp's cache types (-ctk/-ctv): q8_0 stores 32 values in 34 bytes (an fp16 scale each).
+LLAMA_CACHE_TYPE_BYTES = {"f16": 2.0, "q8_0": 34 / 32}
+
+
+def kv_bytes_per_token(model_path: str, kv_dtype: str | float) -> int:
+    """2 x layers x kv_heads x head_dim x bytes of a tokios KV dtype (kv_cache/dtypes.py, int8's
+    scales included) or of a given bytes per element, from the GGUF metadata."""
+    from tokios.kv_cache.dtypes import kv_bytes_per_element
+
     from gguf import GGUFReader
 
     reader = GGUFReader(model_path)
@@ -96,7 +105,8 @@ def kv_bytes_per_token(model_path: str, *, bytes_per_element: int) -> int:
     num_kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv") or num_heads)
     head_dim = int(_field(reader, f"{arch}.attention.key_length")
                    or int(_field(reader, f"{arch}.embedding_length")) // num_heads)
-    return 2 * num_layers * num_kv_heads * head_dim * bytes_per_element
+    bytes_per_element = kv_dtype if isinstance(kv_dtype, float) else kv_bytes_per_element(kv_dtype, head_dim)
+    return round(2 * num_layers * num_kv_heads * head_dim * bytes_per_element)
 
 
 def _field(reader, key: str):

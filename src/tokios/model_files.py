@@ -59,6 +59,11 @@ def gemma3_model_path() -> Path:
 _INSTALLED_BY_FILE_NAME = {DEFAULT_MODEL_FILE_NAME: default_model_path, GEMMA3_MODEL_FILE_NAME: gemma3_model_path}
 
 
+def installed_model_names() -> str:
+    """The file names --model accepts on their own, for error messages."""
+    return ", ".join(_INSTALLED_BY_FILE_NAME)
+
+
 def resolve_model_path(model: str | os.PathLike | None) -> str:
     """--model as given: None is the default model; an existing path is itself; the bare file
     name of a model installed here (gemma-3-270m-q4_k_m.gguf) is that file; anything else is

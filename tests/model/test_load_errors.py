@@ -136,6 +136,23 @@ def test_generate_with_a_missing_model_exits_1_with_one_line(tmp_path):
     assert lines[0].startswith("tokios generate: error:") and "not found" in lines[0] and str(path) in lines[0]
 
 
+def test_serve_with_a_missing_model_says_so_before_it_listens(tmp_path):
+    path = tmp_path / "missing.gguf"
+    result = run_cli("serve", "--model", str(path), "--port", "0")
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr  # no "listening on", no uvicorn start-up and shutdown
+    assert lines[0].startswith("tokios serve: error: model:") and str(path) in lines[0]
+
+
+@pytest.mark.parametrize("port", ["80000", "-1"])
+def test_serve_with_an_impossible_port_exits_1_with_one_line(port):
+    result = run_cli("serve", "--port", port)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"tokios serve: error: port: {port} is not a TCP port (0-65535; 0 picks a free one)"]
+
+
 def test_generate_with_a_bad_dtype_exits_1_with_one_line():
     result = run_cli("generate", "Hello", "--dtype", "float8")
     assert result.returncode == 1

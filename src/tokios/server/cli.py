@@ -160,7 +160,7 @@ def _engine_config(args: argparse.Namespace, model: str | None):
 
 def model_arguments(args: argparse.Namespace) -> list[tuple[str, str | None]]:
     """(path, name or None) of every model the flags name: each --model, then --models-dir's."""
-    from tokios.model_files import resolve_model_path
+    from tokios.model_files import installed_model_names, resolve_model_path
 
     models: list[tuple[str, str | None]] = []
     for value in args.model or []:
@@ -169,7 +169,13 @@ def model_arguments(args: argparse.Namespace) -> list[tuple[str, str | None]]:
             path, name = value, ""
         if separator and not name:
             raise InvalidRequestError(f"model: {value!r} gives an empty name after '='", param="model")
-        models.append((resolve_model_path(path), name or None))
+        resolved = resolve_model_path(path)
+        if not os.path.exists(resolved):
+            # Before the port is bound or anything announced: nothing is downloaded at run time.
+            raise InvalidRequestError(f"model: {path!r} is not a file or directory here (a GGUF file, a model "
+                                      f"directory, or an installed model's file name: {installed_model_names()})",
+                                      param="model")
+        models.append((resolved, name or None))
     if args.models_dir is not None:
         directory = Path(args.models_dir)
         if not directory.is_dir():
@@ -259,6 +265,9 @@ def run(args: argparse.Namespace) -> int:
     from tokios.server.app import create_app
     from tokios.server.auth import ApiKeyChecker
     from tokios.server.serving import ServerSettings
+
+    if not 0 <= args.port <= 65535:
+        raise InvalidRequestError(f"port: {args.port} is not a TCP port (0-65535; 0 picks a free one)", param="port")
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

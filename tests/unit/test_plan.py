@@ -13,7 +13,7 @@ import pytest
 from tokios.errors import InvalidRequestError, ModelLoadError
 from tokios.tools.hardware import NAME_TO_HARDWARE
 from tokios.tools.model_presets import NAME_TO_PRESET, load_model_shape
-from tokios.tools.plan import PlanInputs, make_plan, parse_weight_bits
+from tokios.tools.plan import PlanInputs, make_plan, parse_weight_bits, tensor_parallel_problem
 
 
 def _default_gguf() -> Path:
@@ -107,7 +107,8 @@ def test_suggestions_each_carry_a_number_and_the_fitting_ones_fit():
     devices = next(s for s in plan.suggestions if s.change.startswith("more devices"))
     count = int(devices.change.split(": ")[1].split(" x ")[0])
     assert make_plan(dataclasses.replace(inputs, count=count, tp=count)).fits
-    assert not make_plan(dataclasses.replace(inputs, count=count - 1, tp=count - 1)).fits
+    fewer = max(tp for tp in range(1, count) if tensor_parallel_problem(inputs.model, tp) is None)
+    assert not make_plan(dataclasses.replace(inputs, count=fewer, tp=fewer)).fits
     assert all(any(ch.isdigit() for ch in s.outcome) for s in plan.suggestions)
 
 
@@ -146,3 +147,20 @@ def test_int8_kv_is_sized_as_the_engine_stores_it():
     assert int8.kv_bytes_per_token == 2 * 30 * 3 * 68
     assert int8.kv_bytes_per_token / bf16.kv_bytes_per_token == pytest.approx(68 / 128)
     assert int8.kv_capacity_tokens == pytest.approx(bf16.kv_capacity_tokens * 128 / 68, rel=1e-3)
+
+
+def test_tensor_parallel_degrees_must_split_the_heads():
+    """Llama 3 70B has 64 heads and 8 KV heads: 3 devices in one group split neither, and are
+    never suggested; 16 copy each KV head to two devices."""
+    model, h100 = NAME_TO_PRESET["llama-3-70b"], NAME_TO_HARDWARE["h100-sxm"]
+    with pytest.raises(InvalidRequestError, match="count: a tensor-parallel group of 3 cannot split llama-3-70b: "
+                                                  "3 does not divide its 64 attention heads; with 3 device"):
+        PlanInputs(model, h100, count=3)
+    with pytest.raises(InvalidRequestError, match=r"give --tp 1 or 2 or 4\b"):
+        PlanInputs(model, h100, count=12, tp=12)
+    assert PlanInputs(model, h100, count=3, tp=1).num_replicas == 3
+    assert tensor_parallel_problem(model, 16) is None
+    plan = make_plan(PlanInputs(model, h100, count=1, concurrency=64, context_len=8192))
+    devices = next(s for s in plan.suggestions if s.change.startswith("more devices"))
+    count = int(devices.change.split(": ")[1].split(" x ")[0])
+    assert tensor_parallel_problem(model, count) is None

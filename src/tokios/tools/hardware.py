@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from tokios.errors import InvalidRequestError, TokiosError
+from tokios.model_files import cache_directory
 
 MIB = 2**20
 THIS_MACHINE = "this-machine"
@@ -77,9 +78,7 @@ HARDWARE_NAMES = (*NAME_TO_HARDWARE, THIS_MACHINE)
 
 
 def cache_path() -> Path:
-    base = os.environ.get("TOKIOS_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tokios")
-    return Path(base) / "hardware.json"
+    return cache_directory() / "hardware.json"
 
 
 def load_hardware(name: str, *, remeasure: bool = False) -> HardwareSpec:

@@ -44,7 +44,9 @@ def resolve_model_path(model: str | None) -> str:
 
 
 def peers_dir() -> Path:
-    return Path(os.environ.get("TOKIOS_PEERS_DIR", Path.home() / ".cache" / "tokios" / "peers"))
+    from tokios.model_files import cache_directory
+
+    return Path(os.environ["TOKIOS_PEERS_DIR"]) if os.environ.get("TOKIOS_PEERS_DIR") else cache_directory() / "peers"
 
 
 def require_llama_cpp():

@@ -65,6 +65,14 @@ class PlanInputs:
                 raise InvalidRequestError(
                     f"tp: {self.tp} must divide count {self.count} (each replica is a whole "
                     "tensor-parallel group)", param="tp")
+        problem = tensor_parallel_problem(self.model, self.tp_size)
+        if problem is not None:
+            valid = [tp for tp in range(1, self.count + 1) if self.count % tp == 0
+                     and tensor_parallel_problem(self.model, tp) is None]
+            source = "tp" if self.tp is not None else "count"
+            raise InvalidRequestError(
+                f"{source}: a tensor-parallel group of {self.tp_size} cannot split {self.model.name}: {problem}; "
+                f"with {self.count} device(s) give --tp {' or '.join(map(str, valid))}", param=source)
         if self.prompt_len is not None:
             _check_int("prompt_len", self.prompt_len, 1, self.context_len)
         if self.output_len is not None:
@@ -337,9 +345,23 @@ def suggest(inputs: PlanInputs, plan: Plan) -> list[Suggestion]:
     return suggestions
 
 
+def tensor_parallel_problem(model: ModelShape, tp: int) -> str | None:
+    """Why `tp` devices cannot share the model's attention (None: they can). Each device takes
+    whole query heads, and either whole KV heads or a copy of one (tp a multiple of them), as
+    vLLM splits them."""
+    if model.num_heads % tp:
+        return f"{tp} does not divide its {model.num_heads} attention heads"
+    if model.num_kv_heads % tp and tp % model.num_kv_heads:
+        return f"{tp} neither divides its {model.num_kv_heads} KV heads nor is a multiple of them"
+    return None
+
+
 def _devices_needed(inputs: PlanInputs, max_devices: int = 64) -> int | None:
-    """Fewest devices (one tensor-parallel group) that fit the whole target, or None."""
+    """Fewest devices (one tensor-parallel group the model can be split by) that fit the whole
+    target, or None."""
     for count in range(inputs.count + 1, max_devices + 1):
+        if tensor_parallel_problem(inputs.model, count) is not None:
+            continue
         candidate = dataclasses.replace(inputs, count=count, tp=count)
         if make_plan(candidate, with_suggestions=False).fits:
             return count

@@ -49,7 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-steps", type=_int_list, default=[4, 20],
                         help="the two output lengths whose difference times decode (default 4,20)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per point; the best counts")
-    parser.add_argument("--chart", default="roofline.png", help="PNG path (default roofline.png)")
+    parser.add_argument("--chart", default=None,
+                        help="PNG path (default: roofline.png in the tokios cache, ~/.cache/tokios or "
+                             "$TOKIOS_CACHE_DIR; the report says where)")
     parser.add_argument("--skip-engine", action="store_true", help="measure the roofs only")
     parser.add_argument("--quick", action="store_true",
                         help="small microbenchmarks (lower bounds; not cached for tokios plan)")
@@ -76,9 +78,10 @@ def run(args: argparse.Namespace) -> int:
     roofs = next((r for r in roofs_list if r.dtype == compute_dtype), roofs_list[0])
     chart_path = None
     if points or args.chart:
+        from tokios.model_files import cache_directory
         from tokios.tools.roofline_chart import draw_roofline_chart
 
-        chart_path = draw_roofline_chart(roofs_list, points, args.chart,
+        chart_path = draw_roofline_chart(roofs_list, points, args.chart or cache_directory() / "roofline.png",
                                          title=f"Roofline: {measurement['device']}, engine {engine_dtype}")
     if args.json:
         print(json.dumps({"measurement": measurement, "engine_dtype": engine_dtype, "roof_dtype": roofs.dtype,

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +23,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
 from tokios.model.blocks import unpack
+from tokios.model_files import cache_directory
 from tokios.model.quant import PackedWeight, SegmentedWeight, as_dense
 
 logger = logging.getLogger("tokios.kernels")
@@ -43,8 +43,7 @@ _extension_error: str | None = None
 def _build_directory(variant: str = "") -> Path:
     sources = b"".join(path.read_bytes() for path in _SOURCES)
     digest = hashlib.sha256(sources + torch.__version__.encode() + variant.encode()).hexdigest()[:16]
-    root = Path(os.environ.get("TOKIOS_CACHE_DIR", Path.home() / ".cache" / "tokios"))
-    return root / "kernels" / digest
+    return cache_directory() / "kernels" / digest
 
 
 def compile_kernels(name: str = "tokios_cpu_kernels", march: str = "native"):

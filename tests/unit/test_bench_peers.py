@@ -1,5 +1,6 @@
 """peers: model lookup, server subprocess lifecycle, prompt tokenizer, llama-server lookup."""
 
+import importlib.util
 import random
 import sys
 
@@ -52,3 +53,15 @@ def test_prompts_have_exact_token_lengths_with_the_real_tokenizer():
     # Two prompts of the same length from one generator do not share a start.
     first, second = make_token_ids(64, rng, codec), make_token_ids(64, rng, codec)
     assert first[:4] != second[:4]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is not None, reason="llama-cpp-python is installed here")
+def test_bench_offline_without_llama_cpp_python_says_so_before_loading_anything():
+    import subprocess
+
+    result = subprocess.run([sys.executable, "-m", "tokios.cli", "bench", "offline"], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr  # no "loading tokios ..." first
+    assert "llama-cpp-python is not installed" in lines[0] and "--systems tokios,transformers" in lines[0]

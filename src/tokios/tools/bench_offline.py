@@ -72,6 +72,25 @@ def parse_systems(text: str) -> list[str]:
     return names
 
 
+def require_peers(systems: list[str], transformers_reps: int) -> None:
+    """A one-line error naming the missing package of a peer, before any model loads."""
+    import importlib.util
+
+    from tokios.errors import TokiosError
+    from tokios.tools.peers import require_llama_cpp
+
+    others = ",".join(s for s in systems if s != "llama.cpp")
+    if "llama.cpp" in systems:
+        try:
+            require_llama_cpp()
+        except TokiosError as exc:
+            raise TokiosError(f"{exc}; or leave llama.cpp out: --systems {others or 'tokios'}") from None
+    if "transformers" in systems and transformers_reps > 0 and importlib.util.find_spec("transformers") is None:
+        others = ",".join(s for s in systems if s != "transformers")
+        raise TokiosError("transformers is not installed: pip install 'tokios[test]'; or leave it out: "
+                          f"--systems {others or 'tokios'}")
+
+
 def load_systems(args: argparse.Namespace, model_path: str) -> list:
     from tokios.tools import bench_engines
 
@@ -200,6 +219,7 @@ def run(args: argparse.Namespace) -> int:
                           ("throughput_prompts", 0), ("throughput_input_len", 1), ("throughput_output_len", 1)):
         if getattr(args, name) < minimum:
             raise InvalidRequestError(f"{name} must be >= {minimum}, got {getattr(args, name)}", param=name)
+    require_peers(parse_systems(args.systems), args.transformers_reps)  # before loading anything
     model_path = benchmark_model_path(args)
     codec = load_prompt_codec(model_path)
     if codec is None:

@@ -12,6 +12,7 @@ and bench_serve (the prompt tokenizer).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -75,6 +76,9 @@ def find_llama_server(explicit_path: str | None = None, *, build: bool = True, n
         return on_path
     if not build:
         raise TokiosError("no llama-server found: pass --llama-server PATH or allow the build")
+    print(f"peers: no llama-server (no --llama-server, none on PATH, no build in {peers_dir()}): building it "
+          "once from the llama-cpp-python source distribution, about 10 minutes on 2 cores; later runs reuse it",
+          file=sys.stderr)
     return build_llama_server(num_jobs=num_jobs)
 
 
@@ -162,14 +166,25 @@ def requantized_model(model_path: str, file_type: str) -> str:
 
 
 def _run_logged(command: list[str], what: str) -> None:
+    """Runs `command` with its output in the build log; a build's [ NN%] lines become a progress
+    line on stderr every tenth."""
     log_path = peers_dir() / "build.log"
     print(f"peers: {what} ... (log: {log_path})", file=sys.stderr)
+    shown = -10
     with open(log_path, "a") as log:
         log.write(f"\n$ {' '.join(command)}\n")
         log.flush()
-        result = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT)
-    if result.returncode != 0:
-        raise TokiosError(f"{what} failed with exit code {result.returncode}; see {log_path}")
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                   errors="replace")
+        for line in process.stdout:
+            log.write(line)
+            progress = re.match(r"\[\s*(\d+)%\]", line)
+            if progress and int(progress.group(1)) >= shown + 10:
+                shown = int(progress.group(1)) // 10 * 10
+                print(f"peers: {what} {progress.group(1)}%", file=sys.stderr)
+        returncode = process.wait()
+    if returncode != 0:
+        raise TokiosError(f"{what} failed with exit code {returncode}; see {log_path}")
 
 
 # ---------------------------------------------------------------- server processes

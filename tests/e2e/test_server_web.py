@@ -138,14 +138,16 @@ def test_chat_page_streams_an_answer_with_a_key(keyed_server, browser, tmp_path)
     # Without the key the page says so instead of failing silently.
     browser.wait_for("document.getElementById('model-name').textContent === 'API key needed'", 30)
 
-    browser.type_into("api-key", API_KEY)
-    browser.evaluate("document.getElementById('api-key').dispatchEvent(new Event('change'))")
+    browser.type_into("api-key", API_KEY)  # typed only: the header updates without the field losing focus
     model = browser.wait_for("document.getElementById('model-name').textContent !== 'API key needed' && "
                              "document.getElementById('model-name').textContent", 30)
     with keyed_server.client() as http:
         assert model == http.get("/v1/models").json()["data"][0]["id"]
     # The model picker lists what /v1/models lists.
     assert browser.evaluate("[...document.getElementById('model-picker').options].map(o => o.value).join()") == model
+    # The settings a person starts from are llama-server's sampling defaults, shown in the page.
+    assert browser.evaluate("['temperature', 'top-p', 'top-k', 'min-p'].map(id => document.getElementById(id).value)"
+                            ".join()") == "0.8,0.95,40,0.05"
     browser.evaluate("document.getElementById('temperature').value = '0'; "
                      "document.getElementById('max-tokens').value = '48'")
 

@@ -1,11 +1,12 @@
 // The tokios web chat: keeps the conversation, streams answers from /v1/chat/completions over
 // SSE (fetch + a small parser, no library, no build step), shows TTFT and tokens per second.
-// The API key, temperature and max tokens are kept in localStorage.
+// The API key, the sampling settings and the system prompt are kept in localStorage.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
 const state = { messages: [], model: null, controller: null };
-const STORED_FIELDS = ["api-key", "temperature", "max-tokens", "system-prompt"];
+const STORED_FIELDS = ["api-key", "temperature", "top-p", "top-k", "min-p", "max-tokens", "system-prompt"];
+const KEY_NEEDED = "API key needed";
 
 function authHeaders() {
   const key = $("api-key").value.trim();
@@ -55,7 +56,7 @@ async function refreshServer() {
       state.model = chosen;
       $("model-name").textContent = state.model;
     } else {
-      $("model-name").textContent = models.status === 401 ? "API key needed" : await errorText(models);
+      $("model-name").textContent = models.status === 401 ? KEY_NEEDED : await errorText(models);
     }
   } catch (err) {
     $("server-status").textContent = "offline";
@@ -99,6 +100,9 @@ async function send(text) {
     model: state.model || undefined,
     messages: (system ? [{ role: "system", content: system }] : []).concat(state.messages),
     temperature: Number($("temperature").value),
+    top_p: Number($("top-p").value),
+    top_k: Number($("top-k").value),
+    min_p: Number($("min-p").value),
     max_tokens: Number($("max-tokens").value),
     stream: true,
     stream_options: { include_usage: true },
@@ -132,6 +136,8 @@ async function send(text) {
       }
     }
     state.messages.push({ role: "assistant", content: answer });
+    // A reply came with the key as it is now: the header must not still ask for one.
+    if ($("model-name").textContent === KEY_NEEDED) refreshServer();
   } catch (err) {
     if (err.name === "AbortError") {
       finishReason = "stopped";
@@ -156,12 +162,17 @@ async function send(text) {
 }
 
 function init() {
+  let keyTimer = null;
   for (const id of STORED_FIELDS) {
     const saved = localStorage.getItem(`tokios.${id}`);
     if (saved !== null) $(id).value = saved;
-    $(id).addEventListener("change", () => {
+    // "input", not only "change": a key typed or pasted counts before the field loses focus.
+    $(id).addEventListener("input", () => {
       localStorage.setItem(`tokios.${id}`, $(id).value);
-      if (id === "api-key") refreshServer();
+      if (id === "api-key") {
+        clearTimeout(keyTimer);
+        keyTimer = setTimeout(refreshServer, 300);
+      }
     });
   }
   $("composer").addEventListener("submit", (event) => {

@@ -77,12 +77,19 @@ def test_prefill_time_includes_the_single_forward_pass():
     assert points[1].flops == plan_math.prefill_flops(engine_footprint(engine).model, 512)
 
 
-def test_no_prompt_is_ever_repeated_so_the_prefix_cache_cannot_help():
+def test_prefill_prompts_are_never_repeated_and_decode_batches_reuse_their_own():
+    """A prefill must not find its prompt cached; a decode point's runs reuse one batch,
+    prefilled before timing, so that no prefill enters the difference; batch sizes never share."""
     clock = FakeClock()
     engine = StandInEngine(clock)
-    measure_decode_utilization(engine, [2, 4], prompt_len=8, clock=clock)
     measure_prefill_utilization(engine, [8, 8], clock=clock)
-    assert len(set(engine.seen_prompts)) == len(engine.seen_prompts)
+    prefill_prompts = list(engine.seen_prompts)
+    assert len(set(prefill_prompts)) == len(prefill_prompts)
+    measure_decode_utilization(engine, [2, 4], prompt_len=8, clock=clock)
+    decode_prompts = engine.seen_prompts[len(prefill_prompts):]
+    assert not set(decode_prompts) & set(prefill_prompts)
+    assert set(decode_prompts[:2]) & set(decode_prompts[-4:]) == set()  # batch 2's and batch 4's
+    assert len(set(decode_prompts)) == 2 + 4
     assert all(min(p) >= 256 for p in engine.seen_prompts)  # no special tokens
 
 

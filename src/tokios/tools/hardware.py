@@ -97,14 +97,22 @@ def _machine_identity() -> dict[str, object]:
     return {"hostname": socket.gethostname(), "num_cpus": os.cpu_count()}
 
 
-def read_cached_this_machine() -> HardwareSpec | None:
-    """The cached measurement, or None when absent, unreadable or taken on another machine."""
+def read_cached_measurement() -> dict | None:
+    """The cached roofline_bench measurement, or None when absent, unreadable or taken on another machine."""
     try:
         record = json.loads(cache_path().read_text())
         if record.get("identity") != _machine_identity():
             return None
-        return spec_from_measurement(record["measurement"])
+        return dict(record["measurement"])
     except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def read_cached_this_machine() -> HardwareSpec | None:
+    measurement = read_cached_measurement()
+    try:
+        return None if measurement is None else spec_from_measurement(measurement)
+    except (ValueError, KeyError, TypeError):
         return None
 
 

@@ -53,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="PNG path (default: roofline.png in the tokios cache, ~/.cache/tokios or "
                              "$TOKIOS_CACHE_DIR; the report says where)")
     parser.add_argument("--skip-engine", action="store_true", help="measure the roofs only")
+    parser.add_argument("--cached-roofs", action="store_true",
+                        help="use this machine's roofs from the last full run (the tokios cache) instead of "
+                             "measuring them again; measures them when there are none")
     parser.add_argument("--quick", action="store_true",
                         help="small microbenchmarks (lower bounds; not cached for tokios plan)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -64,9 +67,11 @@ def run(args: argparse.Namespace) -> int:
     if len(args.decode_steps) != 2:
         raise InvalidRequestError("decode_steps: give exactly two output lengths, e.g. 4,20",
                                   param="decode_steps")
-    measurement = roofline_bench.measure_roofs(quick=args.quick)
-    if not args.quick:
-        hardware.save_this_machine(measurement)
+    measurement = hardware.read_cached_measurement() if args.cached_roofs else None
+    if measurement is None:
+        measurement = roofline_bench.measure_roofs(quick=args.quick)
+        if not args.quick:
+            hardware.save_this_machine(measurement)
     bandwidth = measurement["memory_bandwidth"]
     roofs_list = [Roofs(bandwidth, flops, dtype)
                   for dtype, flops in measurement["dtype_to_peak_flops"].items()]

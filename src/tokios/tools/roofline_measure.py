@@ -10,8 +10,10 @@ prints them against the roofs; `point.summary(roofs)` gives the utilization from
 How a step is isolated (why): a prefill is a request with max_tokens=1 (one forward pass over
 the prompt, then one sampled token). A decode step is the difference of two runs of the same
 batch shape with different max_tokens and ignore_eos, divided by the difference in steps, so
-that prefill, scheduling and warm-up cancel out. Every run uses fresh random prompts: reusing a
-prompt would hit the prefix cache and make the second run's prefill free.
+that prefill, scheduling and warm-up cancel out. A prefill run uses fresh random prompts (a reused
+prompt would hit the prefix cache and make its prefill free); the decode runs reuse one batch of
+prompts, prefilled once before timing, so that both runs find them cached and no prefill's noise
+enters the difference.
 """
 
 from __future__ import annotations
@@ -148,15 +150,17 @@ def measure_decode_utilization(engine: Any, batch_sizes: Sequence[int], *, promp
     context_len = prompt_len + (short_steps + long_steps) / 2
     points = []
     for batch_size in batch_sizes:
-        # Untimed first: a new batch shape can cost one-time work (kernel selection, allocation).
-        _timed_generate(engine, prompts.make(batch_size, prompt_len), short_steps, clock)
+        # The same prompts for every timed run, prefilled once untimed (which also pays a new
+        # batch shape's one-time work): the timed runs find them in the prefix cache, so the
+        # long-minus-short difference is decode alone. With fresh prompts each run carried a
+        # whole prefill, whose noise at 4,000 tokens (a few seconds, +-10%) buried 16 steps.
+        batch_prompts = prompts.make(batch_size, prompt_len)
+        _timed_generate(engine, batch_prompts, short_steps, clock)
         # A neighbour's burst can make the short runs slower than the long ones; measure again
         # a few times before calling the machine too noisy.
         for _ in range(_MAX_DECODE_ATTEMPTS):
-            short_s = min(_timed_generate(engine, prompts.make(batch_size, prompt_len), short_steps, clock)
-                          for _ in range(num_repeats))
-            long_s = min(_timed_generate(engine, prompts.make(batch_size, prompt_len), long_steps, clock)
-                         for _ in range(num_repeats))
+            short_s = min(_timed_generate(engine, batch_prompts, short_steps, clock) for _ in range(num_repeats))
+            long_s = min(_timed_generate(engine, batch_prompts, long_steps, clock) for _ in range(num_repeats))
             step_seconds = (long_s - short_s) / (long_steps - short_steps)
             if step_seconds > 0:
                 break

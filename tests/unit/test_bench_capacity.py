@@ -35,4 +35,4 @@ def test_metric_value_sums_labelled_samples_and_ignores_other_names():
             'llamacpp:requests_processing 4\n')
     assert metric_value(text, "tokios:num_requests_running") == 5.0
     assert metric_value(text, "llamacpp:requests_processing") == 4.0
-    assert metric_value(text, "tokios:num_preemptions") is None
+    assert metric_value(text, "tokios:num_preemptions_total") is None

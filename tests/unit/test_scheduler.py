@@ -170,6 +170,37 @@ def test_preemption_with_ten_blocks_and_two_requests_of_80_tokens():
     assert all(r.status == RequestStatus.FINISHED_LENGTH for r in (first, second, late))
 
 
+def test_a_request_starts_only_when_its_whole_prompt_fits_beside_the_running_ones():
+    """Chunked prefill admitted requests by their first chunk: four 80-token prompts in a pool
+    for two all started, outgrew it and preempted each other. Admission counts whole prompts
+    (prefix hits spared), so two run, the others wait, and nobody is recomputed."""
+    scheduler = make_scheduler(12, max_num_batched_tokens=32)
+    requests = [make_request(f"r{i}", list(range(i * 1000, i * 1000 + 80)), max_tokens=4) for i in range(4)]
+    for request in requests:
+        scheduler.add_request(request)
+    most_running = 0
+    while scheduler.num_unfinished:
+        run_step(scheduler)
+        most_running = max(most_running, len(scheduler.running))
+    scheduler.check_invariants()
+    assert most_running == 2 and scheduler.num_preemptions == 0
+    unpressured = run_to_completion(make_scheduler(100, max_num_batched_tokens=32), [
+        make_request(f"r{i}", list(range(i * 1000, i * 1000 + 80)), max_tokens=4) for i in range(4)])
+    assert {r.request_id: r.output_token_ids for r in requests} == unpressured
+    # A prompt sharing a running request's prefix needs only its own blocks: it starts where
+    # another would wait. (An idle cached prefix saves compute, not room: its blocks leave the
+    # free pool like new ones.)
+    scheduler = make_scheduler(9)
+    prompt = list(range(80))
+    for request in [make_request("a", prompt, max_tokens=4), make_request("same", prompt[:64] + [7] * 16, max_tokens=4),
+                    make_request("b", list(range(6000, 6080)), max_tokens=4)]:
+        scheduler.add_request(request)
+    output = run_step(scheduler)
+    assert [s.request.request_id for s in output.scheduled] == ["a", "same"]
+    assert [r.request_id for r in scheduler.waiting] == ["b"]  # 5 blocks, 3 left
+    assert scheduler.requests["same"].num_cached_tokens == 64
+
+
 def test_prefix_hit_skips_the_cached_blocks():
     scheduler = make_scheduler(32)
     shared = list(range(40))

@@ -193,9 +193,9 @@ class KVCacheManager:
         num_cached = self.request_to_num_cached_blocks.get(request.request_id, 0)
         self.request_to_num_cached_blocks[request.request_id] = min(num_cached, first)
 
-    def can_fit(self, num_tokens: int, max_chunk_tokens: int | None = None) -> bool:
-        """Could a request of num_tokens ever fit, with the whole pool to itself? A sliding group
-        holds at most its window plus one step's chunk (max_chunk_tokens, default all)."""
+    def blocks_for_tokens(self, num_tokens: int, max_chunk_tokens: int | None = None) -> int:
+        """Blocks, all groups together, that num_tokens tokens of one request hold at most: a
+        sliding group at most its window plus one step's chunk (max_chunk_tokens, default all)."""
         bs = self.block_size
         needed = 0
         for group in self.groups:
@@ -203,7 +203,25 @@ class KVCacheManager:
             if group.window is not None:
                 held = min(num_tokens, group.window + (max_chunk_tokens or num_tokens) + bs)
             needed += -(-held // bs)
-        return needed <= self.pool.num_blocks
+        return needed
+
+    def free_blocks_to_hold(self, request: CacheRequest, computed_blocks: Sequence[Sequence[int]] = ()) -> int:
+        """Free blocks the request's whole token list would take, starting from computed_blocks (a
+        prefix hit): a hit block another request holds costs nothing, an idle cached one leaves
+        the free pool like a new block."""
+        shared = sum(1 for table in computed_blocks for b in table if b != NULL_BLOCK and self.pool.ref_counts[b] > 0)
+        return self.blocks_for_tokens(request.num_tokens) - self.num_held_blocks(request) - shared
+
+    def num_held_blocks(self, request: CacheRequest) -> int:
+        return sum(1 for table in self.request_to_blocks.get(request.request_id, ()) for b in table if b != NULL_BLOCK)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def can_fit(self, num_tokens: int, max_chunk_tokens: int | None = None) -> bool:
+        """Could a request of num_tokens ever fit, with the whole pool to itself?"""
+        return self.blocks_for_tokens(num_tokens, max_chunk_tokens) <= self.pool.num_blocks
 
     def max_request_tokens(self, max_chunk_tokens: int | None = None) -> int:
         """The longest request can_fit allows (with a sliding group, more than the pool's slots

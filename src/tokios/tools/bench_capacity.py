@@ -137,7 +137,7 @@ async def run_round(base_url: str, result: CapacityRound, prompts: list[str], ou
     async with _client(load, len(prompts) + 4) as client:
         model = await discover_model(client, load)
         await send_one(client, load, model, BenchRequest("Hello", 4, 1))  # warm-up
-        preemptions_before = metric_value((await client.get(metrics_url)).text, "tokios:num_preemptions")
+        preemptions_before = metric_value((await client.get(metrics_url)).text, "tokios:num_preemptions_total")
         done = asyncio.Event()
         poller = asyncio.create_task(poll_running(client, metrics_url, RUNNING_METRIC[result.variant.server], done))
         started = time.perf_counter()
@@ -147,7 +147,7 @@ async def run_round(base_url: str, result: CapacityRound, prompts: list[str], ou
         done.set()
         result.peak_running = await poller
         if preemptions_before is not None:
-            after = metric_value((await client.get(metrics_url)).text, "tokios:num_preemptions")
+            after = metric_value((await client.get(metrics_url)).text, "tokios:num_preemptions_total")
             result.preemptions = (after or 0) - preemptions_before
     errors = [r.error for r in result.records if not r.is_success]
     if errors:

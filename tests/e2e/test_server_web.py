@@ -1,9 +1,11 @@
 """The web chat page in headless Chromium (Debian's `chromium` package), against a keyed server.
 
 Drives the browser over the Chrome DevTools Protocol with the `websockets` client the project
-already depends on: types an API key and a message with real input events, watches the answer
-stream into the page, and saves a screenshot (to docs/web-chat.png when TOKIOS_UPDATE_SCREENSHOT=1).
-Skips only when no Chromium binary is installed.
+already depends on, with real input events: the key asked for once, a reply streamed and rendered
+with its stats, a reload that keeps the conversation, edit / regenerate / stop, the sidebar's
+rename / delete / export / import, model output that tries to run script (rendered as text, runs
+nothing), and a server error shown in the page. Screenshots light and dark go to docs/ when
+TOKIOS_UPDATE_SCREENSHOT=1. Skips only when no Chromium binary is installed.
 """
 
 from __future__ import annotations
@@ -24,11 +26,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import SMALL_SERVER_FLAG_KEY as API_KEY
+from conftest import serve
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 ANSWER_TIMEOUT_S = 180.0
-SCREENSHOT_PATH = Path(__file__).resolve().parents[2] / "docs" / "web-chat.png"
+DOCS_DIR = Path(__file__).resolve().parents[2] / "docs"
 
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (apt-get install -y chromium)")
 
@@ -95,6 +97,21 @@ class Browser:
             self.call("Input.dispatchKeyEvent", type=event_type, key="Enter", code="Enter",
                       windowsVirtualKeyCode=13, nativeVirtualKeyCode=13, **text)
 
+    def click(self, selector: str) -> None:
+        """A real mouse click in the middle of the element (scrolled into view first)."""
+        box = self.evaluate(f"""(() => {{ const e = document.querySelector({selector!r});
+            if (!e) return null; e.scrollIntoView({{block: 'center'}}); const r = e.getBoundingClientRect();
+            return [r.x + r.width / 2, r.y + r.height / 2]; }})()""")
+        if box is None:
+            raise LookupError(f"no element matches {selector}")
+        for event_type in ("mousePressed", "mouseReleased"):
+            self.call("Input.dispatchMouseEvent", type=event_type, x=box[0], y=box[1], button="left", clickCount=1)
+
+    def set_files(self, selector: str, paths: list[Path]) -> None:
+        root = self.call("DOM.getDocument")["root"]["nodeId"]
+        node = self.call("DOM.querySelector", nodeId=root, selector=selector)["nodeId"]
+        self.call("DOM.setFileInputFiles", nodeId=node, files=[str(path) for path in paths])
+
     def screenshot(self) -> bytes:
         return base64.b64decode(self.call("Page.captureScreenshot", format="png")["data"])
 
@@ -114,9 +131,27 @@ class Browser:
                 pass
 
 
+API_KEY = "sk-web-7f3e"
+# What a hostile reply may contain; alert() is replaced by a flag setter before any of it renders.
+HOSTILE_MARKDOWN = """Here you go:
+
+<script>alert('script tag')</script>
+
+<img src=x onerror=alert(1)> and <iframe src="javascript:alert(2)"></iframe>
+
+[click me](javascript:alert(3)) and <a href="javascript:alert(4)">raw link</a> ![pic](javascript:alert(5))
+
+```python
+def greet(name):
+    return f"<b>{name}</b>"
+```
+"""
+
+
 @pytest.fixture(scope="module")
-def keyed_server(small_keyed_server):
-    return small_keyed_server
+def web_server():
+    with serve("--max-num-seqs", "4", api_key=API_KEY) as server:
+        yield server
 
 
 @pytest.fixture
@@ -125,64 +160,317 @@ def browser():
     with tempfile.TemporaryDirectory(prefix="tokios-chromium-", ignore_cleanup_errors=True) as user_data_dir:
         browser = Browser(Path(user_data_dir))
         try:
+            browser.call("Page.enable")
+            browser.call("DOM.enable")
             yield browser
         finally:
             browser.close()
 
 
-def test_chat_page_streams_an_answer_with_a_key(keyed_server, browser, tmp_path):
-    browser.call("Page.enable")
-    browser.call("Page.navigate", url=keyed_server.base_url + "/")
+def open_page(browser: Browser, server, *, with_key: bool = True) -> None:
+    browser.call("Page.navigate", url=server.base_url + "/")
     browser.wait_for("document.readyState === 'complete' && document.getElementById('server-status')"
                      ".textContent === 'ready'", 60)
-    # Without the key the page says so instead of failing silently.
-    browser.wait_for("document.getElementById('model-name').textContent === 'API key needed'", 30)
+    # Replaced before anything is rendered, so that script run by a reply would leave a mark.
+    browser.evaluate("window.alert = (what) => { window.__alerts = (window.__alerts || []).concat([String(what)]); }")
+    if with_key:
+        browser.wait_for("document.getElementById('key-banner').offsetParent !== null", 30)
+        browser.type_into("key-banner-input", API_KEY)
+        browser.press_enter()
+        browser.wait_for("document.getElementById('key-banner').offsetParent === null && "
+                         "document.getElementById('model-picker').options.length > 0", 30)
 
-    browser.type_into("api-key", API_KEY)  # typed only: the header updates without the field losing focus
-    model = browser.wait_for("document.getElementById('model-name').textContent !== 'API key needed' && "
-                             "document.getElementById('model-name').textContent", 30)
-    with keyed_server.client() as http:
-        assert model == http.get("/v1/models").json()["data"][0]["id"]
-    # The model picker lists what /v1/models lists.
-    assert browser.evaluate("[...document.getElementById('model-picker').options].map(o => o.value).join()") == model
-    # The settings a person starts from are llama-server's sampling defaults, shown in the page.
-    assert browser.evaluate("['temperature', 'top-p', 'top-k', 'min-p'].map(id => document.getElementById(id).value)"
-                            ".join()") == "0.8,0.95,40,0.05"
-    browser.evaluate("document.getElementById('temperature').value = '0'; "
-                     "document.getElementById('max-tokens').value = '48'")
 
-    browser.type_into("message", "Write two sentences about the sea.")
+def is_shown(browser: Browser, element_id: str) -> bool:
+    """Whether the element is displayed (its `hidden` property alone can be overridden by CSS)."""
+    return browser.evaluate(f"document.getElementById({json.dumps(element_id)}).offsetParent !== null")
+
+
+def set_setting(browser: Browser, element_id: str, value: str) -> None:
+    """Sets a settings field as typing would (its input event saves it)."""
+    browser.evaluate(f"(() => {{ const e = document.getElementById({json.dumps(element_id)});"
+                     f" e.value = {json.dumps(value)}; e.dispatchEvent(new Event('input')); }})()")
+
+
+def send_message(browser: Browser, text: str) -> None:
+    browser.type_into("message", text)
     browser.press_enter()
-    assert browser.wait_for("document.querySelectorAll('.message.user').length", 10) == 1
-    # Streaming: the answer bubble shows text while it is still marked as streaming.
-    partial = browser.wait_for(
-        "(() => { const b = document.querySelector('.message.assistant.streaming');"
-        " return b && b.textContent.length > 0 ? b.textContent : null; })()", ANSWER_TIMEOUT_S)
-    answer = browser.wait_for(
-        "document.querySelector('.message.assistant.streaming') === null && "
-        "document.querySelector('.message.assistant') && "
-        "document.querySelector('.message.assistant').textContent", ANSWER_TIMEOUT_S)
-    assert answer.startswith(partial) and len(answer) >= len(partial)
-    assert not browser.evaluate("document.querySelector('.message.error')")
-    stats = browser.evaluate("document.getElementById('stats').textContent")
-    assert stats.startswith("TTFT ") and "tok/s" in stats, stats
-    # The key was remembered for the next visit.
-    assert browser.evaluate("localStorage.getItem('tokios.api-key')") == API_KEY
 
+
+def wait_idle(browser: Browser) -> None:
+    browser.wait_for("!document.body.classList.contains('busy') && "
+                     "document.querySelector('.message.streaming') === null", ANSWER_TIMEOUT_S)
+
+
+def messages(browser: Browser) -> list[dict]:
+    """The shown messages: role, text, stats line and error line."""
+    return browser.evaluate("""[...document.querySelectorAll('#messages .message')].map(m => ({
+        role: m.classList.contains('user') ? 'user' : 'assistant',
+        text: m.querySelector('.content').textContent,
+        stats: m.querySelector('.stats').textContent,
+        error: m.querySelector('.error-text').hidden ? '' : m.querySelector('.error-text').textContent}))""")
+
+
+def num_chat_requests(server) -> int:
+    return len(re.findall(r"tokios\.requests: .*? prompt_tokens=", server.log_text()))
+
+
+def prompt_sizes(server) -> list[int]:
+    return [int(size) for size in re.findall(r"tokios\.requests: .*? prompt_tokens=(\d+)", server.log_text())]
+
+
+def save_screenshot(browser: Browser, tmp_path: Path, name: str) -> None:
     png = browser.screenshot()
     assert png.startswith(b"\x89PNG")
-    (tmp_path / "web-chat.png").write_bytes(png)
+    (tmp_path / name).write_bytes(png)
     if os.environ.get("TOKIOS_UPDATE_SCREENSHOT") == "1":
-        SCREENSHOT_PATH.write_bytes(png)
+        (DOCS_DIR / name).write_bytes(png)
 
-    # A second turn keeps the conversation: both user messages are sent.
-    browser.type_into("message", "Now one more.")
+
+def test_a_reply_streams_renders_and_survives_a_reload(web_server, browser, tmp_path):
+    open_page(browser, web_server, with_key=False)
+    # Without the key the page asks for it once, in a banner, and says so in the header.
+    browser.wait_for("document.getElementById('key-banner').offsetParent !== null", 30)
+    assert browser.evaluate("document.getElementById('model-name').textContent") == "API key needed"
+    browser.type_into("key-banner-input", API_KEY)
     browser.press_enter()
-    browser.wait_for("document.querySelectorAll('.message.assistant').length === 2 && "
-                     "document.querySelector('.message.assistant.streaming') === null", ANSWER_TIMEOUT_S)
-    assert browser.evaluate("document.querySelectorAll('.message.user').length") == 2
-    # The second request carried the whole conversation: its prompt is longer than the first one's
-    # by at least the first answer.
-    prompt_sizes = [int(match) for match in re.findall(r"tokios\.requests: .*? prompt_tokens=(\d+)",
-                                                        keyed_server.log_text())]
-    assert len(prompt_sizes) >= 2 and prompt_sizes[-1] > prompt_sizes[-2] + 5, prompt_sizes
+    model = browser.wait_for("document.getElementById('key-banner').offsetParent === null && "
+                             "document.getElementById('model-picker').value", 30)
+    with web_server.client() as http:
+        assert [card["id"] for card in http.get("/v1/models").json()["data"]] == browser.evaluate(
+            "[...document.getElementById('model-picker').options].map(o => o.value)")
+    assert model == browser.evaluate("document.getElementById('model-name').textContent")
+    # Every asset came from this server (the page works offline), and the libraries loaded.
+    origins = browser.evaluate("[...new Set(performance.getEntriesByType('resource').map(e => new URL(e.name).origin))]")
+    assert origins == [web_server.base_url], origins
+    assert browser.evaluate("[typeof marked, typeof DOMPurify, typeof hljs].join()") == "object,function,object"
+    assert not is_shown(browser, "notice")
+    # The settings a person starts from are llama-server's sampling defaults, shown in the panel.
+    assert browser.evaluate("['temperature', 'top-p', 'top-k', 'min-p'].map(id => document.getElementById(id).value)"
+                            ".join()") == "0.8,0.95,40,0.05"
+    browser.click("#open-settings")
+    assert browser.evaluate("document.getElementById('settings-dialog').open")
+    set_setting(browser, "temperature", "0")
+    set_setting(browser, "max-tokens", "80")
+    browser.click("#close-settings")
+    assert not browser.evaluate("document.getElementById('settings-dialog').open")
+
+    send_message(browser, "Write a short Python function that adds two numbers.")
+    assert browser.wait_for("document.querySelectorAll('.message.user').length", 10) == 1
+    # Streaming: the reply shows text while it is still marked as streaming.
+    partial = browser.wait_for(
+        "(() => { const b = document.querySelector('.message.assistant.streaming .content');"
+        " return b && b.textContent.length > 0 ? b.textContent : null; })()", ANSWER_TIMEOUT_S)
+    wait_idle(browser)
+    [question, answer] = messages(browser)
+    assert question["text"] == "Write a short Python function that adds two numbers."
+    assert len(answer["text"]) >= len(partial) > 0 and not answer["error"]
+    assert re.fullmatch(r"TTFT \d+\.\d\d s · \d+\.\d tok/s · \d+ tokens · (stop|length) · " + re.escape(model),
+                        answer["stats"]), answer["stats"]
+    # The sidebar lists the conversation under its first message (cut to 48 characters).
+    assert browser.evaluate("document.querySelector('.conversation.active .title').textContent") == \
+        "Write a short Python function that adds two num…"
+    save_screenshot(browser, tmp_path, "web-chat-light.png")
+
+    # A reload keeps the key (no banner), the settings and the conversation.
+    browser.call("Page.reload")
+    browser.wait_for("document.readyState === 'complete' && document.querySelectorAll('.message').length === 2", 30)
+    browser.wait_for("document.getElementById('model-picker').options.length > 0", 30)
+    assert not is_shown(browser, "key-banner")
+    assert messages(browser) == [question, answer]
+    assert browser.evaluate("document.getElementById('temperature').value") == "0"
+
+    # The dark theme follows the system.
+    browser.call("Emulation.setEmulatedMedia", features=[{"name": "prefers-color-scheme", "value": "dark"}])
+    browser.wait_for("document.documentElement.dataset.theme === 'dark'", 10)
+    assert browser.evaluate("document.getElementById('highlight-dark').disabled") is False
+    save_screenshot(browser, tmp_path, "web-chat-dark.png")
+
+    # A second turn carries the whole conversation: its prompt is longer by at least the answer.
+    send_message(browser, "Now one more.")
+    wait_idle(browser)
+    assert [message["role"] for message in messages(browser)] == ["user", "assistant"] * 2
+    sizes = prompt_sizes(web_server)
+    assert len(sizes) >= 2 and sizes[-1] > sizes[-2] + 5, sizes
+
+
+def test_edit_regenerate_and_stop(web_server, browser):
+    open_page(browser, web_server)
+    set_setting(browser, "temperature", "0")
+    set_setting(browser, "max-tokens", "16")
+    send_message(browser, "Say hello.")
+    wait_idle(browser)
+    first = messages(browser)
+    assert [message["role"] for message in first] == ["user", "assistant"]
+
+    # Regenerate: a new request, the reply replaced in place (greedy, so the same text).
+    num_requests = num_chat_requests(web_server)
+    browser.click(".message.assistant .regenerate")
+    wait_idle(browser)
+    assert num_chat_requests(web_server) == num_requests + 1
+    assert messages(browser)[1]["text"] == first[1]["text"]
+    assert len(messages(browser)) == 2
+
+    # Edit the question and resend: the conversation after it is answered again.
+    browser.click(".message.user .edit")
+    browser.wait_for("document.querySelector('.message.user .edit-input') !== null", 10)
+    browser.evaluate("document.querySelector('.message.user .edit-input').value = 'Name three colours.'")
+    browser.click(".message.user .save-edit")
+    wait_idle(browser)
+    edited = messages(browser)
+    assert [message["role"] for message in edited] == ["user", "assistant"]
+    assert edited[0]["text"] == "Name three colours."
+    assert num_chat_requests(web_server) == num_requests + 2
+
+    # Stop: the partial reply stays, marked stopped, and the server ends the request.
+    set_setting(browser, "max-tokens", "2000")
+    set_setting(browser, "temperature", "0.8")
+    send_message(browser, "Write a long story about a lighthouse keeper.")
+    browser.wait_for("(() => { const b = document.querySelector('.message.assistant.streaming .content');"
+                     " return b && b.textContent.length > 20; })()", ANSWER_TIMEOUT_S)
+    browser.click("#stop")
+    wait_idle(browser)
+    stopped = messages(browser)[-1]
+    assert stopped["text"] and stopped["stats"].split(" · ")[-2] == "stopped", stopped
+    assert not browser.evaluate("document.getElementById('send').disabled")
+    with web_server.client() as http:
+        deadline = time.monotonic() + 30
+        while http.get("/v1/engine/stats").json()["num_running"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert http.get("/v1/engine/stats").json()["num_running"] == 0
+
+
+def test_model_output_renders_as_text_and_runs_nothing(web_server, browser, tmp_path):
+    open_page(browser, web_server)
+    chat = {"format": "tokios-conversations", "version": 1, "conversations": [
+        {"title": "hostile", "messages": [{"role": "user", "content": "<b>bold?</b> <img src=x onerror=alert(9)>"},
+                                          {"role": "assistant", "content": HOSTILE_MARKDOWN}]}]}
+    chat_file = tmp_path / "hostile.json"
+    chat_file.write_text(json.dumps(chat))
+    browser.set_files("#import-file", [chat_file])
+    browser.wait_for("document.querySelectorAll('.message').length === 2", 10)
+    reply = "document.querySelector('.message.assistant .content')"
+    # Raw HTML shows as its characters; nothing of it became an element or ran.
+    text = browser.evaluate(f"{reply}.textContent")
+    for fragment in ("<script>alert('script tag')</script>", "<img src=x onerror=alert(1)>",
+                     '<a href="javascript:alert(4)">raw link</a>'):
+        assert fragment in text, text
+    assert browser.evaluate("document.querySelector('.message.user .content').textContent") == \
+        "<b>bold?</b> <img src=x onerror=alert(9)>"
+    assert browser.evaluate("document.querySelectorAll('#messages script, #messages img, #messages iframe, "
+                            "#messages b').length") == 0
+    hrefs = browser.evaluate(f"[...{reply}.querySelectorAll('a')].map(a => a.getAttribute('href'))")
+    assert not any(href and href.strip().lower().startswith("javascript") for href in hrefs), hrefs
+    # Links open elsewhere, without handing over this page.
+    assert browser.evaluate(f"[...{reply}.querySelectorAll('a[href]')].every(a => a.rel === 'noopener noreferrer')")
+    for index in range(len(hrefs)):
+        browser.evaluate(f"{reply}.querySelectorAll('a')[{index}].click()")
+    # The code block is highlighted (escaped spans) and has a copy button that copies its text.
+    assert browser.evaluate(f"{reply}.querySelector('pre code.hljs.language-python') !== null")
+    assert browser.evaluate(f"{reply}.querySelectorAll('pre code span').length") > 0
+    browser.evaluate("window.__copied = []; navigator.clipboard.writeText = async (t) => { window.__copied.push(t); };")
+    browser.click(".message.assistant pre .copy")
+    assert browser.wait_for("window.__copied.length && window.__copied[0]", 5).startswith("def greet(name):")
+
+    # The same through a live stream: a schema forces the model to write an HTML payload.
+    payload = "<img src=x onerror=alert(7)><script>alert(8)</script>"
+    set_setting(browser, "response-format", "json_schema")
+    set_setting(browser, "json-schema", json.dumps({"type": "string", "enum": [payload]}))
+    set_setting(browser, "temperature", "0")
+    browser.click("#new-chat")
+    send_message(browser, "Reply with the payload.")
+    wait_idle(browser)
+    [_, streamed] = messages(browser)
+    assert not streamed["error"], streamed
+    assert json.loads(streamed["text"]) == payload
+    assert browser.evaluate("document.querySelectorAll('#messages script, #messages img').length") == 0
+    assert browser.evaluate("window.__alerts || []") == []
+
+
+def test_sidebar_renames_deletes_exports_and_imports(web_server, browser, tmp_path):
+    open_page(browser, web_server)
+    conversations = [{"title": f"chat {number}", "messages": [
+        {"role": "user", "content": f"question {number}"}, {"role": "assistant", "content": f"**answer** {number}"}]}
+        for number in (1, 2)]
+    source = tmp_path / "two.json"
+    source.write_text(json.dumps(conversations))
+    browser.set_files("#import-file", [source])
+    browser.wait_for("document.querySelectorAll('.conversation').length === 2", 10)
+    assert is_shown(browser, "notice")
+    assert "Imported 2 conversations" in browser.evaluate("document.getElementById('notice').textContent")
+    titles = "[...document.querySelectorAll('.conversation .title')].map(t => t.textContent).sort()"
+    assert browser.evaluate(titles) == ["chat 1", "chat 2"]
+    # Markdown of imported replies is rendered.
+    assert browser.evaluate("document.querySelector('.message.assistant .content strong').textContent") == "answer"
+
+    # Switch, then rename the active one in place.
+    browser.click(".conversation:not(.active) .title")
+    active_title = browser.evaluate("document.querySelector('.conversation.active .title').textContent")
+    browser.click(".conversation.active .rename")
+    browser.wait_for("document.querySelector('.rename-input') !== null", 5)
+    # The field opens focused with its title selected: typing replaces it, Enter keeps it.
+    assert browser.evaluate("document.activeElement.className") == "rename-input"
+    browser.call("Input.insertText", text="Renamed chat")
+    browser.press_enter()
+    other_title = "chat 1" if active_title == "chat 2" else "chat 2"
+    assert browser.evaluate(titles) == sorted(["Renamed chat", other_title])
+
+    # Export everything to a file, as a download.
+    download_dir = tmp_path / "downloads"
+    download_dir.mkdir()
+    browser.call("Browser.setDownloadBehavior", behavior="allow", downloadPath=str(download_dir))
+    browser.click("#export-all")
+    deadline = time.monotonic() + 15
+    while not list(download_dir.glob("*.json")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    exported = json.loads(next(download_dir.glob("*.json")).read_text())
+    assert exported["format"] == "tokios-conversations"
+    assert sorted(item["title"] for item in exported["conversations"]) == sorted(["Renamed chat", other_title])
+
+    # Delete takes two clicks; the second removes it, and a reload agrees.
+    browser.click(".conversation.active .delete")
+    assert browser.evaluate("document.querySelectorAll('.conversation').length") == 2
+    browser.click(".conversation.active .delete")
+    assert browser.evaluate(titles) == [other_title]
+    browser.call("Page.reload")
+    browser.wait_for("document.readyState === 'complete' && document.querySelectorAll('.conversation').length", 30)
+    assert browser.evaluate(titles) == [other_title]
+
+    # The exported file imports back whole.
+    browser.set_files("#import-file", [next(download_dir.glob("*.json"))])
+    browser.wait_for("document.querySelectorAll('.conversation').length === 3", 10)
+    assert browser.evaluate(titles) == sorted(["Renamed chat", other_title, other_title])
+
+    # A file that is not a conversation is refused with the field that is wrong, and adds nothing.
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"conversations": [{"messages": [{"role": "robot", "content": "hi"}]}]}))
+    browser.set_files("#import-file", [bad])
+    notice = browser.wait_for("document.getElementById('notice').textContent.startsWith('Import failed') && "
+                              "document.getElementById('notice').textContent", 10)
+    assert "conversations[0].messages[0].role" in notice
+    assert browser.evaluate("document.querySelectorAll('.conversation').length") == 3
+
+
+def test_errors_are_shown_in_the_page(web_server, browser):
+    open_page(browser, web_server)
+    # The server refuses the request: its message is shown on the reply, and the question stays.
+    set_setting(browser, "max-tokens", "100000")
+    send_message(browser, "Hello?")
+    wait_idle(browser)
+    [question, reply] = messages(browser)
+    assert question["text"] == "Hello?"
+    assert reply["error"].startswith("Error: ") and "maximum context length" in reply["error"], reply
+    # A setting that cannot be read is named, in the panel and on the reply; nothing is sent.
+    set_setting(browser, "max-tokens", "8")
+    set_setting(browser, "logit-bias", "{not json")
+    assert "logit-bias is not valid JSON" in browser.evaluate("document.getElementById('settings-error').textContent")
+    num_requests = num_chat_requests(web_server)
+    browser.click(".message.assistant .regenerate")
+    browser.wait_for("document.querySelector('.message.assistant .error-text').textContent.includes('logit-bias')", 10)
+    assert num_chat_requests(web_server) == num_requests
+    # Once mended, regenerate answers the same question.
+    set_setting(browser, "logit-bias", "")
+    browser.click(".message.assistant .regenerate")
+    wait_idle(browser)
+    [question, reply] = messages(browser)
+    assert question["text"] == "Hello?" and reply["text"] and not reply["error"], reply

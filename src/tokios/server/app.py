@@ -18,7 +18,6 @@ import os
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
@@ -41,9 +40,9 @@ from tokios.server.protocol import (ChatCompletionRequest, CompletionRequest, De
                                     TokenizeRequest, parse_body)
 from tokios.server.registry import UNLOADED, ModelEntry, ModelLease, ModelRegistry, ModelSpec
 from tokios.server.serving import SSEResponse, Serving, ServerSettings
+from tokios.server.web_assets import STATIC_DIR, vendor_file, warn_if_vendor_files_missing
 
 logger = logging.getLogger("tokios.server")
-STATIC_DIR = Path(__file__).parent / "static"
 
 
 class ServerState:
@@ -397,6 +396,15 @@ def create_app(settings: ServerSettings, *, registry: ModelRegistry | None = Non
     @app.get("/")
     async def index() -> Response:
         return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
+
+    @app.get("/static/vendor/{name}")
+    async def vendor(name: str) -> Response:
+        path = vendor_file(name)
+        if path is None:
+            raise StarletteHTTPException(404, f"no web page library named {name!r} is installed")
+        return FileResponse(path, headers={"Cache-Control": "max-age=86400"})
+
+    warn_if_vendor_files_missing()
 
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     return app

@@ -1,67 +1,268 @@
-// The tokios web chat: keeps the conversation, streams answers from /v1/chat/completions over
-// SSE (fetch + a small parser, no library, no build step), shows TTFT and tokens per second.
-// The API key, the sampling settings and the system prompt are kept in localStorage.
+// The tokios web chat: conversations kept in the browser (conversations.js), replies streamed from
+// /v1/chat/completions over SSE and rendered as safe markdown (markdown.js), the settings panel
+// (settings.js), the model picker fed by /v1/models, and the API key asked for once when the
+// server answers 401. Per reply it shows TTFT, tokens per second, tokens and the finish reason,
+// or the error that ended it.
 "use strict";
 
+import { ConversationStore } from "./conversations.js";
+import { copyButton, isMarkdownAvailable, renderMarkdown } from "./markdown.js";
+import { bindSettings, loadSetting, requestOptions, resetSettings, saveSetting } from "./settings.js";
+
 const $ = (id) => document.getElementById(id);
-const state = { messages: [], model: null, controller: null };
-const STORED_FIELDS = ["api-key", "temperature", "top-p", "top-k", "min-p", "max-tokens", "system-prompt"];
 const KEY_NEEDED = "API key needed";
+// A streaming reply's markdown is rendered again at most every 50 ms, and at most a fifth of the
+// time: a long reply takes longer to render, and the page must not starve the reading of the stream.
+const MIN_RENDER_INTERVAL_MS = 50;
+const MAX_RENDER_SHARE = 0.2;
+const THEMES = ["auto", "light", "dark"];
+
+const store = new ConversationStore();
+// The reply being streamed, if any: which conversation and message it writes, and how to stop it.
+let streaming = null;
+let keyTimer = null; // debounces /v1/models while a key is being typed
+
+// ---- server, key and models ----
 
 function authHeaders() {
-  const key = $("api-key").value.trim();
+  const key = loadSetting("api-key").trim();
   return key ? { Authorization: `Bearer ${key}` } : {};
-}
-
-function addBubble(role, text) {
-  const bubble = document.createElement("div");
-  bubble.className = `message ${role}`;
-  bubble.textContent = text;
-  $("messages").appendChild(bubble);
-  $("messages").scrollTop = $("messages").scrollHeight;
-  return bubble;
 }
 
 async function errorText(response) {
   try {
     const body = await response.json();
-    return body.error ? body.error.message : JSON.stringify(body);
+    return body.error ? body.error.message || JSON.stringify(body.error) : JSON.stringify(body);
   } catch (_) {
-    return `HTTP ${response.status}`;
+    return `HTTP ${response.status} ${response.statusText}`;
   }
 }
 
-function pickModel() {
-  state.model = $("model-picker").value;
-  $("model-name").textContent = state.model;
+function showKeyBanner(isShown) {
+  $("key-banner").hidden = !isShown;
+  if (isShown) $("key-banner-input").focus();
 }
 
 async function refreshServer() {
   try {
     const health = await fetch("/health");
-    $("server-status").textContent = health.ok ? "ready" : (await health.json()).status;
+    $("server-status").textContent = health.ok ? "ready" : (await health.json()).status || `HTTP ${health.status}`;
     $("server-status").className = `badge ${health.ok ? "ok" : "bad"}`;
-    const models = await fetch("/v1/models", { headers: authHeaders() });
-    if (models.ok) {
-      const cards = (await models.json()).data;
-      const picker = $("model-picker");
-      const chosen = state.model && cards.some((card) => card.id === state.model) ? state.model : cards[0].id;
-      picker.replaceChildren(...cards.map((card) => {
-        const option = document.createElement("option");
-        option.value = card.id;
-        option.textContent = card.state === "loaded" ? card.id : `${card.id} (${card.state})`;
-        return option;
-      }));
-      picker.value = chosen;
-      state.model = chosen;
-      $("model-name").textContent = state.model;
-    } else {
-      $("model-name").textContent = models.status === 401 ? KEY_NEEDED : await errorText(models);
+    const response = await fetch("/v1/models", { headers: authHeaders() });
+    if (response.status === 401) {
+      $("model-name").textContent = KEY_NEEDED;
+      showKeyBanner(true);
+      return;
     }
+    showKeyBanner(false);
+    if (!response.ok) {
+      $("model-name").textContent = await errorText(response);
+      return;
+    }
+    const cards = (await response.json()).data;
+    const saved = loadSetting("model") || "";
+    const chosen = cards.some((card) => card.id === saved) ? saved : cards.length ? cards[0].id : "";
+    $("model-picker").replaceChildren(...cards.map((card) => {
+      const option = document.createElement("option");
+      option.value = card.id;
+      option.textContent = card.state && card.state !== "loaded" ? `${card.id} (${card.state})` : card.id;
+      return option;
+    }));
+    $("model-picker").value = chosen;
+    $("model-name").textContent = chosen;
   } catch (err) {
     $("server-status").textContent = "offline";
     $("server-status").className = "badge bad";
   }
+}
+
+// ---- rendering ----
+
+function statsText(stats) {
+  const parts = [];
+  if (stats.ttft_s !== undefined) parts.push(`TTFT ${stats.ttft_s.toFixed(2)} s`);
+  if (stats.tokens_per_s !== undefined) parts.push(`${stats.tokens_per_s.toFixed(1)} tok/s`);
+  if (stats.num_tokens !== undefined) parts.push(`${stats.num_tokens} tokens`);
+  if (stats.finish_reason) parts.push(stats.finish_reason);
+  if (stats.model) parts.push(stats.model);
+  return parts.join(" · ");
+}
+
+function actionButton(label, className, onClick) {
+  const button = document.createElement("button");
+  button.type = "button";
+  button.className = `${className} needs-idle`;
+  button.textContent = label;
+  button.addEventListener("click", () => {
+    if (!streaming) onClick();
+  });
+  return button;
+}
+
+// Fills an assistant or user bubble's content, error and footer from its message.
+function fillBubble(bubble, message, index) {
+  const content = bubble.querySelector(".content");
+  if (message.role === "assistant") renderMarkdown(content, message.content);
+  else content.textContent = message.content;
+  const error = bubble.querySelector(".error-text");
+  error.hidden = !message.error;
+  error.textContent = message.error ? `Error: ${message.error}` : "";
+  bubble.querySelector(".stats").textContent = message.stats ? statsText(message.stats) : "";
+  const actions = bubble.querySelector(".actions");
+  if (message.role === "user") {
+    actions.replaceChildren(actionButton("Edit", "edit", () => startEdit(bubble, index)),
+                            copyButton(() => message.content));
+  } else {
+    actions.replaceChildren(copyButton(() => message.content),
+                            actionButton("Regenerate", "regenerate", () => regenerate(index)));
+  }
+}
+
+function makeBubble(message, index) {
+  const bubble = document.createElement("article");
+  bubble.className = `message ${message.role}`;
+  bubble.dataset.index = String(index);
+  const content = document.createElement("div");
+  content.className = "content";
+  const error = document.createElement("p");
+  error.className = "error-text";
+  const footer = document.createElement("footer");
+  const stats = document.createElement("span");
+  stats.className = "stats";
+  const actions = document.createElement("span");
+  actions.className = "actions";
+  footer.append(stats, actions);
+  bubble.append(content, error, footer);
+  fillBubble(bubble, message, index);
+  return bubble;
+}
+
+function isNearBottom() {
+  const list = $("messages");
+  return list.scrollHeight - list.scrollTop - list.clientHeight < 80;
+}
+
+function renderMessages() {
+  const conversation = store.current();
+  const messages = conversation ? conversation.messages : [];
+  $("messages").replaceChildren(...messages.map(makeBubble));
+  if (streaming && conversation && streaming.conversationId === conversation.id) {
+    const bubble = $("messages").children[streaming.index];
+    if (bubble) bubble.classList.add("streaming");
+  }
+  if (!messages.length) {
+    const empty = document.createElement("p");
+    empty.className = "empty muted";
+    empty.textContent = "Ask anything. Conversations stay in this browser.";
+    $("messages").append(empty);
+  }
+  $("messages").scrollTop = $("messages").scrollHeight;
+}
+
+function renderSidebar() {
+  const items = store.list().map((conversation) => {
+    const item = document.createElement("div");
+    item.className = `conversation${conversation.id === store.currentId ? " active" : ""}`;
+    item.dataset.id = conversation.id;
+    const title = document.createElement("button");
+    title.type = "button";
+    title.className = "title";
+    title.textContent = conversation.title;
+    title.title = conversation.title;
+    title.addEventListener("click", () => {
+      store.select(conversation.id);
+      renderAll();
+    });
+    const rename = document.createElement("button");
+    rename.type = "button";
+    rename.className = "rename";
+    rename.title = "Rename";
+    rename.textContent = "✎";
+    rename.addEventListener("click", () => startRename(item, conversation));
+    const remove = document.createElement("button");
+    remove.type = "button";
+    remove.className = "delete";
+    remove.title = "Delete";
+    remove.textContent = "✕";
+    // Two clicks delete: the first arms the button, so a stray click loses nothing.
+    remove.addEventListener("click", () => {
+      if (streaming && streaming.conversationId === conversation.id) return;
+      if (!remove.classList.contains("armed")) {
+        remove.classList.add("armed");
+        remove.textContent = "Delete?";
+        setTimeout(() => { remove.classList.remove("armed"); remove.textContent = "✕"; }, 3000);
+        return;
+      }
+      store.remove(conversation.id);
+      renderAll();
+    });
+    item.append(title, rename, remove);
+    return item;
+  });
+  $("conversation-list").replaceChildren(...items);
+}
+
+function renderAll() {
+  renderSidebar();
+  renderMessages();
+}
+
+function startRename(item, conversation) {
+  const input = document.createElement("input");
+  input.type = "text";
+  input.className = "rename-input";
+  input.value = conversation.title;
+  const finish = (isSaved) => {
+    if (isSaved) store.rename(conversation.id, input.value);
+    renderSidebar();
+  };
+  input.addEventListener("keydown", (event) => {
+    if (event.key === "Enter") finish(true);
+    if (event.key === "Escape") finish(false);
+  });
+  input.addEventListener("blur", () => finish(true));
+  item.replaceChildren(input);
+  input.focus();
+  input.select();
+}
+
+function startEdit(bubble, index) {
+  const message = store.current().messages[index];
+  const editor = document.createElement("textarea");
+  editor.className = "edit-input";
+  editor.value = message.content;
+  editor.rows = Math.min(12, message.content.split("\n").length + 1);
+  const save = actionButton("Save & send", "save-edit", () => {
+    const text = editor.value.trim();
+    if (text) editAndResend(index, text);
+  });
+  const cancel = actionButton("Cancel", "cancel-edit", () => renderMessages());
+  bubble.querySelector(".content").replaceChildren(editor);
+  bubble.querySelector(".actions").replaceChildren(save, cancel);
+  editor.focus();
+}
+
+function setBusy(isBusy) {
+  document.body.classList.toggle("busy", isBusy);
+  $("send").disabled = isBusy;
+  $("stop").disabled = !isBusy;
+}
+
+function showNotice(text) {
+  $("notice").hidden = !text;
+  $("notice").textContent = text || "";
+}
+
+// ---- sending ----
+
+// The messages sent for a reply at `index`: the system prompt, then every earlier message with
+// content (a reply that failed before writing anything is left out).
+function historyFor(conversation, index, systemPrompt) {
+  const history = systemPrompt ? [{ role: "system", content: systemPrompt }] : [];
+  for (const message of conversation.messages.slice(0, index)) {
+    if (message.content) history.push({ role: message.role, content: message.content });
+  }
+  return history;
 }
 
 // Yields the parsed JSON of each `data:` event of an SSE body; stops at [DONE].
@@ -86,115 +287,227 @@ async function* sseEvents(response) {
   }
 }
 
-function setBusy(isBusy) {
-  $("send").disabled = isBusy;
-  $("stop").disabled = !isBusy;
-}
-
-async function send(text) {
-  const system = $("system-prompt").value.trim();
-  state.messages.push({ role: "user", content: text });
-  addBubble("user", text);
-  const bubble = addBubble("assistant streaming", "");
+// Streams the assistant message at `index` of `conversation` (already in its list, empty).
+async function streamReply(conversation, index) {
+  const message = conversation.messages[index];
+  const model = $("model-picker").value || undefined;
+  let settings;
+  try {
+    settings = requestOptions();
+  } catch (err) {
+    message.error = `settings: ${err.message}`;
+    store.touch(conversation);
+    renderMessages();
+    return;
+  }
   const body = {
-    model: state.model || undefined,
-    messages: (system ? [{ role: "system", content: system }] : []).concat(state.messages),
-    temperature: Number($("temperature").value),
-    top_p: Number($("top-p").value),
-    top_k: Number($("top-k").value),
-    min_p: Number($("min-p").value),
-    max_tokens: Number($("max-tokens").value),
+    model,
+    messages: historyFor(conversation, index, settings.systemPrompt),
+    ...settings.options,
     stream: true,
     stream_options: { include_usage: true },
   };
-  state.controller = new AbortController();
+  const controller = new AbortController();
+  streaming = { conversationId: conversation.id, index, controller };
   setBusy(true);
+  renderAll();
+  const bubbleIfShown = () => (store.currentId === conversation.id ? $("messages").children[index] : null);
+  let renderTimer = null;
+  let renderInterval = MIN_RENDER_INTERVAL_MS;
+  const scheduleRender = () => {
+    if (renderTimer !== null) return;
+    renderTimer = setTimeout(() => {
+      renderTimer = null;
+      const bubble = bubbleIfShown();
+      if (!bubble) return;
+      const follow = isNearBottom();
+      const renderStart = performance.now();
+      renderMarkdown(bubble.querySelector(".content"), message.content);
+      renderInterval = Math.max(MIN_RENDER_INTERVAL_MS, (performance.now() - renderStart) / MAX_RENDER_SHARE);
+      if (follow) $("messages").scrollTop = $("messages").scrollHeight;
+    }, renderInterval);
+  };
+
   const startTime = performance.now();
   let firstTokenTime = null;
-  let numTokens = 0;
-  let answer = "";
+  let numTokens;
   let finishReason = null;
   try {
     const response = await fetch("/v1/chat/completions", {
       method: "POST",
       headers: { "Content-Type": "application/json", ...authHeaders() },
       body: JSON.stringify(body),
-      signal: state.controller.signal,
+      signal: controller.signal,
     });
+    if (response.status === 401) showKeyBanner(true);
     if (!response.ok) throw new Error(await errorText(response));
     for await (const chunk of sseEvents(response)) {
-      if (chunk.error) throw new Error(chunk.error.message);
+      if (chunk.error) throw new Error(chunk.error.message || JSON.stringify(chunk.error));
       if (chunk.usage) numTokens = chunk.usage.completion_tokens;
       for (const choice of chunk.choices || []) {
         if (choice.delta && choice.delta.content) {
           if (firstTokenTime === null) firstTokenTime = performance.now();
-          answer += choice.delta.content;
-          bubble.textContent = answer;
-          $("messages").scrollTop = $("messages").scrollHeight;
+          message.content += choice.delta.content;
+          scheduleRender();
         }
         if (choice.finish_reason) finishReason = choice.finish_reason;
       }
     }
-    state.messages.push({ role: "assistant", content: answer });
     // A reply came with the key as it is now: the header must not still ask for one.
     if ($("model-name").textContent === KEY_NEEDED) refreshServer();
   } catch (err) {
-    if (err.name === "AbortError") {
-      finishReason = "stopped";
-      if (answer) state.messages.push({ role: "assistant", content: answer });
-    } else {
-      addBubble("error", `Error: ${err.message}`);
-      state.messages.pop(); // the question was not answered; let the user resend it
-    }
+    if (err.name === "AbortError") finishReason = "stopped";
+    else message.error = err.message;
   } finally {
-    bubble.classList.remove("streaming");
-    if (!answer) bubble.remove();
+    clearTimeout(renderTimer);
+    streaming = null;
     setBusy(false);
-    state.controller = null;
   }
   const endTime = performance.now();
+  const stats = { finish_reason: finishReason || undefined, model };
   if (firstTokenTime !== null) {
-    const ttft = (firstTokenTime - startTime) / 1000;
+    stats.ttft_s = (firstTokenTime - startTime) / 1000;
     const decodeSeconds = (endTime - firstTokenTime) / 1000;
-    const rate = numTokens > 1 && decodeSeconds > 0 ? ((numTokens - 1) / decodeSeconds).toFixed(1) : "–";
-    $("stats").textContent = `TTFT ${ttft.toFixed(2)} s · ${rate} tok/s · ${numTokens} tokens · ${finishReason || ""}`;
+    if (numTokens !== undefined) stats.num_tokens = numTokens;
+    if (numTokens > 1 && decodeSeconds > 0) stats.tokens_per_s = (numTokens - 1) / decodeSeconds;
+  }
+  message.stats = stats;
+  store.touch(conversation);
+  renderAll();
+}
+
+function send(text) {
+  const conversation = store.current() || store.create();
+  conversation.messages.push({ role: "user", content: text }, { role: "assistant", content: "" });
+  store.touch(conversation);
+  return streamReply(conversation, conversation.messages.length - 1);
+}
+
+// A new reply in place of the one at `index`; everything after it goes.
+function regenerate(index) {
+  const conversation = store.current();
+  conversation.messages.splice(index, conversation.messages.length - index, { role: "assistant", content: "" });
+  store.touch(conversation);
+  return streamReply(conversation, index);
+}
+
+// The user message at `index` gets new text; the conversation after it is dropped and answered again.
+function editAndResend(index, text) {
+  const conversation = store.current();
+  conversation.messages.splice(index, conversation.messages.length - index,
+                               { role: "user", content: text }, { role: "assistant", content: "" });
+  store.touch(conversation);
+  return streamReply(conversation, index + 1);
+}
+
+// ---- theme, export and import ----
+
+function applyTheme() {
+  const choice = loadSetting("theme") || "auto";
+  const isDark = choice === "dark" || (choice === "auto" && window.matchMedia("(prefers-color-scheme: dark)").matches);
+  document.documentElement.dataset.theme = isDark ? "dark" : "light";
+  $("highlight-dark").disabled = !isDark;
+  $("highlight-light").disabled = isDark;
+  $("theme-toggle").textContent = `Theme: ${choice}`;
+}
+
+function download(fileName, text) {
+  const link = document.createElement("a");
+  link.href = URL.createObjectURL(new Blob([text], { type: "application/json" }));
+  link.download = fileName;
+  link.click();
+  setTimeout(() => URL.revokeObjectURL(link.href), 1000);
+}
+
+async function importFile(file) {
+  try {
+    const count = store.importJson(await file.text());
+    showNotice(`Imported ${count} conversation${count === 1 ? "" : "s"} from ${file.name}.`);
+    renderAll();
+  } catch (err) {
+    showNotice(`Import failed: ${err.message}`);
   }
 }
 
+// ---- start ----
+
 function init() {
-  let keyTimer = null;
-  for (const id of STORED_FIELDS) {
-    const saved = localStorage.getItem(`tokios.${id}`);
-    if (saved !== null) $(id).value = saved;
-    // "input", not only "change": a key typed or pasted counts before the field loses focus.
-    $(id).addEventListener("input", () => {
-      localStorage.setItem(`tokios.${id}`, $(id).value);
-      if (id === "api-key") {
-        clearTimeout(keyTimer);
-        keyTimer = setTimeout(refreshServer, 300);
-      }
-    });
-  }
+  bindSettings((id) => {
+    if (id === "api-key") {
+      clearTimeout(keyTimer);
+      keyTimer = setTimeout(refreshServer, 300);
+    }
+    try {
+      requestOptions();
+      $("settings-error").hidden = true;
+    } catch (err) {
+      $("settings-error").hidden = false;
+      $("settings-error").textContent = err.message;
+    }
+  });
+  const useBannerKey = () => {
+    const key = $("key-banner-input").value.trim();
+    if (!key) return;
+    saveSetting("api-key", key);
+    $("api-key").value = key;
+    refreshServer();
+  };
+  $("key-banner-save").addEventListener("click", useBannerKey);
+  $("key-banner-input").addEventListener("keydown", (event) => {
+    if (event.key === "Enter") useBannerKey();
+  });
   $("composer").addEventListener("submit", (event) => {
     event.preventDefault();
     const text = $("message").value.trim();
-    if (!text || state.controller) return;
+    if (!text || streaming) return;
     $("message").value = "";
     send(text);
   });
   $("message").addEventListener("keydown", (event) => {
-    if (event.key === "Enter" && !event.shiftKey) {
+    if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
       event.preventDefault();
       $("composer").requestSubmit();
     }
   });
-  $("model-picker").addEventListener("change", pickModel);
-  $("stop").addEventListener("click", () => state.controller && state.controller.abort());
-  $("clear").addEventListener("click", () => {
-    state.messages = [];
-    $("messages").replaceChildren();
-    $("stats").textContent = "";
+  $("stop").addEventListener("click", () => streaming && streaming.controller.abort());
+  $("model-picker").addEventListener("change", () => {
+    saveSetting("model", $("model-picker").value);
+    $("model-name").textContent = $("model-picker").value;
   });
+  $("new-chat").addEventListener("click", () => {
+    const current = store.current();
+    if (!current || current.messages.length) store.create();
+    renderAll();
+    $("message").focus();
+  });
+  $("open-settings").addEventListener("click", () => $("settings-dialog").showModal());
+  $("reset-settings").addEventListener("click", () => {
+    resetSettings();
+    $("settings-error").hidden = true;
+  });
+  $("theme-toggle").addEventListener("click", () => {
+    const choice = loadSetting("theme") || "auto";
+    saveSetting("theme", THEMES[(THEMES.indexOf(choice) + 1) % THEMES.length]);
+    applyTheme();
+  });
+  window.matchMedia("(prefers-color-scheme: dark)").addEventListener("change", applyTheme);
+  $("export-chat").addEventListener("click", () => {
+    const conversation = store.current();
+    if (conversation) download(`tokios-chat-${conversation.id}.json`, store.exportJson([conversation]));
+  });
+  $("export-all").addEventListener("click", () => download("tokios-chats.json", store.exportJson(store.conversations)));
+  $("import-chat").addEventListener("click", () => $("import-file").click());
+  $("import-file").addEventListener("change", () => {
+    const file = $("import-file").files[0];
+    $("import-file").value = "";
+    if (file) importFile(file);
+  });
+  if (!isMarkdownAvailable) {
+    showNotice("Markdown rendering is off: this server has not installed the page's libraries "
+               + "(run ./scripts/setup). Replies show as plain text.");
+  }
+  applyTheme();
+  renderAll();
   refreshServer();
 }
 

@@ -560,3 +560,57 @@ def test_real_tokios_serve_through_gateway_equals_direct(cluster, tmp_path):
     # SIGTERM on the server drains its connector too: the gateway stops routing to it.
     server.popen.send_signal(signal.SIGTERM)
     wait_until(lambda: "real-serve" not in cluster.backend_ids(gateway_url), 60, "the draining backend to leave")
+
+
+def test_responses_follow_ups_and_reads_reach_the_backend_that_stored_them(cluster):
+    """Each backend's Responses store is its own: `previous_response_id` and `GET /v1/responses/{id}`
+    must reach the backend that made the response, even when least-busy would pick another."""
+    _, gateway_url = cluster.gateway()
+    backend_urls = []
+    for backend_id in ("responses-a", "responses-b"):
+        port = free_port()
+        cluster.start(f"tokios-serve-{backend_id}", [*TOKIOS, "serve", "--port", str(port), "--model",
+                                                     _default_model_path(), "--connect", gateway_url,
+                                                     "--backend-id", backend_id],
+                      env={"TOKIOS_CONNECTOR_TOKEN": cluster.connector_token})
+        backend_urls.append(f"http://127.0.0.1:{port}")
+    for url in backend_urls:
+        wait_until(lambda: httpx.get(url + "/health").status_code == 200, 240, f"tokios serve on {url}", 0.5)
+    cluster.wait_registered(gateway_url, ["responses-a", "responses-b"])
+    model = httpx.get(backend_urls[0] + "/v1/models").json()["data"][0]["id"]
+    gateway = openai_client(gateway_url, cluster.client_key)
+    headers = {"Authorization": f"Bearer {cluster.client_key}"}
+
+    first = gateway.responses.create(model=model, input="Name a colour.", max_output_tokens=8, temperature=0)
+    holders = [url for url in backend_urls if httpx.get(f"{url}/v1/responses/{first.id}").status_code == 200]
+    assert len(holders) == 1
+    read = httpx.get(f"{gateway_url}/v1/responses/{first.id}", headers=headers, timeout=30)
+    assert read.status_code == 200 and read.json()["id"] == first.id
+    assert read.json()["output"][0]["content"][0]["text"] == first.output_text
+
+    # A long streamed follow-up keeps the holder busy; a second follow-up meanwhile would go to the
+    # idle backend by load, and that one has no such response.
+    stream_ids: list[str] = []
+
+    def long_follow_up() -> None:
+        with gateway.responses.stream(model=model, input="Tell me a long story.", previous_response_id=first.id,
+                                      max_output_tokens=200, temperature=0.8) as stream:
+            for event in stream:
+                if event.type == "response.created":
+                    stream_ids.append(event.response.id)
+    worker = threading.Thread(target=long_follow_up)
+    worker.start()
+    try:
+        wait_until(lambda: stream_ids, 60, "the long follow-up to start")
+        second = gateway.responses.create(model=model, input="And another?", previous_response_id=first.id,
+                                          max_output_tokens=8, temperature=0)
+        assert second.output_text and second.previous_response_id == first.id
+    finally:
+        worker.join(120)
+    # Streamed responses are found too (their id is read from the stream's first event).
+    assert httpx.get(f"{gateway_url}/v1/responses/{stream_ids[0]}", headers=headers, timeout=30).status_code == 200
+    assert httpx.get(f"{holders[0]}/v1/responses/{stream_ids[0]}").status_code == 200
+
+    unknown = httpx.get(f"{gateway_url}/v1/responses/resp_0123456789abcdef", headers=headers, timeout=30)
+    assert unknown.status_code == 404 and "resp_0123456789abcdef" in unknown.json()["error"]["message"]
+    assert httpx.get(f"{gateway_url}/v1/responses/{first.id}", timeout=30).status_code == 401

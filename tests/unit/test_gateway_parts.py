@@ -182,6 +182,21 @@ def test_session_affinity_sticks_until_the_backend_is_gone():
     assert router.pick("m", session_id="s1") is b
 
 
+def test_a_pinned_key_routes_to_its_backend_and_forgets_the_oldest_past_the_bound():
+    router = BackendRouter(max_sessions=2)
+    a, b = FakeBackend("a", num_in_flight=9), FakeBackend("b")
+    router.add(a)
+    router.add(b)
+    router.pin("response:r1", "a")
+    assert router.pinned_backend("response:r1") is a
+    assert router.pick("m", session_id="response:r1") is a  # busier, but it holds the response
+    router.pin("response:r2", "b")
+    router.pin("response:r3", "b")
+    assert router.pinned_backend("response:r1") is None  # the least recently used key went
+    router.remove(b)
+    assert router.pinned_backend("response:r3") is None  # its backend left
+
+
 def test_repeated_failures_set_a_backend_aside_for_the_cool_down():
     clock = FakeClock()
     router = BackendRouter(max_consecutive_failures=3, cool_down_s=30, clock=clock)

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from tokios.errors import (
     AuthenticationError,
     InvalidRequestError,
+    NotFoundError,
     OverloadedError,
     PermissionDeniedError,
     TokiosError,
@@ -39,7 +40,6 @@ from tokios.server.streams import run_watching_disconnect
 
 logger = logging.getLogger("tokios.gateway")
 
-FORWARDED_PATHS = ("/v1/chat/completions", "/v1/completions")
 _BACKEND_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _MAX_MODELS_PER_BACKEND = 256
 _HELLO_TIMEOUT_S = 10.0
@@ -117,6 +117,16 @@ FORWARDED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "
                    "/v1/messages/count_tokens", "/v1/embeddings", "/api/chat", "/api/generate", "/api/show",
                    "/api/embed")
 _STREAMING_BY_DEFAULT = ("/api/chat", "/api/generate")
+RESPONSES_PATH = "/v1/responses"
+# An id of OpenAI's Responses API as tokios makes them; the first in a body is the response's own
+# (its output items' ids have other prefixes).
+_RESPONSE_ID = re.compile(rb'"id":\s*"(resp_[A-Za-z0-9]{1,64})"')
+_RESPONSE_ID_PATH_PART = re.compile(r"^resp_[A-Za-z0-9]{1,64}$")
+
+
+def _response_session(response_id: str) -> str:
+    """The router's session key of a stored response: its backend holds it."""
+    return f"response:{response_id}"
 
 
 class _Exchange:
@@ -213,6 +223,10 @@ class Gateway:
         is_stream = (payload.get("stream") is not False) if path in _STREAMING_BY_DEFAULT else payload.get("stream") is True
         if not key.can_use_model(model):
             raise PermissionDeniedError(f"This key may not use model {model!r}.", param="model", code="model_not_allowed")
+        session_id = request.headers.get("x-session-id")
+        previous_response_id = payload.get("previous_response_id") if path == RESPONSES_PATH else None
+        if session_id is None and isinstance(previous_response_id, str):
+            session_id = _response_session(previous_response_id)  # the backend whose store holds it
         self.limiter.admit(key)
         exchange = _Exchange(self, key)
         try:
@@ -220,17 +234,55 @@ class Gateway:
             # left (a whole-body answer is buffered here): cancelling the attempt cancels the
             # backend stream, so the backend aborts its generation instead of finishing it.
             return await run_watching_disconnect(
-                request, self._attempt(exchange, request, path, body, model, is_stream))
+                request, self._attempt(exchange, request, path, body, model, is_stream, session_id))
         except BaseException as exc:
             status = str(exc.status) if isinstance(exc, TokiosError) else "client_closed"
             exchange.finish(status)
             raise
 
+    async def get_stored_response(self, request: Request, response_id: str) -> Response:
+        """`GET /v1/responses/{id}`, from the backend that made the response (each backend's store is its own)."""
+        key = self.authenticate(request)
+        backend = self.router.pinned_backend(_response_session(response_id))
+        if not _RESPONSE_ID_PATH_PART.match(response_id) or backend is None:
+            raise NotFoundError(f"No stored response {response_id!r} is reachable through this gateway: it was not "
+                                "made through it, was made before it started, or its backend has left.",
+                                param="response_id")
+        self.limiter.admit(key)
+        exchange = _Exchange(self, key)
+        exchange.backend_id = backend.backend_id
+        path = f"{RESPONSES_PATH}/{response_id}"
+        try:
+            stream = backend.open_stream("GET", path, {"accept": "application/json"}, b"")
+            response = await self._first_response(exchange, stream, False, path)
+        except LinkClosedError as exc:
+            exchange.finish("502")
+            raise BackendFailedError(f"The backend holding response {response_id!r} failed: {exc}") from exc
+        except BaseException:
+            exchange.finish("client_closed")
+            raise
+        if isinstance(response, str):
+            exchange.finish("502")
+            raise BackendFailedError(f"The backend holding response {response_id!r} failed: {response}")
+        try:
+            model = json.loads(response.body).get("model") if response.status_code == 200 else None
+        except ValueError:
+            model = None
+        if isinstance(model, str) and not key.can_use_model(model):
+            raise NotFoundError(f"No stored response {response_id!r} is reachable with this key.", param="response_id")
+        return response
+
+    def _remember_response(self, content: bytes, backend_id: str) -> None:
+        """Pins the Responses id in `content` (a whole body, or a stream's first events) to its backend."""
+        match = _RESPONSE_ID.search(content)
+        if match:
+            self.router.pin(_response_session(match.group(1).decode()), backend_id)
+
     async def _attempt(
-        self, exchange: _Exchange, request: Request, path: str, body: bytes, model: str, is_stream: bool
+        self, exchange: _Exchange, request: Request, path: str, body: bytes, model: str, is_stream: bool,
+        session_id: str | None,
     ) -> Response:
         headers = {"content-type": "application/json", "accept": request.headers.get("accept", "*/*")}
-        session_id = request.headers.get("x-session-id")
         tried_ids: list[str] = []
         last_failure = ""
         for _ in range(self.config.max_attempts):
@@ -290,6 +342,8 @@ class Gateway:
                 self.router.record_failure(backend_id)
             else:
                 self.router.record_success(backend_id)
+            if path == RESPONSES_PATH and status == 200:
+                self._remember_response(content, backend_id)
             self.metrics.time_to_first_byte.observe(time.monotonic() - exchange.started_at)
             exchange.finish(str(status), _usage_tokens(content))
             return Response(content, status_code=status, media_type=content_type)
@@ -306,6 +360,9 @@ class Gateway:
         async def relay() -> AsyncIterator[bytes]:
             event = first
             ends_clean = True
+            if path == RESPONSES_PATH and first.kind is FrameKind.BODY:
+                # response.created, the stream's first event, carries the id.
+                self._remember_response(first.payload, stream.link.backend_id)
             # Where a frame ends: a blank line in SSE, a newline in Ollama's NDJSON.
             frame_end = b"\n" if dialect_of_path(path) == OLLAMA else b"\n\n"
             while True:
@@ -480,6 +537,10 @@ def create_app(config: GatewayConfig, key_store: KeyStore) -> FastAPI:
 
     for path in FORWARDED_PATHS:
         add_forwarded_route(path)
+
+    @app.get(RESPONSES_PATH + "/{response_id}")
+    async def stored_response(request: Request, response_id: str) -> Response:
+        return await gateway.get_stored_response(request, response_id)
 
     @app.get("/api/tags")
     async def ollama_tags(request: Request) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import re
 import socket
 import ssl
 import time
@@ -35,6 +36,8 @@ logger = logging.getLogger("tokios.connector")
 ALLOWED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/responses", "/v1/messages",
                            "/v1/messages/count_tokens", "/v1/embeddings", "/api/chat", "/api/generate", "/api/show",
                            "/api/embed"})
+# A stored OpenAI response, read back by id (GET only).
+STORED_RESPONSE_PATH = re.compile(r"^/v1/responses/resp_[A-Za-z0-9]{1,64}$")
 MAX_REQUEST_BYTES = 8 * 1024 * 1024
 
 
@@ -292,7 +295,7 @@ class _ConnectionSession:
         which closes the backend connection so the backend aborts the generation."""
         try:
             method, path = str(head.get("method", "POST")), str(head.get("path", ""))
-            if path not in ALLOWED_PATHS:
+            if path not in ALLOWED_PATHS and not (method == "GET" and STORED_RESPONSE_PATH.match(path)):
                 self._send_error(stream_id, f"path must be one of {sorted(ALLOWED_PATHS)}, got {path!r}", "bad_path")
                 return
             if len(body) > MAX_REQUEST_BYTES:

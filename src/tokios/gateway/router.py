@@ -1,5 +1,9 @@
 """Choosing a backend for a request: least in-flight, session affinity, failure cool-down.
 
+Sessions are keys pinned to a backend (LRU-bounded): a client's `x-session-id`, and each stored
+OpenAI Responses id (`response:<id>`), so that `previous_response_id` and `GET /v1/responses/{id}`
+reach the backend whose store holds that response.
+
 Owns the table of registered backends (by stable backend id) and their health. It knows backends
 only through the small `RoutableBackend` protocol, so it is unit-tested with plain objects; the
 gateway app registers links (gateway/link.py) here as connectors say hello and removes them as
@@ -84,11 +88,20 @@ class BackendRouter:
                     return backend
         chosen = min(pool, key=lambda b: b.num_in_flight)
         if session_id is not None:
-            self._session_id_to_backend_id[session_id] = chosen.backend_id
-            self._session_id_to_backend_id.move_to_end(session_id)
-            while len(self._session_id_to_backend_id) > self.max_sessions:
-                self._session_id_to_backend_id.popitem(last=False)
+            self.pin(session_id, chosen.backend_id)
         return chosen
+
+    def pin(self, session_id: str, backend_id: str) -> None:
+        """Send `session_id`'s next requests to `backend_id` while it serves their model (LRU-bounded)."""
+        self._session_id_to_backend_id[session_id] = backend_id
+        self._session_id_to_backend_id.move_to_end(session_id)
+        while len(self._session_id_to_backend_id) > self.max_sessions:
+            self._session_id_to_backend_id.popitem(last=False)
+
+    def pinned_backend(self, session_id: str) -> RoutableBackend | None:
+        """The connected backend `session_id` is pinned to, if any."""
+        backend_id = self._session_id_to_backend_id.get(session_id)
+        return self._backend_id_to_backend.get(backend_id) if backend_id is not None else None
 
     def record_success(self, backend_id: str) -> None:
         self._backend_id_to_num_failures.pop(backend_id, None)

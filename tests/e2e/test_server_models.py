@@ -168,6 +168,31 @@ def test_a_load_does_not_stall_the_other_models_streams(two_models):
                                                                          statistics.median(during))
 
 
+def test_both_models_stream_at_once_and_answer_as_they_do_alone(two_models):
+    """Each loaded model is its own engine: streams to both run side by side (each model's tokens
+    arrive while the other's do), and each answers as it does alone (greedy, same weights)."""
+    for model in ("default", SECOND):
+        assert chat(two_models, model, max_tokens=1).status_code == 200  # loaded before timing starts
+    alone = chat(two_models, "default", max_tokens=48).json()["choices"][0]["message"]["content"]
+    streams = {model: [([], threading.Event()) for _ in range(2)] for model in ("default", SECOND)}
+    threads = [threading.Thread(target=_stream_token_times, args=(two_models, model, 48, times, started))
+               for model, model_streams in streams.items() for times, started in model_streams]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    spans = {model: (min(times[0] for times, _ in model_streams), max(times[-1] for times, _ in model_streams))
+             for model, model_streams in streams.items()}
+    # (A delta may carry more than one token: the detokenizer holds back partial characters.)
+    assert all(len(times) > 24 for model_streams in streams.values() for times, _ in model_streams)
+    # The two models' streams overlap for most of their length: neither waited for the other.
+    overlap = min(spans["default"][1], spans[SECOND][1]) - max(spans["default"][0], spans[SECOND][0])
+    shorter = min(end - start for start, end in spans.values())
+    assert overlap > 0.5 * shorter, (spans, overlap)
+    for model in ("default", SECOND):
+        assert chat(two_models, model, max_tokens=48).json()["choices"][0]["message"]["content"] == alone
+
+
 def test_max_loaded_models_evicts_an_idle_model_and_never_a_busy_one():
     path = default_model_path()
     with serve("--model", f"{path}=first", "--model", f"{path}={SECOND}", "--max-loaded-models", "1",

@@ -614,3 +614,82 @@ def test_responses_follow_ups_and_reads_reach_the_backend_that_stored_them(clust
     unknown = httpx.get(f"{gateway_url}/v1/responses/resp_0123456789abcdef", headers=headers, timeout=30)
     assert unknown.status_code == 404 and "resp_0123456789abcdef" in unknown.json()["error"]["message"]
     assert httpx.get(f"{gateway_url}/v1/responses/{first.id}", timeout=30).status_code == 401
+
+
+SHARED_SYSTEM_PROMPTS = [
+    " ".join(f"Rule {number}: answer {topic} questions briefly, politely and in plain words." for number in range(40))
+    for topic in ("history", "cooking")]
+
+
+def _engine_stats(url: str) -> dict:
+    return httpx.get(url + "/v1/engine/stats", timeout=30).json()
+
+
+def test_prefix_aware_routing_sends_a_shared_prefix_where_it_is_cached(cluster):
+    """Three real backends report their prefix caches; the gateway hashes prompts with the same
+    tokenizer: a prompt sharing a long prefix goes where that prefix is cached (and hits there),
+    uneven load spreads requests, and a backend that leaves drops out of the index."""
+    model_path = _default_model_path()
+    _, gateway_url = cluster.gateway(None, "--tokenizer", f"smol={model_path}", "--balance-abs-threshold", "2")
+    backend_id_to_url = {}
+    backend_id_to_process = {}
+    for backend_id in ("prefix-a", "prefix-b", "prefix-c"):
+        port = free_port()
+        backend_id_to_process[backend_id] = cluster.start(
+            f"tokios-serve-{backend_id}",
+            [*TOKIOS, "serve", "--port", str(port), "--model", model_path, "--served-model-name", "smol",
+             "--connect", gateway_url, "--backend-id", backend_id, "--report-cache-events"],
+            env={"TOKIOS_CONNECTOR_TOKEN": cluster.connector_token})
+        backend_id_to_url[backend_id] = f"http://127.0.0.1:{port}"
+    for url in backend_id_to_url.values():
+        wait_until(lambda: httpx.get(url + "/health").status_code == 200, 240, f"tokios serve on {url}", 0.5)
+    cluster.wait_registered(gateway_url, list(backend_id_to_url))
+    headers = {"Authorization": f"Bearer {cluster.client_key}"}
+
+    def status() -> dict:
+        return httpx.get(gateway_url + "/status", headers=headers, timeout=30).json()
+
+    wait_until(lambda: status()["indexed_backends"] == sorted(backend_id_to_url), 30, "every backend's first report")
+    gateway = openai_client(gateway_url, cluster.client_key)
+
+    def ask(system_prompt: str, question: str, max_tokens: int = 4) -> str:
+        """Sends a chat through the gateway; returns the backend that computed its prompt."""
+        before = {backend_id: _engine_stats(url)["num_prompt_tokens"] for backend_id, url in backend_id_to_url.items()}
+        gateway.chat.completions.create(model="smol", max_tokens=max_tokens, temperature=0, messages=[
+            {"role": "system", "content": system_prompt}, {"role": "user", "content": question}])
+        [served] = [backend_id for backend_id, url in backend_id_to_url.items()
+                    if _engine_stats(url)["num_prompt_tokens"] > before[backend_id]]
+        return served
+
+    holder = ask(SHARED_SYSTEM_PROMPTS[0], "Who built the pyramids?")
+    wait_until(lambda: next(b for b in status()["backends"] if b["backend_id"] == holder)
+               ["num_cached_blocks_reported"] >= 20, 30, "the holder's report of its cached prompt")
+    hits_before = _engine_stats(backend_id_to_url[holder])["prefix_cache_hits"]
+    questions = ["When did Rome fall?", "Who was Napoleon?", "What was the Silk Road?", "Why did Troy fall?"]
+    assert [ask(SHARED_SYSTEM_PROMPTS[0], question) for question in questions] == [holder] * len(questions)
+    # Measured on the holder: every follow-up reused the shared prefix (hits count tokens).
+    hits = _engine_stats(backend_id_to_url[holder])["prefix_cache_hits"] - hits_before
+    assert hits >= len(questions) * 300, hits
+    assert status()["routing_decisions"].get("prefix", 0) >= len(questions)
+
+    # Uneven load spreads: long streams sharing the prefix pile up on the holder only until its
+    # load is uneven (more than 2 over the idlest and 1.5x), then go by load.
+    def stream_long() -> None:
+        for _ in gateway.chat.completions.create(model="smol", max_tokens=200, temperature=0, stream=True, messages=[
+                {"role": "system", "content": SHARED_SYSTEM_PROMPTS[0]},
+                {"role": "user", "content": "Tell the whole history of Europe."}]):
+            pass
+    running_before = {backend_id: _engine_stats(url)["num_prompt_tokens"] for backend_id, url in backend_id_to_url.items()}
+    with ThreadPoolExecutor(8) as pool:
+        for future in [pool.submit(stream_long) for _ in range(8)]:
+            future.result()
+    served_by = {backend_id for backend_id, url in backend_id_to_url.items()
+                 if _engine_stats(url)["num_prompt_tokens"] > running_before[backend_id]}
+    assert holder in served_by and len(served_by) >= 2, served_by
+    assert status()["routing_decisions"].get("imbalance", 0) >= 1
+
+    # The holder leaves: it drops out of the index, and its prefix goes elsewhere by load.
+    backend_id_to_process[holder].popen.send_signal(signal.SIGTERM)
+    wait_until(lambda: holder not in status()["indexed_backends"], 60, "the holder to leave the index")
+    del backend_id_to_url[holder]
+    assert ask(SHARED_SYSTEM_PROMPTS[0], "Who wrote the Iliad?") in backend_id_to_url

@@ -173,6 +173,16 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self.core.stats()
 
+    def cache_events(self, since_seq: int, log_id: str) -> dict:
+        """The prefix cache's stored and dropped block hashes since a reader's last call (any
+        thread; kv_cache/events.py), with what a router needs to hash prompts the same way."""
+        kv = self.core.kv
+        events = kv.pool.cache_events.read(since_seq, log_id)
+        return {"log_id": kv.pool.cache_events.log_id, "next": events.next_seq, "reset": events.is_reset,
+                "block_size": kv.block_size, "root_hash": f"{kv.root_hash:032x}",
+                "stored": [f"{key:032x}" for key in events.stored_hashes],
+                "removed": [f"{key:032x}" for key in events.removed_hashes]}
+
     def check_invariants(self) -> None:
         self.core.check_invariants()
 

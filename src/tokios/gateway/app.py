@@ -13,7 +13,7 @@ import json
 import logging
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request, WebSocket
@@ -33,7 +33,8 @@ from tokios.gateway.limits import KeyLimiter
 from tokios.gateway.link import BackendLink, LinkClosedError, LinkStream
 from tokios.gateway.metrics import GatewayMetrics
 from tokios.gateway.protocol import Frame, FrameKind
-from tokios.gateway.router import BackendRouter
+from tokios.gateway.prefix_index import PrefixIndex, PrefixQuery, PromptHasher
+from tokios.gateway.router import BackendRouter, PrefixPolicy
 from tokios.server.connection_limits import RequestTimeoutError
 from tokios.server.errors import ANTHROPIC, OLLAMA, dialect_error_body, dialect_of_path
 from tokios.server.streams import run_watching_disconnect
@@ -64,6 +65,10 @@ class GatewayConfig:
     cool_down_s: float = 30.0
     no_backend_retry_after_s: float = 5.0
     request_body_timeout_s: float = 30.0
+    # Prefix-aware routing (gateway/prefix_index.py): the policy (None: least in-flight only) and
+    # the tokenizer file of each model whose prompts the gateway hashes.
+    prefix_policy: PrefixPolicy | None = PrefixPolicy()
+    model_to_tokenizer_path: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:
@@ -171,8 +176,11 @@ class Gateway:
         self.key_store = key_store
         self.limiter = KeyLimiter()
         self.router = BackendRouter(
-            max_consecutive_failures=config.max_consecutive_failures, cool_down_s=config.cool_down_s
+            max_consecutive_failures=config.max_consecutive_failures, cool_down_s=config.cool_down_s,
+            prefix_policy=config.prefix_policy,
         )
+        self.prefix_index = PrefixIndex()
+        self.prompt_hasher = PromptHasher(config.model_to_tokenizer_path)
         self.metrics = GatewayMetrics()
         self.links: set[BackendLink] = set()
 
@@ -227,6 +235,11 @@ class Gateway:
         previous_response_id = payload.get("previous_response_id") if path == RESPONSES_PATH else None
         if session_id is None and isinstance(previous_response_id, str):
             session_id = _response_session(previous_response_id)  # the backend whose store holds it
+        prefix = None
+        if self.config.prefix_policy is not None and self.prompt_hasher.has_model(model):
+            token_ids = self.prompt_hasher.prompt_token_ids(path, payload)
+            if token_ids:
+                prefix = PrefixQuery(self.prefix_index, model, token_ids)
         self.limiter.admit(key)
         exchange = _Exchange(self, key)
         try:
@@ -234,7 +247,7 @@ class Gateway:
             # left (a whole-body answer is buffered here): cancelling the attempt cancels the
             # backend stream, so the backend aborts its generation instead of finishing it.
             return await run_watching_disconnect(
-                request, self._attempt(exchange, request, path, body, model, is_stream, session_id))
+                request, self._attempt(exchange, request, path, body, model, is_stream, session_id, prefix))
         except BaseException as exc:
             status = str(exc.status) if isinstance(exc, TokiosError) else "client_closed"
             exchange.finish(status)
@@ -280,13 +293,13 @@ class Gateway:
 
     async def _attempt(
         self, exchange: _Exchange, request: Request, path: str, body: bytes, model: str, is_stream: bool,
-        session_id: str | None,
+        session_id: str | None, prefix: PrefixQuery | None,
     ) -> Response:
         headers = {"content-type": "application/json", "accept": request.headers.get("accept", "*/*")}
         tried_ids: list[str] = []
         last_failure = ""
         for _ in range(self.config.max_attempts):
-            link = self.router.pick(model, session_id, exclude=tried_ids)
+            link = self.router.pick(model, session_id, exclude=tried_ids, prefix=prefix)
             if link is None:
                 break
             if tried_ids:
@@ -424,9 +437,12 @@ class Gateway:
             "num_backends": len(self.router.backends),
             "models": self.router.models(),
             "backends": [
-                {**link.describe(), "is_cooling": self.router.is_cooling(link.backend_id)}
+                {**link.describe(), "is_cooling": self.router.is_cooling(link.backend_id),
+                 "num_cached_blocks_reported": self.prefix_index.num_blocks(link.backend_id)}
                 for link in self.router.backends
             ],
+            "routing_decisions": dict(self.router.decision_counts),
+            "indexed_backends": self.prefix_index.backend_ids(),
         }
 
     # ---- connectors ----------------------------------------------------------------------
@@ -444,7 +460,8 @@ class Gateway:
             await websocket.close(code=1002, reason=str(exc)[:100])
             return
         link = BackendLink(
-            websocket, backend_id, models, heartbeat_s=self.config.heartbeat_s, dead_after_s=self.config.dead_after_s
+            websocket, backend_id, models, heartbeat_s=self.config.heartbeat_s, dead_after_s=self.config.dead_after_s,
+            on_cache_events=self.prefix_index.apply,
         )
         await websocket.send_bytes(
             protocol.encode_json(
@@ -464,6 +481,8 @@ class Gateway:
         finally:
             self.router.remove(link)
             self.links.discard(link)
+            if all(backend.backend_id != backend_id for backend in self.router.backends):
+                self.prefix_index.drop(backend_id)  # unless a new link re-registered the same id
             self.metrics.connected_backends.set(len(self.router.backends))
             logger.info("backend %s disconnected", backend_id)
 

@@ -34,6 +34,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"408 for a body that has not arrived in time (default {DEFAULT_BODY_TIMEOUT_S:g} s)")
     parser.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
                         help=f"open connections at most, connectors included (default {DEFAULT_MAX_CONNECTIONS})")
+    routing = parser.add_argument_group("prefix-aware routing (docs/gateway.md; defaults are SGLang router's)")
+    routing.add_argument("--routing", choices=["prefix", "least-busy"], default="prefix",
+                         help="prefix: to the backend holding the longest cached part of the prompt (for models with "
+                              "--tokenizer and backends that --report-cache-events), else the least busy")
+    routing.add_argument("--tokenizer", action="append", default=[], metavar="MODEL=PATH",
+                         help="the model file (GGUF or model directory) whose tokenizer and chat template the "
+                              "backends of MODEL use; repeatable")
+    routing.add_argument("--cache-threshold", type=float, default=0.3,
+                         help="route by prefix when a backend holds at least this share of the prompt (default 0.3)")
+    routing.add_argument("--balance-abs-threshold", type=int, default=64,
+                         help="loads are uneven when the busiest has more than this many requests over the idlest "
+                              "(default 64) ...")
+    routing.add_argument("--balance-rel-threshold", type=float, default=1.5,
+                         help="... and more than this many times its count (default 1.5); then route by load")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     actions = parser.add_subparsers(dest="action", metavar="ACTION")
 
@@ -68,6 +82,7 @@ def _serve(args: argparse.Namespace) -> int:
     from tokios.gateway import protocol
     from tokios.gateway.app import GatewayConfig, create_app
     from tokios.gateway.keys import KeyStore, default_db_path
+    from tokios.gateway.router import PrefixPolicy
     from tokios.server.connection_limits import header_timeout_protocol, raise_open_file_limit
 
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
@@ -80,6 +95,9 @@ def _serve(args: argparse.Namespace) -> int:
         cool_down_s=args.cool_down_s,
         max_attempts=args.max_attempts,
         request_body_timeout_s=args.request_body_timeout,
+        prefix_policy=PrefixPolicy(args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold)
+        if args.routing == "prefix" else None,
+        model_to_tokenizer_path=_model_to_tokenizer_path(args.tokenizer),
     )
     for name in ("request_header_timeout", "request_body_timeout"):
         if not getattr(args, name) > 0:
@@ -101,6 +119,18 @@ def _serve(args: argparse.Namespace) -> int:
         limit_concurrency=args.max_connections,
     )
     return 0
+
+
+def _model_to_tokenizer_path(values: list[str]) -> dict[str, str]:
+    model_to_path = {}
+    for value in values:
+        model, separator, path = value.partition("=")
+        if not separator or not model or not path:
+            raise InvalidRequestError(f"tokenizer must be MODEL=PATH, got {value!r}", param="tokenizer")
+        if not os.path.exists(path):
+            raise InvalidRequestError(f"tokenizer: {path!r} is not a file or directory here", param="tokenizer")
+        model_to_path[model] = path
+    return model_to_path
 
 
 def _status(args: argparse.Namespace) -> int:

@@ -73,6 +73,9 @@ class ConnectorConfig:
     drain_grace_s: float = 30.0
     backend_timeout_s: float = 600.0
     ca_file: str | None = None  # trust this CA for a wss:// gateway (e.g. a self-signed certificate)
+    # Poll the backend's /v1/engine/cache_events this often and pass what changed to the gateway,
+    # for prefix-aware routing (gateway/prefix_index.py); 0: do not report.
+    cache_events_interval_s: float = 0.0
     extra_headers: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -90,6 +93,26 @@ class ConnectorConfig:
             raise InvalidRequestError(
                 f"heartbeat_s must be in (0, dead_after_s={self.dead_after_s}), got {self.heartbeat_s}", param="heartbeat_s"
             )
+
+
+REPORT_CACHE_EVENTS_INTERVAL_S = 0.25  # what --report-cache-events polls at
+
+# Hashes per CACHE_EVENTS frame: 32 hex digits and JSON punctuation each, within MAX_PAYLOAD_BYTES.
+_HASHES_PER_FRAME = (protocol.MAX_PAYLOAD_BYTES - 512) // 36
+
+
+def cache_event_frames(model: str, events: dict[str, Any]) -> list[bytes]:
+    """A backend's cache events as CACHE_EVENTS frames; a snapshot too large for one frame is cut,
+    only the first of its frames saying `reset`."""
+    changes = [(True, key) for key in events["stored"]] + [(False, key) for key in events["removed"]]
+    frames = []
+    for start in range(0, max(len(changes), 1), _HASHES_PER_FRAME):
+        part = changes[start:start + _HASHES_PER_FRAME]
+        frames.append(protocol.encode_json(FrameKind.CACHE_EVENTS, protocol.CONTROL_STREAM_ID, {
+            "model": model, "reset": bool(events["reset"]) and start == 0, "block_size": events["block_size"],
+            "root_hash": events["root_hash"], "stored": [key for is_stored, key in part if is_stored],
+            "removed": [key for is_stored, key in part if not is_stored]}))
+    return frames
 
 
 def backoff_delay_s(num_failures: int, min_s: float, max_s: float, rng: random.Random) -> float:
@@ -223,6 +246,8 @@ class _ConnectionSession:
             asyncio.create_task(self._heartbeat_loop()),
             asyncio.create_task(self._drain_when_asked()),
         ]
+        if self.config.cache_events_interval_s > 0:
+            tasks.append(asyncio.create_task(self._report_cache_events()))
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
@@ -286,6 +311,27 @@ class _ConnectionSession:
                 logger.warning("gateway silent for over %.0f s; reconnecting", self.config.dead_after_s)
                 return
             self._outbox.put_nowait(ping)
+
+    async def _report_cache_events(self) -> None:
+        """Each model's prefix-cache changes, polled from the backend; a new connection starts
+        with a snapshot (the gateway forgets a backend's blocks when its link ends)."""
+        model_to_cursor = {model: (-1, "") for model in self.connector.models}
+        while True:
+            for model, (since, log_id) in model_to_cursor.items():
+                try:
+                    response = await self.connector._http.get(
+                        self.config.backend_url + "/v1/engine/cache_events",
+                        params={"model": model, "since": since, "log_id": log_id}, timeout=10.0)
+                    response.raise_for_status()
+                    events = response.json()
+                    model_to_cursor[model] = (int(events["next"]), str(events["log_id"]))
+                except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+                    logger.debug("cache events of %s not read: %s", model, exc)
+                    continue
+                if events["reset"] or events["stored"] or events["removed"]:
+                    for frame in cache_event_frames(model, events):
+                        self._outbox.put_nowait(frame)
+            await asyncio.sleep(self.config.cache_events_interval_s)
 
     def _send_error(self, stream_id: int, message: str, code: str) -> None:
         self._outbox.put_nowait(protocol.encode_json(FrameKind.ERROR, stream_id, {"message": message, "code": code}))

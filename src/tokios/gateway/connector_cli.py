@@ -12,7 +12,7 @@ import logging
 import os
 import signal
 
-from tokios.gateway.connector import Connector, ConnectorConfig
+from tokios.gateway.connector import REPORT_CACHE_EVENTS_INTERVAL_S, Connector, ConnectorConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,6 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dead-after-s", type=float, default=25.0)
     parser.add_argument("--max-backoff-s", type=float, default=8.0)
     parser.add_argument("--drain-grace-s", type=float, default=30.0)
+    parser.add_argument("--report-cache-events", action="store_true",
+                        help="tell the gateway which prompt prefixes the backend has cached, for prefix-aware routing "
+                             "(polls the backend's /v1/engine/cache_events; docs/gateway.md)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -43,6 +46,7 @@ def config_from_args(args: argparse.Namespace) -> ConnectorConfig:
         max_backoff_s=args.max_backoff_s,
         drain_grace_s=args.drain_grace_s,
         ca_file=args.ca_file,
+        cache_events_interval_s=REPORT_CACHE_EVENTS_INTERVAL_S if args.report_cache_events else 0.0,
     )
 
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 from starlette.websockets import WebSocket
 
+from tokios.errors import InvalidRequestError
 from tokios.gateway import protocol
 from tokios.gateway.protocol import Frame, FrameKind
 
@@ -64,8 +65,10 @@ class BackendLink:
         *,
         heartbeat_s: float,
         dead_after_s: float,
+        on_cache_events: Callable[[str, dict[str, Any]], None] = lambda backend_id, payload: None,
     ):
         self.websocket = websocket
+        self.on_cache_events = on_cache_events  # CACHE_EVENTS frames: (backend id, payload)
         self.backend_id = backend_id
         self.models = models
         self.heartbeat_s = heartbeat_s
@@ -156,6 +159,11 @@ class BackendLink:
             if frame.kind is FrameKind.DRAIN:
                 logger.info("backend %s is draining", self.backend_id)
                 self.is_draining = True
+            elif frame.kind is FrameKind.CACHE_EVENTS:
+                try:
+                    self.on_cache_events(self.backend_id, frame.json())
+                except InvalidRequestError as exc:  # a routing hint lost, not the link
+                    logger.warning("backend %s sent bad cache events: %s", self.backend_id, exc.message)
             return
         stream = self._stream_id_to_stream.get(frame.stream_id)
         if stream is None:

@@ -45,6 +45,7 @@ class FrameKind(enum.IntEnum):
     CANCEL = 8  # gateway -> connector: the client left, abort the backend request
     PING = 9  # either way, on stream 0: liveness
     DRAIN = 10  # connector -> gateway: route no new work here
+    CACHE_EVENTS = 11  # connector -> gateway, on stream 0: prefix-cache blocks stored and dropped (--report-cache-events)
 
 
 @dataclass(frozen=True)

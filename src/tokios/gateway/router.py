@@ -1,4 +1,12 @@
-"""Choosing a backend for a request: least in-flight, session affinity, failure cool-down.
+"""Choosing a backend for a request: session affinity, the longest cached prefix, least in-flight,
+failure cool-down.
+
+Prefix-aware routing follows SGLang's cache-aware router: when the backends' loads are even, a
+request goes to the backend holding the longest part of its prompt if that is at least
+`cache_threshold` of the prompt; when loads are uneven (the busiest has more than
+`balance_abs_threshold` requests over the idlest and more than `balance_rel_threshold` times its
+count), or no backend holds enough, to the least busy. The counts of each decision are kept
+(`decision_counts`, shown by the gateway's /status).
 
 Sessions are keys pinned to a backend (LRU-bounded): a client's `x-session-id`, and each stored
 OpenAI Responses id (`response:<id>`), so that `previous_response_id` and `GET /v1/responses/{id}`
@@ -14,7 +22,10 @@ from __future__ import annotations
 
 import collections
 import time
+from dataclasses import dataclass
 from typing import Callable, Iterable, Protocol
+
+from tokios.errors import InvalidRequestError
 
 
 class RoutableBackend(Protocol):
@@ -24,6 +35,38 @@ class RoutableBackend(Protocol):
     is_draining: bool
 
 
+class PrefixMatcher(Protocol):
+    """One request's prompt against what the backends hold (gateway/prefix_index.py PrefixQuery)."""
+
+    num_prompt_tokens: int
+
+    def num_matched_tokens(self, backend_id: str) -> int: ...
+
+
+@dataclass(frozen=True)
+class PrefixPolicy:
+    """SGLang router's defaults."""
+
+    cache_threshold: float = 0.3
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.cache_threshold <= 1.0:
+            raise InvalidRequestError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}",
+                                      param="cache_threshold")
+        if self.balance_abs_threshold < 0:
+            raise InvalidRequestError(f"balance_abs_threshold must be >= 0, got {self.balance_abs_threshold}",
+                                      param="balance_abs_threshold")
+        if self.balance_rel_threshold < 1.0:
+            raise InvalidRequestError(f"balance_rel_threshold must be >= 1, got {self.balance_rel_threshold}",
+                                      param="balance_rel_threshold")
+
+    def is_imbalanced(self, loads: list[int]) -> bool:
+        busiest, idlest = max(loads), min(loads)
+        return busiest - idlest > self.balance_abs_threshold and busiest > self.balance_rel_threshold * idlest
+
+
 class BackendRouter:
     def __init__(
         self,
@@ -31,11 +74,14 @@ class BackendRouter:
         max_consecutive_failures: int = 3,
         cool_down_s: float = 30.0,
         max_sessions: int = 10_000,
+        prefix_policy: PrefixPolicy | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.max_consecutive_failures = max_consecutive_failures
         self.cool_down_s = cool_down_s
         self.max_sessions = max_sessions
+        self.prefix_policy = prefix_policy  # None: least in-flight only
+        self.decision_counts: collections.Counter[str] = collections.Counter()
         self._clock = clock
         self._backend_id_to_backend: dict[str, RoutableBackend] = {}
         self._backend_id_to_num_failures: dict[str, int] = collections.defaultdict(int)
@@ -65,11 +111,13 @@ class BackendRouter:
     def is_cooling(self, backend_id: str) -> bool:
         return self._backend_id_to_cool_until.get(backend_id, 0.0) > self._clock()
 
-    def pick(self, model: str, session_id: str | None = None, exclude: Iterable[str] = ()) -> RoutableBackend | None:
+    def pick(self, model: str, session_id: str | None = None, exclude: Iterable[str] = (),
+             prefix: PrefixMatcher | None = None) -> RoutableBackend | None:
         """The backend for one attempt, or None when no backend serves `model`.
 
         Healthy backends come first; cooling ones are used only when nothing else serves
-        the model, since a backend that may work beats a certain 503.
+        the model, since a backend that may work beats a certain 503. A session's pinned
+        backend wins, then (with a prefix policy and `prefix`) the longest cached prefix.
         """
         excluded_ids = set(exclude)
         candidates = [
@@ -85,11 +133,28 @@ class BackendRouter:
             for backend in pool:
                 if backend.backend_id == pinned_id:
                     self._session_id_to_backend_id.move_to_end(session_id)
+                    self.decision_counts["session"] += 1
                     return backend
-        chosen = min(pool, key=lambda b: b.num_in_flight)
+        chosen = self._by_prefix(pool, prefix) if prefix is not None and self.prefix_policy is not None else None
+        if chosen is None:
+            chosen = min(pool, key=lambda b: b.num_in_flight)
+            self.decision_counts["least_busy"] += 1
         if session_id is not None:
             self.pin(session_id, chosen.backend_id)
         return chosen
+
+    def _by_prefix(self, pool: list[RoutableBackend], prefix: PrefixMatcher) -> RoutableBackend | None:
+        policy = self.prefix_policy
+        if len(pool) > 1 and policy.is_imbalanced([b.num_in_flight for b in pool]):
+            self.decision_counts["imbalance"] += 1
+            return None
+        # The most tokens held; among equals the least busy.
+        best = max(pool, key=lambda b: (prefix.num_matched_tokens(b.backend_id), -b.num_in_flight))
+        num_matched = prefix.num_matched_tokens(best.backend_id)
+        if num_matched == 0 or num_matched < policy.cache_threshold * prefix.num_prompt_tokens:
+            return None
+        self.decision_counts["prefix"] += 1
+        return best
 
     def pin(self, session_id: str, backend_id: str) -> None:
         """Send `session_id`'s next requests to `backend_id` while it serves their model (LRU-bounded)."""

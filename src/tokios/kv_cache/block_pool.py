@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from tokios.kv_cache.events import CacheEventLog
+
 
 class NoFreeBlocksError(RuntimeError):
     """Raised by get_new_blocks when the pool cannot satisfy the request (callers check first)."""
@@ -42,6 +44,8 @@ class BlockPool:
         # Kept as a count (not recomputed by scanning the free queue) so that stats() from another
         # thread never iterates a structure the engine thread is changing.
         self._num_cached_free = 0
+        # What enters and leaves hash_to_block, for a router outside the process (kv_cache/events.py).
+        self.cache_events = CacheEventLog()
 
     @property
     def num_free_blocks(self) -> int:
@@ -78,6 +82,7 @@ class BlockPool:
             self.block_hashes[block_id] = None
             if self.hash_to_block.get(block_hash) == block_id:
                 del self.hash_to_block[block_hash]
+                self.cache_events.record_removed(block_hash)
             self.num_evictions += 1
 
     def uncache(self, block_id: int) -> None:
@@ -88,6 +93,7 @@ class BlockPool:
         self.block_hashes[block_id] = None
         if self.hash_to_block.get(block_hash) == block_id:
             del self.hash_to_block[block_hash]
+            self.cache_events.record_removed(block_hash)
         if self.ref_counts[block_id] == 0:
             self._num_cached_free -= 1
 
@@ -119,6 +125,7 @@ class BlockPool:
             return  # an identical block is already cached; this one stays private
         self.block_hashes[block_id] = block_hash
         self.hash_to_block[block_hash] = block_id
+        self.cache_events.record_stored(block_hash)
 
     def free_blocks(self, block_ids_in_eviction_order: list[int]) -> None:
         """Drop one reference from each block; blocks reaching 0 join the free queue's tail in

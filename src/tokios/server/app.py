@@ -320,6 +320,16 @@ def create_app(settings: ServerSettings, *, registry: ModelRegistry | None = Non
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
+    @app.get("/v1/engine/cache_events")
+    async def cache_events(model: str | None = None, since: int = -1, log_id: str = "") -> Response:
+        """For the gateway connector's --report-cache-events (gateway/prefix_index.py)."""
+        state.check_ready()
+        entry = state.registry.entry(model)
+        if entry.serving is None:  # an unloaded model holds no blocks
+            return JSONResponse({"model": entry.name, "log_id": "", "next": 0, "reset": True, "block_size": 0,
+                                 "root_hash": "", "stored": [], "removed": []})
+        return JSONResponse({"model": entry.name, **entry.serving.engine.cache_events(since, log_id)})
+
     @app.get("/v1/engine/stats")
     async def engine_stats(model: str | None = None) -> Response:
         state.check_ready()

@@ -37,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="also connect this server to a tokios gateway (ws:// or wss://), as `tokios connect` does; "
                           "the connector token comes from $TOKIOS_CONNECTOR_TOKEN")
     net.add_argument("--backend-id", default="", help="stable backend id to register with --connect")
+    net.add_argument("--report-cache-events", action="store_true",
+                     help="with --connect: tell the gateway which prompt prefixes are cached here, for its "
+                          "prefix-aware routing (docs/gateway.md)")
     engine = parser.add_argument_group("engine")
     engine.add_argument("--model", action="append", default=None, metavar="PATH[=NAME]",
                         help="GGUF file or model directory, optionally with the name clients use; repeatable: "
@@ -273,6 +276,9 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.max_queued_requests < 0:
         raise InvalidRequestError("max_queued_requests must be >= 0", param="max_queued_requests")
+    if args.report_cache_events and not args.connect:
+        raise InvalidRequestError("report_cache_events reports to a gateway: give --connect GATEWAY_URL too",
+                                  param="report_cache_events")
     for name in ("shutdown_timeout", "stall_timeout", "health_generate_timeout"):
         if getattr(args, name) < 0:
             raise InvalidRequestError(f"{name} must be >= 0", param=name)
@@ -331,7 +337,7 @@ def run(args: argparse.Namespace) -> int:
 def _attach_connector(state, args: argparse.Namespace, port: int) -> None:
     """`--connect`: once the model is ready, dial the gateway and carry its requests to this
     server over loopback; on SIGTERM tell the gateway to send no more work."""
-    from tokios.gateway.connector import Connector, ConnectorConfig
+    from tokios.gateway.connector import REPORT_CACHE_EVENTS_INTERVAL_S, Connector, ConnectorConfig
 
     token = os.environ.get("TOKIOS_CONNECTOR_TOKEN", "")
     if not token:
@@ -340,7 +346,8 @@ def _attach_connector(state, args: argparse.Namespace, port: int) -> None:
     backend_api_key = args.api_key[0] if args.api_key else None
     config = ConnectorConfig(gateway_url=args.connect, token=token, backend_url=f"http://127.0.0.1:{port}",
                              backend_id=args.backend_id, backend_api_key=backend_api_key,
-                             drain_grace_s=args.shutdown_timeout)
+                             drain_grace_s=args.shutdown_timeout,
+                             cache_events_interval_s=REPORT_CACHE_EVENTS_INTERVAL_S if args.report_cache_events else 0.0)
     connector = Connector(config)
 
     async def run_connector(_state) -> None:

@@ -27,9 +27,12 @@ from typing import TYPE_CHECKING, Any
 from tokios.outputs import RequestOutput, TokenLogprobs
 from tokios.tool_calls import ToolCallParser, ToolSet
 from tokios.tool_calls.parser import ToolCallDelta
+from tokios.tool_calls.prompt import template_inputs
 
 if TYPE_CHECKING:
     from starlette.requests import Request
+
+    from tokios.tokenizer.tokenizer import Tokenizer
 
     from tokios.server.serving import Serving
     from tokios.server.streams import Job
@@ -52,6 +55,16 @@ class ChatTurn:
     @property
     def calls_possible(self) -> bool:
         return self.tools is not None and self.tools.calls_possible
+
+    def prompt_ids(self, tokenizer: Tokenizer) -> list[int]:
+        """The prompt's token ids: the chat template over the messages (and tools), or the raw
+        prompt. The gateway's prefix-aware routing hashes the same ids (gateway/prefix_index.py)."""
+        if self.raw_prompt is not None:
+            return tokenizer.encode(self.raw_prompt, add_special_tokens=True)
+        messages, template_tools = template_inputs(self.messages, self.tools, tokenizer.chat_template_takes_tools)
+        prompt_text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=self.add_generation_prompt, tools=template_tools)
+        return tokenizer.encode(prompt_text, add_special_tokens=False)
 
 
 @dataclass

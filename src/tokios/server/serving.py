@@ -34,7 +34,6 @@ from tokios.server.registry import ModelLease
 from tokios.server.streams import EngineStream, Job, run_watching_disconnect
 from tokios.tool_calls import ToolSet
 from tokios.tool_calls.grammar import tool_call_grammar
-from tokios.tool_calls.prompt import template_inputs
 
 
 @dataclass
@@ -179,18 +178,10 @@ class Serving:
 
     # ---- chat (every dialect's path) ------------------------------------------------------
 
-    def chat_prompt_ids(self, turn: ChatTurn) -> list[int]:
-        if turn.raw_prompt is not None:
-            return self.tokenizer.encode(turn.raw_prompt, add_special_tokens=True)
-        messages, template_tools = template_inputs(turn.messages, turn.tools, self.tokenizer.chat_template_takes_tools)
-        prompt_text = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=turn.add_generation_prompt, tools=template_tools)
-        return self.tokenizer.encode(prompt_text, add_special_tokens=False)
-
     async def start_chat(self, http_request: Request, turn: ChatTurn, lease: ModelLease | None, *, stream: bool,
                          response_id: str) -> ChatRun:
         """Prompt, limits, grammar and engine request for a turn; a streamed run has its first output."""
-        prompt_ids = self.chat_prompt_ids(turn)
+        prompt_ids = turn.prompt_ids(self.tokenizer)
         prompt_param = "prompt" if turn.raw_prompt is not None else "messages"
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty", param=prompt_param)

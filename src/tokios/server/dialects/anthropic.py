@@ -296,7 +296,7 @@ def install(app: FastAPI, state) -> None:
 
         async def run(lease: ModelLease) -> Response:
             turn = ChatTurn(to_messages(body), {}, tools=to_toolset(body))
-            return JSONResponse({"input_tokens": len(lease.serving.chat_prompt_ids(turn))})
+            return JSONResponse({"input_tokens": len(turn.prompt_ids(lease.serving.tokenizer))})
         return await state.respond(body.model, run)
 
 

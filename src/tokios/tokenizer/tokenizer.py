@@ -2,8 +2,9 @@
 
 Owns building a Hugging Face `tokenizers` pipeline from GGUF metadata (byte-level BPE with the
 pre-tokenizer llama.cpp would use, or SentencePiece-style BPE with byte fallback from
-sentencepiece.py; control and user-defined tokens, BOS/EOS rules) or from a Hugging Face directory, and `load_tokenizer(path)` which picks between them. Talks to gguf_metadata.py
-(reads the file), pretokenizers.py, chat_template.py and byte_level.py. Used by the engine front end,
+sentencepiece.py; control and user-defined tokens, BOS/EOS rules) or from a Hugging Face directory,
+and `load_tokenizer(path)` which picks between them. Talks to tokios/gguf_file.py (reads the file),
+pretokenizers.py, chat_template.py and byte_level.py. Used by the engine front end,
 the server (chat template, prompt tokens) and the detokenizer / stop matcher.
 """
 
@@ -23,9 +24,9 @@ import tokenizers
 from tokenizers import AddedToken, decoders, models, processors
 
 from tokios.errors import InvalidRequestError, ModelLoadError, UnsupportedError
+from tokios.gguf_file import GGUF_MAGIC, read_gguf_metadata
 from tokios.tokenizer.byte_level import build_token_bytes_table, is_byte_level_spelling, spell_bytes
 from tokios.tokenizer.chat_template import ChatTemplate
-from tokios.tokenizer.gguf_metadata import GGUF_MAGIC, read_gguf_metadata
 from tokios.tokenizer.pretokenizers import build_pre_tokenizer
 from tokios.tokenizer.sentencepiece import build_sentencepiece_bpe
 

@@ -15,7 +15,7 @@ import json
 import pytest
 
 from reference import default_gguf
-from tokios.model.gguf_file import GGUFFile
+from tokios.gguf_file import GGUFFile
 from tokios.model.loader import model_config_from_gguf, weights_from_gguf
 from tokios.model.quant import as_dense
 from tokios.sampling_params import SamplingParams

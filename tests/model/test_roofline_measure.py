@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from tokios.engine import LLM
-from tokios.tools import plan_math
-from tokios.tools.roofline import BANDWIDTH_BOUND, Roofs, verdict
-from tokios.tools.roofline_measure import (engine_footprint, measure_decode_utilization,
+from tokios.tools.plan import formulas
+from tokios.tools.roofline.roofs import BANDWIDTH_BOUND, Roofs, verdict
+from tokios.tools.roofline.measure import (engine_footprint, measure_decode_utilization,
                                            measure_prefill_utilization)
 
 
@@ -33,8 +33,8 @@ def test_short_prefill_and_decode_run(engine):
     assert [p.batch_size for p in decode] == [1, 4]
     for point in prefill + decode:
         assert point.seconds > 0
-    assert decode[1].flops == plan_math.decode_step_flops(footprint.model, 4, 16 + 4)
-    assert prefill[1].flops == plan_math.prefill_flops(footprint.model, 48)
+    assert decode[1].flops == formulas.decode_step_flops(footprint.model, 4, 16 + 4)
+    assert prefill[1].flops == formulas.prefill_flops(footprint.model, 48)
     # The design notes' roofs for this machine (25 GB/s, fp32 70 GFLOP/s): an fp32 batch-1
     # decode moves 4 bytes per 2 FLOPs, far left of the ridge at 2.8 FLOPs/byte.
     roofs = Roofs(25e9, 70e9, "fp32")

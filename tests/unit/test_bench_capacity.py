@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tokios.errors import InvalidRequestError
-from tokios.tools.bench_capacity import Variant, metric_value, parse_variants, streams_that_fit
+from tokios.tools.bench.capacity import Variant, metric_value, parse_variants, streams_that_fit
 
 
 def test_variants_name_a_server_and_one_of_its_cache_types():

@@ -9,8 +9,8 @@ import pytest
 
 from tokios.errors import InvalidRequestError
 from tokios.server.cli import parse_step_budget
-from tokios.tools.bench_fairness import FairnessRound, parse_step_budgets, split_gaps
-from tokios.tools.bench_stats import RequestRecord
+from tokios.tools.bench.fairness import FairnessRound, parse_step_budgets, split_gaps
+from tokios.tools.bench.stats import RequestRecord
 
 
 def record(times: list[float]) -> RequestRecord:

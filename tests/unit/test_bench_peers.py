@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from tokios.errors import ModelLoadError, TokiosError
-from tokios.tools import peers
-from tokios.tools.bench_prompts import make_prompt, make_token_ids
+from tokios.tools.bench import peers
+from tokios.tools.bench.prompts import make_prompt, make_token_ids
 
 
 def test_default_model_is_found_and_bad_paths_are_named(tmp_path):

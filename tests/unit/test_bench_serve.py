@@ -1,4 +1,4 @@
-"""bench_serve against a real HTTP server that streams like an OpenAI-compatible one.
+"""tools/bench/serve.py against a real HTTP server that streams like an OpenAI-compatible one.
 
 The server below (FastAPI + uvicorn on a loopback port, in a thread) streams SSE chunks with known
 delays and token counts, counts how many requests it has in flight, and fails on demand, so the
@@ -18,8 +18,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from tokios.cli import main as tokios_main
 from tokios.errors import InvalidRequestError
-from tokios.tools.bench_prompts import LengthSpec
-from tokios.tools.bench_serve import (
+from tokios.tools.bench.prompts import LengthSpec
+from tokios.tools.bench.serve import (
     BenchRequest,
     ServeLoad,
     build_requests,
@@ -27,7 +27,7 @@ from tokios.tools.bench_serve import (
     parse_sse_data,
     run_level,
 )
-from tokios.tools.peers import free_port
+from tokios.tools.bench.peers import free_port
 
 FIRST_TOKEN_DELAY_S = 0.05
 TOKEN_DELAY_S = 0.005
@@ -216,7 +216,7 @@ def test_cli_serve_writes_table_json_and_plots(fake_server, tmp_path, capsys):
 
 
 def test_a_json_schema_load_sends_the_schema_on_each_endpoint_and_quantiles_read_the_difference():
-    from tokios.tools.bench_serve import (BUILTIN_JSON_SCHEMA, BenchRequest, ServeLoad, histogram_quantile,
+    from tokios.tools.bench.serve import (BUILTIN_JSON_SCHEMA, BenchRequest, ServeLoad, histogram_quantile,
                                           read_json_schema, request_body)
 
     schema = read_json_schema("builtin")
@@ -235,7 +235,7 @@ def test_a_json_schema_load_sends_the_schema_on_each_endpoint_and_quantiles_read
 
 
 def test_each_endpoint_gets_its_own_body_and_stream_parsing():
-    from tokios.tools.bench_serve import BenchRequest, ServeLoad, chunk_text, chunk_usage, parse_line, request_body
+    from tokios.tools.bench.serve import BenchRequest, ServeLoad, chunk_text, chunk_usage, parse_line, request_body
 
     request = BenchRequest("hi", 7, 1)
     bodies = {endpoint: request_body(ServeLoad("http://x", endpoint=endpoint), "m", request)

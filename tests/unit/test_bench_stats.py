@@ -1,4 +1,4 @@
-"""bench_stats: percentiles, per-request latencies and the serving summary, on hand-made records."""
+"""tools/bench/stats.py: percentiles, per-request latencies and the serving summary, on hand-made records."""
 
 import math
 
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tokios.tools.bench_stats import (
+from tokios.tools.bench.stats import (
     RepeatedFigure,
     RequestRecord,
     peak_concurrency,

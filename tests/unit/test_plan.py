@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from tokios.errors import InvalidRequestError, ModelLoadError
-from tokios.tools.hardware import NAME_TO_HARDWARE
-from tokios.tools.model_presets import NAME_TO_PRESET, load_model_shape
-from tokios.tools.plan import PlanInputs, make_plan, parse_weight_bits, tensor_parallel_problem
+from tokios.tools.plan.hardware import NAME_TO_HARDWARE
+from tokios.tools.plan.model_presets import NAME_TO_PRESET, load_model_shape
+from tokios.tools.plan.capacity import PlanInputs, make_plan, parse_weight_bits, tensor_parallel_problem
 
 
 def _default_gguf() -> Path:

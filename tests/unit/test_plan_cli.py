@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tokios.tools import hardware
+from tokios.tools.plan import hardware
 
 _RUN_PLAN_WITHOUT_TORCH = """
 import sys

@@ -7,17 +7,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tokios.errors import InvalidRequestError
-from tokios.tools import plan_math
-from tokios.tools.model_presets import NAME_TO_PRESET
-from tokios.tools.roofline import (BANDWIDTH_BOUND, COMPUTE_BOUND, Roofs, RooflinePoint, classify,
-                                   decode_regime, verdict)
-from tokios.tools.roofline_chart import draw_roofline_chart
+from tokios.tools.plan import formulas
+from tokios.tools.plan.model_presets import NAME_TO_PRESET
+from tokios.tools.roofline.roofs import (BANDWIDTH_BOUND, COMPUTE_BOUND, Roofs, RooflinePoint, classify,
+                                         decode_regime, verdict)
+from tokios.tools.roofline.chart import draw_roofline_chart
 
 # The design notes' figures for this machine: 25 GB/s, bf16 360 GFLOP/s -> ridge 14.4 FLOPs/byte.
 THIS_MACHINE = Roofs(memory_bandwidth=25e9, peak_flops=360e9, dtype="bf16")
 SMOLLM = NAME_TO_PRESET["smollm2-135m"]
-Q4_1_STEP_BYTES = plan_math.step_weight_bytes(SMOLLM, 5.0)
-KV_PER_TOKEN = plan_math.kv_bytes_per_token(SMOLLM, 2)
+Q4_1_STEP_BYTES = formulas.step_weight_bytes(SMOLLM, 5.0)
+KV_PER_TOKEN = formulas.kv_bytes_per_token(SMOLLM, 2)
 
 
 def test_ridge_and_classification_on_known_inputs():
@@ -37,8 +37,8 @@ def test_batch1_decode_is_bandwidth_bound_and_large_batches_turn_compute_bound()
 
     assert regime(1) == BANDWIDTH_BOUND
     assert regime(64) == COMPUTE_BOUND
-    ridge = plan_math.decode_ridge_batch_size(SMOLLM, Q4_1_STEP_BYTES, KV_PER_TOKEN, 64,
-                                              THIS_MACHINE.peak_flops, THIS_MACHINE.memory_bandwidth)
+    ridge = formulas.decode_ridge_batch_size(SMOLLM, Q4_1_STEP_BYTES, KV_PER_TOKEN, 64,
+                                             THIS_MACHINE.peak_flops, THIS_MACHINE.memory_bandwidth)
     assert regime(int(ridge)) == BANDWIDTH_BOUND
     assert regime(int(ridge) + 1) == COMPUTE_BOUND
 
@@ -79,10 +79,10 @@ def test_bad_roofs_and_work_are_rejected():
 
 
 def test_chart_is_a_png(tmp_path):
-    points = [RooflinePoint("decode", b, b, 48, flops=plan_math.decode_step_flops(SMOLLM, b, 48),
-                            bytes_moved=plan_math.decode_step_bytes(Q4_1_STEP_BYTES, KV_PER_TOKEN, b, 48),
+    points = [RooflinePoint("decode", b, b, 48, flops=formulas.decode_step_flops(SMOLLM, b, 48),
+                            bytes_moved=formulas.decode_step_bytes(Q4_1_STEP_BYTES, KV_PER_TOKEN, b, 48),
                             seconds=0.01 + 0.001 * b) for b in (1, 4, 16)]
-    points.append(RooflinePoint("prefill", 1, 256, 256, flops=plan_math.prefill_flops(SMOLLM, 256),
+    points.append(RooflinePoint("prefill", 1, 256, 256, flops=formulas.prefill_flops(SMOLLM, 256),
                                 bytes_moved=Q4_1_STEP_BYTES, seconds=0.5))
     roofs = [THIS_MACHINE, Roofs(25e9, 70e9, "fp32")]
     path = draw_roofline_chart(roofs, points, tmp_path / "chart" / "roofline.png")

@@ -13,8 +13,8 @@ import pytest
 
 from tokios.errors import InvalidRequestError, TokiosError
 from tokios.outputs import CompletionOutput, RequestOutput
-from tokios.tools import plan_math
-from tokios.tools.roofline_measure import (engine_footprint, measure_decode_utilization,
+from tokios.tools.plan import formulas
+from tokios.tools.roofline.measure import (engine_footprint, measure_decode_utilization,
                                            measure_prefill_utilization)
 
 CONFIG = types.SimpleNamespace(num_layers=30, hidden_size=576, intermediate_size=1536, num_heads=9,
@@ -63,7 +63,7 @@ def test_decode_step_time_is_recovered_by_differencing():
         assert point.phase == "decode" and point.batch_size == batch_size
         assert point.seconds == pytest.approx(STEP_BASE_S + STEP_S_PER_REQUEST * batch_size)
         assert point.context_len == 16 + 12
-        assert point.flops == plan_math.decode_step_flops(footprint.model, batch_size, 28)
+        assert point.flops == formulas.decode_step_flops(footprint.model, batch_size, 28)
         assert point.bytes_moved == 96_576_768 + batch_size * 23_040 * 28
         assert point.tokens_per_s == pytest.approx(batch_size / point.seconds)
 
@@ -74,7 +74,7 @@ def test_prefill_time_includes_the_single_forward_pass():
     points = measure_prefill_utilization(engine, [64, 512], clock=clock)
     assert [p.num_tokens for p in points] == [64, 512]
     assert points[1].seconds == pytest.approx(OVERHEAD_S + PREFILL_S_PER_TOKEN * 512)
-    assert points[1].flops == plan_math.prefill_flops(engine_footprint(engine).model, 512)
+    assert points[1].flops == formulas.prefill_flops(engine_footprint(engine).model, 512)
 
 
 def test_prefill_prompts_are_never_repeated_and_decode_batches_reuse_their_own():

@@ -10,8 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokios.errors import InvalidRequestError, ModelLoadError, UnsupportedError
+from tokios.gguf_file import read_gguf_metadata
 from tokios.model_files import default_model_path
-from tokios.tokenizer import Tokenizer, load_tokenizer, read_gguf_metadata
+from tokios.tokenizer import Tokenizer, load_tokenizer
 from tokios.tokenizer.byte_level import byte_to_char
 from tokios.tokenizer.pretokenizers import PRE_TOKENIZER_TO_SPLITS, build_pre_tokenizer
 

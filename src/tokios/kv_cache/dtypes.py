@@ -10,7 +10,7 @@ gathers move scales with their values, with no second tensor to keep in step. It
 68 bytes per 64 values as llama.cpp's q8_0 cache, 0.53 of bfloat16.
 
 The engine (engine/core.py: how many blocks fit in --kv-cache-memory) and the planner
-(tools/plan.py) both size the cache with kv_bytes_per_element.
+(tools/plan/capacity.py) both size the cache with kv_bytes_per_element.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType
 
 from tokios.config import ModelConfig
 from tokios.errors import ModelLoadError, UnsupportedError
-from tokios.model.gguf_file import GGUFFile
+from tokios.gguf_file import GGUFFile
 from tokios.model.gemma3 import Gemma3Model
 from tokios.model.gemma3_metadata import gemma3_fields
 from tokios.model.llama import LlamaModel

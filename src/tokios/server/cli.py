@@ -238,7 +238,7 @@ def _engine_loader(config):
 
 def _estimated_bytes(path: str, kv_cache_bytes: int) -> int | None:
     """The file's weight bytes (tokios plan's reading of it) plus the KV cache it will allocate."""
-    from tokios.tools.model_presets import load_model_shape
+    from tokios.tools.plan.model_presets import load_model_shape
 
     try:
         shape = load_model_shape(path)

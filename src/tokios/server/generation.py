@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tokios.outputs import RequestOutput, TokenLogprobs
 from tokios.tool_calls import ToolCallParser, ToolSet
@@ -32,10 +32,21 @@ from tokios.tool_calls.prompt import template_inputs
 if TYPE_CHECKING:
     from starlette.requests import Request
 
+    from tokios.outputs import Logprob
+    from tokios.server.streams import Job
     from tokios.tokenizer.tokenizer import Tokenizer
 
-    from tokios.server.serving import Serving
-    from tokios.server.streams import Job
+
+class RunOwner(Protocol):
+    """What a ChatRun (and a dialect, through `run.serving`) uses of the Serving that starts it
+    (server/serving.py). Named here so that serving.py imports this module and this module never
+    imports serving.py."""
+
+    async def start_stream(self, http_request: Request, job: Job) -> list[RequestOutput | None]: ...
+
+    async def finish(self, http_request: Request, job: Job) -> list[RequestOutput | None]: ...
+
+    def decode_token(self, token_id: int, logprob: Logprob | None = None) -> str: ...
 
 
 @dataclass
@@ -96,7 +107,7 @@ class ChoiceResult:
 class ChatRun:
     """A started generation for a ChatTurn: a job of one engine request (n choices)."""
 
-    def __init__(self, serving: Serving, http_request: Request, job: Job, turn: ChatTurn, prompt_ids: list[int],
+    def __init__(self, serving: RunOwner, http_request: Request, job: Job, turn: ChatTurn, prompt_ids: list[int],
                  load_seconds: float):
         self.serving = serving
         self.http_request = http_request

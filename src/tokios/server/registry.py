@@ -13,7 +13,7 @@ state (unloaded -> loading -> loaded) and the rules of their lives:
   API; 0 unloads as soon as it is idle, a negative value never) is unloaded: its engine stops and
   its weights and KV cache are freed (and the allocator is asked to give the pages back).
 - Room: before a load, `--max-loaded-models` and `--max-model-memory` evict the least recently
-  used idle models; the sizes are the plan's arithmetic (tools/plan_math.py: the file's weight
+  used idle models; the sizes are the plan's arithmetic (tools/plan/formulas.py: the file's weight
   bytes plus the configured KV cache memory). A load that cannot get room because every loaded
   model is busy is a 503.
 

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from starlette.requests import Request
 
@@ -22,12 +22,27 @@ from tokios.errors import TokiosError
 from tokios.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 
 if TYPE_CHECKING:
-    from tokios.server.admission import Ticket
+    from tokios.server.admission import Admission, Ticket
+    from tokios.server.metrics import ServerMetrics
     from tokios.server.registry import ModelLease
-    from tokios.server.serving import Serving
 
 request_logger = logging.getLogger("tokios.requests")
 T = TypeVar("T")
+
+
+class RequestLogSettings(Protocol):
+    log_requests: bool
+
+
+class StreamOwner(Protocol):
+    """What an EngineStream reads from the Serving that starts it (server/serving.py). Named here
+    so that serving.py imports this module and this module never imports serving.py."""
+
+    engine: Any  # tokios.engine.AsyncEngine
+    admission: Admission
+    metrics: ServerMetrics
+    model_name: str
+    settings: RequestLogSettings
 
 
 class ClientDisconnectedError(TokiosError):
@@ -62,7 +77,7 @@ async def run_watching_disconnect(request: Request, work: Awaitable[T]) -> T:
 
 
 class EngineStream:
-    def __init__(self, serving: Serving, request_id: str, prompt_ids: list[int], sampling_params: Any,
+    def __init__(self, serving: StreamOwner, request_id: str, prompt_ids: list[int], sampling_params: Any,
                  params_summary: dict[str, Any]):
         self.serving = serving
         self.request_id = request_id

@@ -1,21 +1,21 @@
-"""Loading a Tokenizer from a Hugging Face model directory.
+"""Reading a tokenizer from a Hugging Face model directory.
 
 Owns reading tokenizer.json (the `tokenizers` pipeline), tokenizer_config.json (chat template,
 special tokens, add_bos_token / add_eos_token), chat_template.jinja (newer layout) and
-generation_config.json (extra end-of-generation ids). Called by Tokenizer.from_hf_dir.
+generation_config.json (extra end-of-generation ids). Tokenizer.from_hf_dir (tokenizer.py) builds
+the Tokenizer from what `read_hf_dir` returns; this module does not import tokenizer.py.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import tokenizers
 
 from tokios.errors import ModelLoadError
-
-if TYPE_CHECKING:
-    from tokios.tokenizer.tokenizer import Tokenizer
+from tokios.tokenizer.bos_eos import bos_eos_processor
 
 
 def _token_text(value: Any) -> str | None:
@@ -34,9 +34,8 @@ def _chat_template_from_config(config: dict[str, Any]) -> str | None:
     return template if isinstance(template, str) else None
 
 
-def load_hf_dir(tokenizer_class: type[Tokenizer], directory: Path) -> Tokenizer:
-    from tokios.tokenizer.tokenizer import _bos_eos_processor, parse_json_file
-
+def read_hf_dir(directory: Path) -> tuple[tokenizers.Tokenizer, dict[str, Any]]:
+    """The directory's `tokenizers` pipeline and the keyword arguments of the Tokenizer built on it."""
     tokenizer_file = directory / "tokenizer.json"
     if not tokenizer_file.is_file():
         raise ModelLoadError(f"no tokenizer.json in {directory}")
@@ -65,11 +64,11 @@ def load_hf_dir(tokenizer_class: type[Tokenizer], directory: Path) -> Tokenizer:
     eos_token_id = token_id("eos_token")
     if "add_bos_token" in config or "add_eos_token" in config:
         # The config's flags win over tokenizer.json's post-processor, as in transformers.
-        backend.post_processor = _bos_eos_processor(
+        backend.post_processor = bos_eos_processor(
             backend,
             bos_token_id if config.get("add_bos_token") else None,
             eos_token_id if config.get("add_eos_token") else None,
-            str(config_file),
+            f"(in {config_file})",
         )
 
     extra_eos_token_ids: list[int] = []
@@ -81,8 +80,7 @@ def load_hf_dir(tokenizer_class: type[Tokenizer], directory: Path) -> Tokenizer:
         elif isinstance(configured, list):
             extra_eos_token_ids.extend(i for i in configured if isinstance(i, int))
 
-    return tokenizer_class(
-        backend,
+    return backend, dict(
         bos_token_id=bos_token_id,
         eos_token_id=eos_token_id,
         unk_token_id=token_id("unk_token"),
@@ -91,3 +89,14 @@ def load_hf_dir(tokenizer_class: type[Tokenizer], directory: Path) -> Tokenizer:
         extra_eos_token_ids=extra_eos_token_ids,
         source=str(directory),
     )
+
+
+def parse_json_file(path: Path) -> dict[str, Any]:
+    """Read a JSON object file, as ModelLoadError on failure."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc}") from None
+    if not isinstance(value, dict):
+        raise ModelLoadError(f"{path} must hold a JSON object")
+    return value

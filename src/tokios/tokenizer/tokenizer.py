@@ -2,9 +2,11 @@
 
 Owns building a Hugging Face `tokenizers` pipeline from GGUF metadata (byte-level BPE with the
 pre-tokenizer llama.cpp would use, or SentencePiece-style BPE with byte fallback from
-sentencepiece.py; control and user-defined tokens, BOS/EOS rules) or from a Hugging Face directory, and `load_tokenizer(path)` which picks between them. Talks to gguf_metadata.py
-(reads the file), pretokenizers.py, chat_template.py and byte_level.py. Used by the engine front end,
-the server (chat template, prompt tokens) and the detokenizer / stop matcher.
+sentencepiece.py; control and user-defined tokens, BOS/EOS rules) or from a Hugging Face directory,
+and `load_tokenizer(path)` which picks between them. Talks to tokios/gguf_file.py (reads the file),
+hf_dir.py (reads a Hugging Face directory), bos_eos.py, pretokenizers.py, chat_template.py and
+byte_level.py, none of which imports this module. Used by the engine front end, the server (chat
+template, prompt tokens) and the detokenizer / stop matcher.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import itertools
-import json
 import operator
 from collections.abc import Iterable, Mapping, Sequence
 from functools import cached_property
@@ -20,12 +21,14 @@ from pathlib import Path
 from typing import Any
 
 import tokenizers
-from tokenizers import AddedToken, decoders, models, processors
+from tokenizers import AddedToken, decoders, models
 
 from tokios.errors import InvalidRequestError, ModelLoadError, UnsupportedError
+from tokios.gguf_file import GGUF_MAGIC, read_gguf_metadata
+from tokios.tokenizer.bos_eos import bos_eos_processor
 from tokios.tokenizer.byte_level import build_token_bytes_table, is_byte_level_spelling, spell_bytes
 from tokios.tokenizer.chat_template import ChatTemplate
-from tokios.tokenizer.gguf_metadata import GGUF_MAGIC, read_gguf_metadata
+from tokios.tokenizer.hf_dir import read_hf_dir
 from tokios.tokenizer.pretokenizers import build_pre_tokenizer
 from tokios.tokenizer.sentencepiece import build_sentencepiece_bpe
 
@@ -127,12 +130,12 @@ class Tokenizer:
 
         bos_token_id = token_id("tokenizer.ggml.bos_token_id")
         eos_token_id = token_id("tokenizer.ggml.eos_token_id")
-        backend.post_processor = _bos_eos_processor(
+        backend.post_processor = bos_eos_processor(
             backend,
             # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise.
             bos_token_id if metadata.get("tokenizer.ggml.add_bos_token", tokenizer_model == "llama") else None,
             eos_token_id if metadata.get("tokenizer.ggml.add_eos_token", False) else None,
-            source,
+            _where(source),
         )
         return cls(
             backend,
@@ -151,9 +154,8 @@ class Tokenizer:
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> Tokenizer:
         """Load tokenizer.json plus tokenizer_config.json (chat template, special tokens) from a directory."""
-        from tokios.tokenizer.hf_dir import load_hf_dir
-
-        return load_hf_dir(cls, Path(path))
+        backend, arguments = read_hf_dir(Path(path))
+        return cls(backend, **arguments)
 
     # ---- text <-> ids ---------------------------------------------------------------------
 
@@ -362,37 +364,3 @@ def _build_byte_level_bpe(
     backend.add_tokens(user_defined_tokens)
     return backend
 
-
-def _bos_eos_processor(
-    backend: tokenizers.Tokenizer, bos_token_id: int | None, eos_token_id: int | None, source: str
-) -> processors.PostProcessor | None:
-    """A post-processor adding BOS and/or EOS around each encoded text, or None for neither."""
-    if bos_token_id is None and eos_token_id is None:
-        return None
-    single: list[str] = []
-    special_tokens: list[tuple[str, int]] = []
-    if bos_token_id is not None:
-        bos = backend.id_to_token(bos_token_id)
-        single.append(f"{bos}:0")
-        special_tokens.append((bos, bos_token_id))
-    single.append("$A:0")
-    if eos_token_id is not None:
-        eos = backend.id_to_token(eos_token_id)
-        single.append(f"{eos}:0")
-        if all(token_id != eos_token_id for _, token_id in special_tokens):
-            special_tokens.append((eos, eos_token_id))
-    try:
-        return processors.TemplateProcessing(single=single, special_tokens=special_tokens)
-    except Exception as exc:  # a token text with spaces cannot appear in a template string
-        raise ModelLoadError(f"cannot add BOS/EOS tokens {_where(source)}: {exc}") from None
-
-
-def parse_json_file(path: Path) -> dict[str, Any]:
-    """Read a JSON object file, as ModelLoadError on failure (used by hf_dir.py)."""
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot read {path}: {exc}") from None
-    if not isinstance(value, dict):
-        raise ModelLoadError(f"{path} must hold a JSON object")
-    return value

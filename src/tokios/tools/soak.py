@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from tokios.tools.bench_stats import percentile
+from tokios.tools.bench.stats import percentile
 
 PROMPTS = ["Write a haiku about the sea.", "List three colours.", "What is 2 + 2?", "Tell me a short story.",
            "Explain recursion in one sentence.", "Name a planet.", "Say hello in French.", "Count to five."]

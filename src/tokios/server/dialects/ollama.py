@@ -343,7 +343,7 @@ async def _respond(http_request: Request, lease: ModelLease, turn: ChatTurn, bod
 def _file_facts(path: str) -> dict[str, Any]:
     """What /api/tags, /api/show and /api/ps say about a model file: details, size, metadata."""
     from tokios.gguf_file import read_gguf_metadata
-    from tokios.tools.model_presets import load_model_shape
+    from tokios.tools.plan.model_presets import load_model_shape
 
     facts: dict[str, Any] = {"size": 0, "modified_at": _now(), "metadata": {}, "details": {
         "parent_model": "", "format": "gguf" if path.endswith(".gguf") else "safetensors", "family": "",

@@ -3,8 +3,8 @@
 Owns `measure_prefill_utilization(engine, prompt_lens)` and
 `measure_decode_utilization(engine, batch_sizes)`, which drive the offline engine
 (`tokios.engine.LLM`: `generate(prompts, sampling_params)`, `model_config`, `weight_bytes()`,
-`kv_bytes_per_token()`) and return tools/roofline.RooflinePoint values: FLOPs and bytes from
-the model's shapes (tools/plan_math.py), seconds from the wall clock. tools/roofline_cli.py
+`kv_bytes_per_token()`) and return RooflinePoint values (roofs.py): FLOPs and bytes from
+the model's shapes (tools/plan/formulas.py), seconds from the wall clock. tools/roofline/cli.py
 prints them against the roofs; `point.summary(roofs)` gives the utilization from Python.
 
 How a step is isolated (why): a prefill is a request with max_tokens=1 (one forward pass over
@@ -24,9 +24,9 @@ import time
 from typing import Any, Callable, Sequence
 
 from tokios.errors import InvalidRequestError, TokiosError
-from tokios.tools import plan_math
-from tokios.tools.model_presets import ModelShape
-from tokios.tools.roofline import RooflinePoint
+from tokios.tools.plan import formulas
+from tokios.tools.plan.model_presets import ModelShape
+from tokios.tools.roofline.roofs import RooflinePoint
 
 _DTYPE_TO_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
                    "int8": 1, "fp8": 1}
@@ -64,7 +64,7 @@ def engine_footprint(engine: Any) -> EngineFootprint:
     if hasattr(engine, "kv_bytes_per_token"):
         kv_per_token = float(engine.kv_bytes_per_token())
     else:
-        kv_per_token = plan_math.kv_bytes_per_token(model, _engine_dtype_bytes(engine, config))
+        kv_per_token = formulas.kv_bytes_per_token(model, _engine_dtype_bytes(engine, config))
     return EngineFootprint(model, step_weights, kv_per_token)
 
 
@@ -127,9 +127,9 @@ def measure_prefill_utilization(engine: Any, prompt_lens: Sequence[int], *, num_
                       for _ in range(num_repeats))
         points.append(RooflinePoint(
             phase="prefill", batch_size=1, num_tokens=prompt_len, context_len=prompt_len,
-            flops=plan_math.prefill_flops(footprint.model, prompt_len),
-            bytes_moved=plan_math.prefill_bytes(footprint.step_weight_bytes,
-                                                footprint.kv_bytes_per_token, prompt_len),
+            flops=formulas.prefill_flops(footprint.model, prompt_len),
+            bytes_moved=formulas.prefill_bytes(footprint.step_weight_bytes,
+                                               footprint.kv_bytes_per_token, prompt_len),
             seconds=seconds))
     return points
 
@@ -170,9 +170,9 @@ def measure_decode_utilization(engine: Any, batch_sizes: Sequence[int], *, promp
                               "machine is too noisy, raise num_repeats or the step counts")
         points.append(RooflinePoint(
             phase="decode", batch_size=batch_size, num_tokens=batch_size, context_len=context_len,
-            flops=plan_math.decode_step_flops(footprint.model, batch_size, context_len),
-            bytes_moved=plan_math.decode_step_bytes(footprint.step_weight_bytes,
-                                                    footprint.kv_bytes_per_token, batch_size,
-                                                    context_len),
+            flops=formulas.decode_step_flops(footprint.model, batch_size, context_len),
+            bytes_moved=formulas.decode_step_bytes(footprint.step_weight_bytes,
+                                                   footprint.kv_bytes_per_token, batch_size,
+                                                   context_len),
             seconds=step_seconds))
     return points

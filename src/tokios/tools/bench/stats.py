@@ -4,7 +4,7 @@ Pure Python on lists of floats, so every figure the benchmark commands print can
 unit test on hand-made inputs. The serving metrics follow the definitions of `vllm bench serve`:
 TTFT is request start to first content chunk; TPOT is (end-to-end - TTFT) / (output tokens - 1);
 ITL is the gap between consecutive content chunks; throughput divides by the whole run's duration.
-Used by bench_serve (per-request records -> ServeSummary) and bench_offline / bench_prefix (reps).
+Used by serve.py (per-request records -> ServeSummary) and offline.py / prefix.py (reps).
 """
 
 from __future__ import annotations

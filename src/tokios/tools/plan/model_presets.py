@@ -3,7 +3,8 @@
 Owns `ModelShape` (the few numbers the plan and roofline formulas need: layers, widths, heads,
 vocabulary, context, and the weight bytes when a file tells us) and `load_model_shape(spec)`,
 which accepts a preset name, a GGUF file or an HF directory. It never imports torch, so
-`tokios plan` stays instant; used by tools/plan.py, tools/plan_cli.py and tools/roofline*.py.
+`tokios plan` stays instant; used by tools/plan/capacity.py, tools/plan/cli.py, tools/roofline/
+and the server (server/cli.py's memory estimate, the Ollama dialect's model facts).
 
 GGUF headers are read by the shared parser (tokios/gguf_file.py), which walks the metadata and
 the tensor infos in milliseconds where gguf.GGUFReader takes seconds and imports no torch.

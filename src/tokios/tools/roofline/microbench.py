@@ -1,9 +1,9 @@
 """Microbenchmarks for the two roofs: peak memory bandwidth and peak matrix throughput per dtype.
 
 Owns `measure_memory_bandwidth`, `measure_matmul_flops` and `measure_roofs`, used by
-`tokios roofline` (tools/roofline_cli.py) and, through a child process
-(`python -m tokios.tools.roofline_bench --json`), by the `this-machine` hardware preset in
-tools/hardware.py. Runs on CUDA when present, else on the CPU with torch's own thread pool.
+`tokios roofline` (tools/roofline/cli.py) and, through a child process
+(`python -m tokios.tools.roofline.microbench --json`), by the `this-machine` hardware preset in
+tools/plan/hardware.py. Runs on CUDA when present, else on the CPU with torch's own thread pool.
 
 Each figure is the best of several repeats: on a shared machine the best run is the one least
 disturbed by neighbours, and a roof is by definition the best the machine can do.

@@ -2,7 +2,7 @@
 
 Starts each server in turn on a free loopback port with the same GGUF, the same number of slots
 (llama-server --parallel; tokios --max-num-seqs) and the same context per slot, runs the
-bench_serve sweep against it, reads its peak resident memory, and tears it down before the next
+serve.py sweep against it, reads its peak resident memory, and tears it down before the next
 one starts, so the two never share the CPU. With --repeats the servers alternate for that many
 rounds, in ABBA order (this machine drifts by up to 30% over minutes, so one round can favour
 either side); the tables then show each level's median round, and a second table gives every
@@ -20,17 +20,18 @@ import statistics
 import sys
 
 from tokios.errors import InvalidRequestError
-from tokios.tools import bench_report
-from tokios.tools.bench_offline import machine_line, noise_note
-from tokios.tools.bench_report import fmt, fmt_ratio, markdown_table
-from tokios.tools.bench_serve import add_load_arguments, build_requests, load_from_args, resolve_concurrencies, run_sweep
-from tokios.tools.bench_stats import ServeSummary, ratio
+from tokios.tools.bench import report
+from tokios.tools.bench.offline import machine_line, noise_note
+from tokios.tools.bench.report import fmt, fmt_ratio, markdown_table
+from tokios.tools.bench.serve import (add_load_arguments, build_requests, load_from_args, resolve_concurrencies,
+                                      run_sweep)
+from tokios.tools.bench.stats import ServeSummary, ratio
 
 SECTION = "Serving"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from tokios.tools.peers import add_model_arguments
+    from tokios.tools.bench.peers import add_model_arguments
 
     add_model_arguments(parser)
     parser.add_argument("--parallel", type=int, default=None,
@@ -148,7 +149,8 @@ def round_ratio_table(tokios_rounds: list[list[ServeSummary]], llama_rounds: lis
 
 
 def run(args: argparse.Namespace) -> int:
-    from tokios.tools.peers import ServerProcess, find_llama_server, free_port, benchmark_model_path, load_prompt_codec
+    from tokios.tools.bench.peers import (ServerProcess, find_llama_server, free_port, benchmark_model_path,
+                                          load_prompt_codec)
 
     servers = [s.strip() for s in args.servers.split(",") if s.strip()]
     if not servers or any(s not in ("tokios", "llama.cpp") for s in servers):
@@ -181,8 +183,8 @@ def run(args: argparse.Namespace) -> int:
 
     parts = []
     for name, summaries in name_to_summaries.items():
-        parts.append(bench_report.serve_table(summaries, title=f"{name} (peak RSS "
-                                              f"{name_to_peak_rss[name] / 2**20:.0f} MiB)"))
+        parts.append(report.serve_table(summaries, title=f"{name} (peak RSS "
+                                        f"{name_to_peak_rss[name] / 2**20:.0f} MiB)"))
     if len(name_to_summaries) == 2:
         title = "**tokios / llama.cpp**" + (" (each level's median round)" if args.repeats > 1 else "")
         parts.append(title + "\n\n" + ratio_table(name_to_summaries["tokios"], name_to_summaries["llama.cpp"]))
@@ -192,21 +194,21 @@ def run(args: argparse.Namespace) -> int:
     text = "\n\n".join(parts)
     print(text)
     if args.json_path:
-        bench_report.write_json(args.json_path, {
-            "command": bench_report.command_line(), "machine": machine_line(), "num_slots": num_slots,
+        report.write_json(args.json_path, {
+            "command": report.command_line(), "machine": machine_line(), "num_slots": num_slots,
             "peak_rss_bytes": name_to_peak_rss,
             "servers": {n: [s.to_dict() for s in ss] for n, ss in name_to_summaries.items()},
             "rounds": {n: [[s.to_dict() for s in ss] for ss in rounds] for n, rounds in name_to_rounds.items()}})
     if args.plot_dir:
-        for path in bench_report.plot_serve(name_to_summaries, args.plot_dir):
+        for path in report.plot_serve(name_to_summaries, args.plot_dir):
             print(f"wrote {path}", file=sys.stderr)
     if args.write_docs:
-        body = (f"Command: `{bench_report.command_line()}`\n\nMeasured {machine_line()}. {noise_note()}\n\n"
+        body = (f"Command: `{report.command_line()}`\n\nMeasured {machine_line()}. {noise_note()}\n\n"
                 f"Both servers serve the same GGUF with {num_slots} slots of {args.ctx_per_slot} tokens "
                 f"(llama-server `--parallel {num_slots} -t {args.threads}`), one after the other, never at the "
                 f"same time, alternating for {args.repeats} round(s). Load: {args.num_prompts} streamed {args.endpoint} requests per level, "
                 f"prompts {args.input_len} tokens, outputs {args.output_len} tokens (EOS ignored), "
                 f"temperature 0. TTFT/TPOT as `vllm bench serve` defines them.\n\n{text}")
-        bench_report.update_docs_section(args.write_docs, SECTION, body)
+        report.update_docs_section(args.write_docs, SECTION, body)
         print(f"updated {args.write_docs}", file=sys.stderr)
     return 0 if all(s.num_failed == 0 for rounds in name_to_rounds.values() for ss in rounds for s in ss) else 1

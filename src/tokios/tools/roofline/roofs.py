@@ -3,8 +3,8 @@
 Owns `Roofs` (a machine's peak bandwidth and peak FLOP/s for one dtype), `RooflinePoint` (one
 measured prefill or decode step: FLOPs, bytes, seconds), `classify` and `decode_regime` (which
 roof limits a given amount of work), and `verdict`. Pure arithmetic (no torch) over
-tools/plan_math.py; tools/roofline_measure.py makes the points, tools/roofline_chart.py draws
-them, tools/roofline_cli.py prints them.
+tools/plan/formulas.py; tools/roofline/measure.py makes the points, tools/roofline/chart.py draws
+them, tools/roofline/cli.py prints them.
 
 A point is bandwidth-bound when its arithmetic intensity (FLOPs per byte moved) is below the
 ridge, peak FLOP/s / peak bytes/s: there, even a perfect kernel waits on memory.
@@ -15,8 +15,8 @@ from __future__ import annotations
 import dataclasses
 
 from tokios.errors import InvalidRequestError
-from tokios.tools import plan_math
-from tokios.tools.model_presets import ModelShape
+from tokios.tools.plan import formulas
+from tokios.tools.plan.model_presets import ModelShape
 
 BANDWIDTH_BOUND = "bandwidth-bound"
 COMPUTE_BOUND = "compute-bound"
@@ -66,9 +66,9 @@ def decode_regime(model: ModelShape, roofs: Roofs, *, batch_size: int, context_l
     """Which roof limits one decode step of `batch_size` requests at `context_len` tokens."""
     if batch_size < 1:
         raise InvalidRequestError(f"batch_size: {batch_size!r} must be >= 1", param="batch_size")
-    flops = plan_math.decode_step_flops(model, batch_size, context_len)
-    bytes_moved = plan_math.decode_step_bytes(step_weight_bytes, kv_bytes_per_token, batch_size,
-                                              context_len)
+    flops = formulas.decode_step_flops(model, batch_size, context_len)
+    bytes_moved = formulas.decode_step_bytes(step_weight_bytes, kv_bytes_per_token, batch_size,
+                                             context_len)
     return classify(flops, bytes_moved, roofs)
 
 

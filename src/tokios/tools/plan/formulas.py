@@ -1,7 +1,7 @@
 """The arithmetic of serving a transformer: bytes and FLOPs from shapes, and the bounds they set.
 
-Owns pure functions (no I/O, no torch) shared by tools/plan.py (capacity by formula) and
-tools/roofline*.py (measured utilization): KV bytes per token, weight bytes, FLOPs of a prefill
+Owns pure functions (no I/O, no torch) shared by tools/plan/capacity.py (capacity by formula) and
+tools/roofline/ (measured utilization): KV bytes per token, weight bytes, FLOPs of a prefill
 and of a decode step, bytes a decode step reads, the decode ridge batch size, KV capacity, and
 the speculative-decoding expectation. Units: bytes, FLOPs, seconds.
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-from tokios.tools.model_presets import ModelShape
+from tokios.tools.plan.model_presets import ModelShape
 
 KIB = 2**10
 GIB = 2**30

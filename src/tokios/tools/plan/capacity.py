@@ -1,9 +1,9 @@
 """Capacity planning by formula: does a model and workload fit, and how fast can it be served.
 
 Owns `PlanInputs` (validated), `Plan` (every figure `tokios plan` prints) and `make_plan`, plus
-the advice when it does not fit (`Suggestion`). Pure arithmetic over tools/plan_math.py, given a
-ModelShape (tools/model_presets.py) and a HardwareSpec (tools/hardware.py); the command line and
-table live in tools/plan_cli.py. No torch, no I/O.
+the advice when it does not fit (`Suggestion`). Pure arithmetic over tools/plan/formulas.py, given a
+ModelShape (tools/plan/model_presets.py) and a HardwareSpec (tools/plan/hardware.py); the command line and
+table live in tools/plan/cli.py. No torch, no I/O.
 
 Memory model (why each term): the devices of one tensor-parallel group hold one full copy of the
 weights (`count / tp` such replicas serve users in parallel); each device keeps `headroom` of its
@@ -19,9 +19,9 @@ import math
 
 from tokios.errors import InvalidRequestError
 from tokios.kv_cache.dtypes import kv_bytes_per_element
-from tokios.tools import plan_math
-from tokios.tools.hardware import HardwareSpec
-from tokios.tools.model_presets import ModelShape
+from tokios.tools.plan import formulas
+from tokios.tools.plan.hardware import HardwareSpec
+from tokios.tools.plan.model_presets import ModelShape
 
 MAX_BATCHED_TOKENS = 2048  # prefill chunk the activation estimate is sized for (vLLM's default)
 MAX_LOGITS_ROWS = 256  # logits rows sized for (vLLM's default max_num_seqs)
@@ -194,18 +194,18 @@ def make_plan(inputs: PlanInputs, *, with_suggestions: bool = True) -> Plan:
     bandwidth = tp * hardware.memory_bandwidth
     users_per_replica = math.ceil(inputs.concurrency / inputs.num_replicas)
 
-    weights = plan_math.weight_bytes(model, inputs.weight_bits)
-    step_weights = plan_math.step_weight_bytes(model, inputs.weight_bits)
-    kv_per_token = plan_math.kv_bytes_per_token(model, inputs.kv_bytes_per_element, tp=tp)
-    kv_per_sequence = plan_math.kv_bytes_per_sequence(model, inputs.kv_bytes_per_element, inputs.context_len,
-                                                      tp=tp)
+    weights = formulas.weight_bytes(model, inputs.weight_bits)
+    step_weights = formulas.step_weight_bytes(model, inputs.weight_bits)
+    kv_per_token = formulas.kv_bytes_per_token(model, inputs.kv_bytes_per_element, tp=tp)
+    kv_per_sequence = formulas.kv_bytes_per_sequence(model, inputs.kv_bytes_per_element, inputs.context_len,
+                                                     tp=tp)
     activations = _activation_bytes(model, dtype)
     overhead = tp * hardware.runtime_overhead_bytes
     memory = tp * hardware.memory_bytes
     usable = memory * (1 - inputs.headroom)
     total = weights + kv_per_sequence * users_per_replica + activations + overhead
     free_for_kv = usable - weights - activations - overhead
-    capacity_tokens = plan_math.kv_capacity_tokens(free_for_kv, kv_per_token)
+    capacity_tokens = formulas.kv_capacity_tokens(free_for_kv, kv_per_token)
 
     decode_context = float(inputs.context_len)
     if inputs.prompt_len is not None and inputs.output_len is not None:
@@ -213,27 +213,27 @@ def make_plan(inputs: PlanInputs, *, with_suggestions: bool = True) -> Plan:
     def kv_read_per_token(context: float) -> float:
         # What a step reads per context token: less than kv_per_token once sliding windows cap layers.
         context = max(1, int(context))
-        return plan_math.kv_bytes_per_sequence(model, inputs.kv_bytes_per_element, context, tp=tp) / context
+        return formulas.kv_bytes_per_sequence(model, inputs.kv_bytes_per_element, context, tp=tp) / context
 
-    batch1_bytes = plan_math.decode_step_bytes(step_weights, kv_read_per_token(inputs.context_len), 1,
-                                               inputs.context_len)
-    batch1_tpot = plan_math.decode_step_seconds(
-        plan_math.decode_step_flops(model, 1, inputs.context_len), batch1_bytes, peak, bandwidth)
+    batch1_bytes = formulas.decode_step_bytes(step_weights, kv_read_per_token(inputs.context_len), 1,
+                                              inputs.context_len)
+    batch1_tpot = formulas.decode_step_seconds(
+        formulas.decode_step_flops(model, 1, inputs.context_len), batch1_bytes, peak, bandwidth)
     prompt_len = inputs.prompt_len or inputs.context_len
-    prefill_flops = plan_math.prefill_flops(model, prompt_len)
+    prefill_flops = formulas.prefill_flops(model, prompt_len)
     ttft = max(prefill_flops / peak,
-               plan_math.prefill_bytes(step_weights, kv_read_per_token(prompt_len), prompt_len) / bandwidth)
-    step_flops = plan_math.decode_step_flops(model, users_per_replica, decode_context)
-    step_bytes = plan_math.decode_step_bytes(step_weights, kv_read_per_token(decode_context), users_per_replica,
-                                             decode_context)
-    step_seconds = plan_math.decode_step_seconds(step_flops, step_bytes, peak, bandwidth)
+               formulas.prefill_bytes(step_weights, kv_read_per_token(prompt_len), prompt_len) / bandwidth)
+    step_flops = formulas.decode_step_flops(model, users_per_replica, decode_context)
+    step_bytes = formulas.decode_step_bytes(step_weights, kv_read_per_token(decode_context), users_per_replica,
+                                            decode_context)
+    step_seconds = formulas.decode_step_seconds(step_flops, step_bytes, peak, bandwidth)
 
     spec_tokens = spec_speedup = spec_tpot = None
     if inputs.acceptance is not None:
-        spec_tokens = plan_math.expected_tokens_per_verify(inputs.acceptance,
-                                                           inputs.num_speculative_tokens)
-        spec_speedup = plan_math.speculative_speedup(inputs.acceptance, inputs.num_speculative_tokens,
-                                                     inputs.draft_cost)
+        spec_tokens = formulas.expected_tokens_per_verify(inputs.acceptance,
+                                                          inputs.num_speculative_tokens)
+        spec_speedup = formulas.speculative_speedup(inputs.acceptance, inputs.num_speculative_tokens,
+                                                    inputs.draft_cost)
         spec_tpot = batch1_tpot / spec_speedup
 
     fits = total <= usable
@@ -262,9 +262,9 @@ def make_plan(inputs: PlanInputs, *, with_suggestions: bool = True) -> Plan:
         prompt_len=prompt_len,
         prefill_flops=prefill_flops,
         ttft_floor_s=ttft,
-        ridge_batch_size=plan_math.decode_ridge_batch_size(
+        ridge_batch_size=formulas.decode_ridge_batch_size(
             model, step_weights, kv_per_token, decode_context, peak, bandwidth),
-        ridge_batch_size_short_context=plan_math.decode_ridge_batch_size(
+        ridge_batch_size_short_context=formulas.decode_ridge_batch_size(
             model, step_weights, kv_per_token, 0, peak, bandwidth),
         concurrency_tpot_s=step_seconds,
         concurrency_tokens_per_s=users_per_replica / step_seconds * inputs.num_replicas,
@@ -285,7 +285,7 @@ def _max_context_len(model: ModelShape, kv_bytes_per_element: float, tp: int, fr
     low, high = 0, model.max_context_len
     while low < high:
         middle = (low + high + 1) // 2
-        if users * plan_math.kv_bytes_per_sequence(model, kv_bytes_per_element, middle, tp=tp) <= free_bytes:
+        if users * formulas.kv_bytes_per_sequence(model, kv_bytes_per_element, middle, tp=tp) <= free_bytes:
             low = middle
         else:
             high = middle - 1

@@ -10,7 +10,7 @@ to the long prompt's arrival) and during its prefill (from its arrival to its fi
 token), with the long prompt's own TTFT: the trade fair chunked prefill makes (`--max-step-ms`).
 
 Servers run one after the other with the same GGUF, the same slots and the same context per
-slot (bench_compare's commands), never sharing the CPU; --tokios-step-budgets runs tokios once
+slot (compare.py's commands), never sharing the CPU; --tokios-step-budgets runs tokios once
 per --max-step-ms value (auto,off compares fair chunking with the token budget alone). With
 --repeats the servers alternate in ABBA order, and each figure is the median over rounds.
 """
@@ -26,19 +26,19 @@ import sys
 from dataclasses import dataclass
 
 from tokios.errors import InvalidRequestError
-from tokios.tools import bench_report
-from tokios.tools.bench_offline import machine_line, noise_note
-from tokios.tools.bench_prompts import LengthSpec, make_prompt
-from tokios.tools.bench_report import fmt, fmt_ratio, markdown_table
-from tokios.tools.bench_serve import BenchRequest, ServeLoad, _client, discover_model, send_one
-from tokios.tools.bench_stats import RequestRecord, percentile
+from tokios.tools.bench import report
+from tokios.tools.bench.offline import machine_line, noise_note
+from tokios.tools.bench.prompts import LengthSpec, make_prompt
+from tokios.tools.bench.report import fmt, fmt_ratio, markdown_table
+from tokios.tools.bench.serve import BenchRequest, ServeLoad, _client, discover_model, send_one
+from tokios.tools.bench.stats import RequestRecord, percentile
 
 SECTION = "Fairness: a long prompt among decoding streams"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from tokios.tools.bench_compare import add_server_pair_arguments
-    from tokios.tools.peers import add_model_arguments
+    from tokios.tools.bench.compare import add_server_pair_arguments
+    from tokios.tools.bench.peers import add_model_arguments
 
     add_model_arguments(parser)
     add_server_pair_arguments(parser, ctx_per_slot=8192)
@@ -159,8 +159,9 @@ def result_table(name_to_rounds: dict[str, list[FairnessRound]]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tokios.tools.bench_compare import llama_server_command, tokios_command
-    from tokios.tools.peers import ServerProcess, benchmark_model_path, find_llama_server, free_port, load_prompt_codec
+    from tokios.tools.bench.compare import llama_server_command, tokios_command
+    from tokios.tools.bench.peers import (ServerProcess, benchmark_model_path, find_llama_server, free_port,
+                                          load_prompt_codec)
 
     servers = [s.strip() for s in args.servers.split(",") if s.strip()]
     if not servers or any(s not in ("tokios", "llama.cpp") for s in servers):
@@ -181,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
     warmup_prompt = make_prompt(16, rng, codec)
     binary = find_llama_server(args.llama_server) if "llama.cpp" in servers else None
     num_slots = args.streams + 1
-    # The same knobs bench_compare's commands read.
+    # The same knobs compare.py's commands read.
     compare_args = argparse.Namespace(ctx_per_slot=args.ctx_per_slot, dtype=args.dtype, threads=args.threads,
                                       llama_server_args=args.llama_server_args)
 
@@ -218,11 +219,11 @@ def run(args: argparse.Namespace) -> int:
                  "so every stream decodes through the whole prefill.")
     print(text)
     if args.json_path:
-        bench_report.write_json(args.json_path, {
-            "command": bench_report.command_line(), "machine": machine_line(),
+        report.write_json(args.json_path, {
+            "command": report.command_line(), "machine": machine_line(),
             "rounds": {name: [r.__dict__ for r in rounds] for name, rounds in name_to_rounds.items()}})
     if args.write_docs:
-        body = (f"Command: `{bench_report.command_line()}`\n\nMeasured {machine_line()}. {noise_note()}\n\n"
+        body = (f"Command: `{report.command_line()}`\n\nMeasured {machine_line()}. {noise_note()}\n\n"
                 f"{args.streams} streams ({args.stream_prompt}-token prompts) decode {args.stream_output}-token replies "
                 f"(EOS ignored, greedy); {args.long_after:g} s after every stream has its first token, a "
                 f"{args.long_prompt}-token prompt arrives. "
@@ -230,6 +231,6 @@ def run(args: argparse.Namespace) -> int:
                 f"during its prefill (its arrival to its first token); each server alone on the machine with "
                 f"{num_slots} slots of {args.ctx_per_slot} tokens; median of {args.repeats} round(s), "
                 f"servers alternating.\n\n{text}")
-        bench_report.update_docs_section(args.write_docs, SECTION, body)
+        report.update_docs_section(args.write_docs, SECTION, body)
         print(f"updated {args.write_docs}", file=sys.stderr)
     return 0 if all(not r.error for rounds in name_to_rounds.values() for r in rounds) else 1

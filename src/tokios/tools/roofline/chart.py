@@ -1,6 +1,6 @@
 """The roofline chart: a log-log PNG of the machine's roofs and the measured points.
 
-Owns `draw_roofline_chart(roofs_list, points, path)`, called by tools/roofline_cli.py. x is
+Owns `draw_roofline_chart(roofs_list, points, path)`, called by tools/roofline/cli.py. x is
 arithmetic intensity (FLOPs per byte), y achieved FLOP/s; each roof is min(peak, x * bandwidth)
 for one dtype; prefill and decode points are marked differently and labelled. matplotlib runs
 on the Agg backend (no display needed) and is imported only here.
@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from tokios.tools.roofline import Roofs, RooflinePoint
+from tokios.tools.roofline.roofs import Roofs, RooflinePoint
 
 
 def draw_roofline_chart(roofs_list: Sequence[Roofs], points: Sequence[RooflinePoint],

@@ -5,8 +5,8 @@ tokios[bench]`); the llama.cpp server binary is taken from --llama-server, from 
 from the llama-cpp-python source distribution (its vendored llama.cpp, the same version as the
 installed binding when there is one) into ~/.cache/tokios/peers/ (TOKIOS_PEERS_DIR overrides).
 ServerProcess starts a server on a free loopback port, waits for it to answer, reads its peak
-resident memory from /proc, and tears it down. Used by bench_offline, bench_prefix, bench_compare
-and bench_serve (the prompt tokenizer).
+resident memory from /proc, and tears it down. Used by offline.py, prefix.py, compare.py
+and serve.py (the prompt tokenizer).
 """
 
 from __future__ import annotations

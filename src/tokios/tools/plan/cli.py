@@ -1,8 +1,8 @@
 """`tokios plan`: capacity planning by formula, printed as a table or as JSON.
 
-Owns the command-line arguments and the rendering; the arithmetic is tools/plan.py, the model
-shapes tools/model_presets.py, the hardware tools/hardware.py. Never imports torch: `this-machine`
-is measured once in a child process and cached (see tools/hardware.py).
+Owns the command-line arguments and the rendering; the arithmetic is tools/plan/capacity.py, the model
+shapes tools/plan/model_presets.py, the hardware tools/plan/hardware.py. Never imports torch: `this-machine`
+is measured once in a child process and cached (see tools/plan/hardware.py).
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import argparse
 import json
 import math
 
-from tokios.tools.hardware import HARDWARE_NAMES, THIS_MACHINE, load_hardware
-from tokios.tools.model_presets import NAME_TO_PRESET, load_model_shape
-from tokios.tools.plan import KV_DTYPES, Plan, PlanInputs, make_plan, parse_weight_bits
+from tokios.tools.plan.hardware import HARDWARE_NAMES, THIS_MACHINE, load_hardware
+from tokios.tools.plan.model_presets import NAME_TO_PRESET, load_model_shape
+from tokios.tools.plan.capacity import KV_DTYPES, Plan, PlanInputs, make_plan, parse_weight_bits
 
 DEFAULT_CONTEXT_LEN = 4096
 

@@ -4,10 +4,10 @@ Owns `HardwareSpec` (memory, memory bandwidth, peak matrix throughput per dtype)
 `load_hardware(name)`. Vendor presets are dense (no sparsity) datasheet figures; memory is what
 the driver reports (nvidia-smi), which is what a serving process can actually see.
 
-`this-machine` is measured by tools/roofline_bench.py (a large copy/sum for bandwidth, torch
-matmul for fp32 and bf16) and cached in ~/.cache/tokios/hardware.json (or $TOKIOS_CACHE_DIR).
+`this-machine` is measured by tools/roofline/microbench.py (a large copy/sum for bandwidth,
+torch matmul for fp32 and bf16) and cached in ~/.cache/tokios/hardware.json (or $TOKIOS_CACHE_DIR).
 The measurement runs in a child process so that `tokios plan` itself never imports torch and is
-instant once the cache exists. Used by tools/plan.py, tools/plan_cli.py, tools/roofline_cli.py.
+instant once the cache exists. Used by tools/plan/capacity.py, tools/plan/cli.py, tools/roofline/cli.py.
 """
 
 from __future__ import annotations
@@ -98,7 +98,8 @@ def _machine_identity() -> dict[str, object]:
 
 
 def read_cached_measurement() -> dict | None:
-    """The cached roofline_bench measurement, or None when absent, unreadable or taken on another machine."""
+    """The cached measurement of tools/roofline/microbench.py, or None when absent, unreadable or taken
+    on another machine."""
     try:
         record = json.loads(cache_path().read_text())
         if record.get("identity") != _machine_identity():
@@ -128,7 +129,8 @@ def spec_from_measurement(measurement: dict) -> HardwareSpec:
 
 
 def save_this_machine(measurement: dict) -> Path:
-    """Cache a roofline_bench measurement (also called by `tokios roofline` after it measures)."""
+    """Cache a measurement of tools/roofline/microbench.py (also called by `tokios roofline` after it
+    measures)."""
     path = cache_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {"identity": _machine_identity(), "measured_at": time.time(), "measurement": measurement}
@@ -143,7 +145,7 @@ def measure_this_machine(*, quick: bool = False) -> HardwareSpec:
     `quick` uses small sizes (rough figures; for tests)."""
     print("tokios: measuring this machine once (memory bandwidth, matrix throughput); "
           f"cached in {cache_path()}", file=sys.stderr)
-    result = subprocess.run([sys.executable, "-m", "tokios.tools.roofline_bench", "--json",
+    result = subprocess.run([sys.executable, "-m", "tokios.tools.roofline.microbench", "--json",
                              *(["--quick"] if quick else [])],
                             capture_output=True, text=True, check=False)
     if result.returncode != 0:

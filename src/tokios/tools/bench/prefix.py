@@ -15,11 +15,11 @@ import random
 import sys
 
 from tokios.errors import InvalidRequestError
-from tokios.tools import bench_report
-from tokios.tools.bench_offline import machine_line, noise_note
-from tokios.tools.bench_prompts import make_token_ids
-from tokios.tools.bench_report import fmt, fmt_ratio, markdown_table
-from tokios.tools.bench_stats import RepeatedFigure, ratio
+from tokios.tools.bench import report
+from tokios.tools.bench.offline import machine_line, noise_note
+from tokios.tools.bench.prompts import make_token_ids
+from tokios.tools.bench.report import fmt, fmt_ratio, markdown_table
+from tokios.tools.bench.stats import RepeatedFigure, ratio
 
 SECTION = "Prefix caching"
 TARGET_RATIO = 5.0
@@ -82,17 +82,17 @@ def table(results: dict[str, dict]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tokios.tools import bench_engines
-    from tokios.tools.peers import load_prompt_codec, resolve_model_path
+    from tokios.tools.bench import engines
+    from tokios.tools.bench.peers import load_prompt_codec, resolve_model_path
 
     for name, minimum in (("reps", 1), ("system_prompt_tokens", 16), ("question_tokens", 1)):
         if getattr(args, name) < minimum:
             raise InvalidRequestError(f"{name} must be >= {minimum}, got {getattr(args, name)}", param=name)
     model_path = resolve_model_path(args.model)
     codec = load_prompt_codec(model_path)
-    systems = [bench_engines.TokiosSystem(model_path, dtype=args.dtype, enable_prefix_caching=True)]
+    systems = [engines.TokiosSystem(model_path, dtype=args.dtype, enable_prefix_caching=True)]
     if args.with_llama_cpp:
-        systems.append(bench_engines.LlamaCppSystem(model_path, num_threads=args.threads))
+        systems.append(engines.LlamaCppSystem(model_path, num_threads=args.threads))
     results = {system.name: measure(system, args, codec) for system in systems}
     text = table(results)
     print(text)
@@ -102,8 +102,8 @@ def run(args: argparse.Namespace) -> int:
                f"{'met' if tokios_ratio >= TARGET_RATIO else 'NOT met'}.")
     print(verdict)
     if args.json_path:
-        bench_report.write_json(args.json_path, {
-            "command": bench_report.command_line(), "machine": machine_line(),
+        report.write_json(args.json_path, {
+            "command": report.command_line(), "machine": machine_line(),
             "results": {n: {k: (vars(v) if isinstance(v, RepeatedFigure) else v) for k, v in r.items()}
                         for n, r in results.items()}})
     if args.write_docs:
@@ -112,11 +112,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def write_docs(args: argparse.Namespace, path: str, text: str, verdict: str) -> None:
-    body = (f"Command: `{bench_report.command_line()}`\n\nMeasured {machine_line()}. {noise_note()}\n\n"
+    body = (f"Command: `{report.command_line()}`\n\nMeasured {machine_line()}. {noise_note()}\n\n"
             f"Each rep: a fresh {args.system_prompt_tokens}-token system prompt with a "
             f"{args.question_tokens}-token question (cold: nothing cached), then the same system prompt "
             f"with another question (warm). TTFT = time to the first token of a 1-token generation; median "
             f"of {args.reps} reps after one warm-up. llama.cpp (llama-cpp-python) reuses the common prefix "
             f"of its previous prompt, so it is shown as a reference.\n\n{text}\n\n{verdict}")
-    bench_report.update_docs_section(path, SECTION, body)
+    report.update_docs_section(path, SECTION, body)
     print(f"updated {path}", file=sys.stderr)

@@ -1,8 +1,8 @@
 """`tokios roofline`: measure the machine's roofs, then the engine's prefill and decode against them.
 
-Owns the command line and the report. The roofs come from tools/roofline_bench.py (and refresh
-the `this-machine` cache of tools/hardware.py), the engine points from tools/roofline_measure.py,
-the classification from tools/roofline.py and the PNG from tools/roofline_chart.py.
+Owns the command line and the report. The roofs come from tools/roofline/microbench.py (and refresh
+the `this-machine` cache of tools/plan/hardware.py), the engine points from tools/roofline/measure.py,
+the classification from tools/roofline/roofs.py and the PNG from tools/roofline/chart.py.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 
 from tokios.config import SUPPORTED_KV_CACHE_DTYPES
 from tokios.errors import InvalidRequestError, TokiosError
-from tokios.tools.roofline import Roofs, RooflinePoint, verdict
+from tokios.tools.roofline.roofs import Roofs, RooflinePoint, verdict
 
 ENGINE_DTYPE_TO_COMPUTE_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int8": "int8"}
 
@@ -62,14 +62,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tokios.tools import hardware, roofline_bench
+    from tokios.tools.plan import hardware
+    from tokios.tools.roofline import microbench
 
     if len(args.decode_steps) != 2:
         raise InvalidRequestError("decode_steps: give exactly two output lengths, e.g. 4,20",
                                   param="decode_steps")
     measurement = hardware.read_cached_measurement() if args.cached_roofs else None
     if measurement is None:
-        measurement = roofline_bench.measure_roofs(quick=args.quick)
+        measurement = microbench.measure_roofs(quick=args.quick)
         if not args.quick:
             hardware.save_this_machine(measurement)
     bandwidth = measurement["memory_bandwidth"]
@@ -84,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     chart_path = None
     if points or args.chart:
         from tokios.model_files import cache_directory
-        from tokios.tools.roofline_chart import draw_roofline_chart
+        from tokios.tools.roofline.chart import draw_roofline_chart
 
         chart_path = draw_roofline_chart(roofs_list, points, args.chart or cache_directory() / "roofline.png",
                                          title=f"Roofline: {measurement['device']}, engine {engine_dtype}")
@@ -99,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _measure_engine(args: argparse.Namespace) -> tuple[str, list[RooflinePoint]]:
     """(the engine's resolved dtype, its prefill and decode points)."""
-    from tokios.tools.roofline_measure import measure_decode_utilization, measure_prefill_utilization
+    from tokios.tools.roofline.measure import measure_decode_utilization, measure_prefill_utilization
 
     try:
         from tokios.engine import LLM

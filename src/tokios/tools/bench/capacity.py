@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 import httpx
 
 from tokios.errors import InvalidRequestError
-from tokios.tools import bench_report
-from tokios.tools.bench_offline import machine_line, noise_note
-from tokios.tools.bench_prompts import LengthSpec, make_prompt
-from tokios.tools.bench_report import fmt, markdown_table
-from tokios.tools.bench_serve import BenchRequest, ServeLoad, _client, discover_model, send_one
-from tokios.tools.bench_stats import RequestRecord, summarize_serve
+from tokios.tools.bench import report
+from tokios.tools.bench.offline import machine_line, noise_note
+from tokios.tools.bench.prompts import LengthSpec, make_prompt
+from tokios.tools.bench.report import fmt, markdown_table
+from tokios.tools.bench.serve import BenchRequest, ServeLoad, _client, discover_model, send_one
+from tokios.tools.bench.stats import RequestRecord, summarize_serve
 
 SECTION = "Capacity: long-context streams in a fixed KV memory"
 BLOCK_SIZE = 16  # tokios serve's default --block-size
@@ -43,7 +43,7 @@ RUNNING_METRIC = {"tokios": "tokios:num_requests_running", "llama.cpp": "llamacp
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from tokios.tools.peers import add_model_arguments
+    from tokios.tools.bench.peers import add_model_arguments
 
     add_model_arguments(parser)
     parser.add_argument("--llama-server", default=None, metavar="PATH",
@@ -75,7 +75,7 @@ class Variant:
 
 def parse_variants(text: str) -> list[Variant]:
     from tokios.kv_cache.dtypes import ENGINE_KV_DTYPES
-    from tokios.tools.bench_compare import LLAMA_CACHE_TYPE_BYTES
+    from tokios.tools.bench.compare import LLAMA_CACHE_TYPE_BYTES
 
     allowed = {"tokios": ENGINE_KV_DTYPES, "llama.cpp": tuple(LLAMA_CACHE_TYPE_BYTES)}
     variants = []
@@ -173,9 +173,10 @@ def result_table(rounds: list[CapacityRound], context: int) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from tokios.config import parse_size
-    from tokios.tools.bench_compare import (LLAMA_CACHE_TYPE_BYTES, kv_bytes_per_token, llama_machine_arguments,
+    from tokios.tools.bench.compare import (LLAMA_CACHE_TYPE_BYTES, kv_bytes_per_token, llama_machine_arguments,
                                             tokios_command)
-    from tokios.tools.peers import ServerProcess, benchmark_model_path, find_llama_server, free_port, load_prompt_codec
+    from tokios.tools.bench.peers import (ServerProcess, benchmark_model_path, find_llama_server, free_port,
+                                          load_prompt_codec)
 
     variants = parse_variants(args.variants)
     kv_memory = parse_size(args.kv_memory, field_name="kv_memory")
@@ -223,20 +224,20 @@ def run(args: argparse.Namespace) -> int:
     text = result_table(rounds, args.context)
     print(text)
     if args.json_path:
-        bench_report.write_json(args.json_path, {
-            "command": bench_report.command_line(), "machine": machine_line(),
+        report.write_json(args.json_path, {
+            "command": report.command_line(), "machine": machine_line(),
             "rounds": [{"variant": r.variant.label, "bytes_per_token": r.bytes_per_token, "fits": r.fits,
                         "peak_running": r.peak_running, "preemptions": r.preemptions, "duration_s": r.duration_s,
                         "ttft_s": [x.ttft_s for x in r.records if x.is_success],
                         "tpot_s": [x.tpot_s for x in r.records if x.is_success], "error": r.error}
                        for r in rounds]})
     if args.write_docs:
-        body = (f"Command: `{bench_report.command_line()}`\n\nMeasured {machine_line()}. {noise_note()}\n\n"
+        body = (f"Command: `{report.command_line()}`\n\nMeasured {machine_line()}. {noise_note()}\n\n"
                 f"Every server's KV cache gets {args.kv_memory}; {num_requests} requests arrive at once, each a "
                 f"distinct prompt that with its {args.output}-token reply (EOS ignored) fills {args.context} tokens. "
                 f"tokios shares its paged blocks among all requests; llama-server gets as many {args.context}-token "
                 f"slots as its cache type fits (llama.cpp reserves a slot's whole context). 'Most running at once' "
                 f"is each server's own gauge, polled every 0.2 s. One run per server, one after the other.\n\n{text}")
-        bench_report.update_docs_section(args.write_docs, SECTION, body)
+        report.update_docs_section(args.write_docs, SECTION, body)
         print(f"updated {args.write_docs}", file=sys.stderr)
     return 0 if all(not r.error for r in rounds) else 1

@@ -4,7 +4,7 @@ Prompts are random English words from a seeded generator, so that every run of a
 the same text, and no two prompts share a start (a server's prefix/prompt cache cannot turn a
 prefill measurement into a cache lookup). With a tokenizer (anything with encode/decode) the
 text is cut to the exact token count; without one, one word is counted as one token, which is
-close for this vocabulary with byte-level BPE. Used by bench_serve, bench_offline and bench_prefix.
+close for this vocabulary with byte-level BPE. Used by serve.py, offline.py and prefix.py.
 """
 
 from __future__ import annotations

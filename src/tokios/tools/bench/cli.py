@@ -12,16 +12,17 @@ import importlib
 
 # name -> (module, one-line help)
 BENCH_COMMANDS: dict[str, tuple[str, str]] = {
-    "offline": ("tokios.tools.bench_offline",
+    "offline": ("tokios.tools.bench.offline",
                 "single-stream decode/prefill and 64-prompt throughput: tokios vs llama.cpp and transformers"),
-    "prefix": ("tokios.tools.bench_prefix", "TTFT with a warm vs a cold prefix cache (shared 1,000-token system prompt)"),
-    "restart": ("tokios.tools.bench_restart",
+    "prefix": ("tokios.tools.bench.prefix",
+               "TTFT with a warm vs a cold prefix cache (shared 1,000-token system prompt)"),
+    "restart": ("tokios.tools.bench.restart",
                 "TTFT of a 4,000-token prompt after a restart, with the prefix cache's disk tier and without"),
-    "serve": ("tokios.tools.bench_serve", "streaming load generator against any OpenAI-compatible URL"),
-    "compare": ("tokios.tools.bench_compare", "start tokios serve and llama-server, run the same load on both"),
-    "capacity": ("tokios.tools.bench_capacity",
+    "serve": ("tokios.tools.bench.serve", "streaming load generator against any OpenAI-compatible URL"),
+    "compare": ("tokios.tools.bench.compare", "start tokios serve and llama-server, run the same load on both"),
+    "capacity": ("tokios.tools.bench.capacity",
                  "long-context streams one KV memory serves at once: tokios bf16/int8 vs llama-server f16/q8_0"),
-    "fairness": ("tokios.tools.bench_fairness",
+    "fairness": ("tokios.tools.bench.fairness",
                  "decoding streams' inter-token latency while a long prompt prefills: tokios vs llama-server"),
 }
 

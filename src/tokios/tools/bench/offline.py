@@ -6,7 +6,7 @@ by rep so that the noise of a shared machine falls on all of them alike, and eve
 differently so no prompt cache is reused. Throughput: 64 prompts, tokios all at once through
 LLM.generate, llama.cpp one after another (its Python binding has no batching). Prints Markdown
 tables with medians, p5/p95 and ratios; --write-docs puts them into docs/benchmarks.md with the
-command line. The systems themselves are in bench_engines; prompts in bench_prompts.
+command line. The systems themselves are in engines.py; prompts in prompts.py.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import random
 import sys
 
 from tokios.errors import InvalidRequestError
-from tokios.tools import bench_report
-from tokios.tools.bench_prompts import make_token_ids
-from tokios.tools.bench_report import fmt, fmt_ratio, markdown_table
-from tokios.tools.bench_stats import RepeatedFigure, ratio
+from tokios.tools.bench import report
+from tokios.tools.bench.prompts import make_token_ids
+from tokios.tools.bench.report import fmt, fmt_ratio, markdown_table
+from tokios.tools.bench.stats import RepeatedFigure, ratio
 
 SYSTEM_NAMES = ("tokios", "llama.cpp", "transformers")
 SINGLE_STREAM_SECTION = "Offline: single stream"
@@ -41,7 +41,7 @@ def noise_note() -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from tokios.tools.peers import add_model_arguments
+    from tokios.tools.bench.peers import add_model_arguments
 
     add_model_arguments(parser)
     parser.add_argument("--systems", default="tokios,llama.cpp,transformers",
@@ -77,7 +77,7 @@ def require_peers(systems: list[str], transformers_reps: int) -> None:
     import importlib.util
 
     from tokios.errors import TokiosError
-    from tokios.tools.peers import require_llama_cpp
+    from tokios.tools.bench.peers import require_llama_cpp
 
     others = ",".join(s for s in systems if s != "llama.cpp")
     if "llama.cpp" in systems:
@@ -92,20 +92,20 @@ def require_peers(systems: list[str], transformers_reps: int) -> None:
 
 
 def load_systems(args: argparse.Namespace, model_path: str) -> list:
-    from tokios.tools import bench_engines
+    from tokios.tools.bench import engines
 
     systems = []
     for name in parse_systems(args.systems):
         if name == "tokios":
             for dtype in [d.strip() for d in args.dtype.split(",") if d.strip()]:
                 print(f"loading tokios --dtype {dtype} ...", file=sys.stderr)
-                systems.append(bench_engines.TokiosSystem(model_path, dtype=dtype))
+                systems.append(engines.TokiosSystem(model_path, dtype=dtype))
         elif name == "llama.cpp":
             print("loading llama.cpp ...", file=sys.stderr)
-            systems.append(bench_engines.LlamaCppSystem(model_path, num_threads=args.threads))
+            systems.append(engines.LlamaCppSystem(model_path, num_threads=args.threads))
         elif args.transformers_reps > 0:
             print("loading transformers (about 25 s) ...", file=sys.stderr)
-            systems.append(bench_engines.TransformersSystem(model_path, dtype=args.transformers_dtype))
+            systems.append(engines.TransformersSystem(model_path, dtype=args.transformers_dtype))
     return systems
 
 
@@ -213,7 +213,7 @@ def machine_line() -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tokios.tools.peers import benchmark_model_path, load_prompt_codec
+    from tokios.tools.bench.peers import benchmark_model_path, load_prompt_codec
 
     for name, minimum in (("reps", 1), ("decode_tokens", 2), ("prefill_tokens", 1), ("transformers_reps", 0),
                           ("throughput_prompts", 0), ("throughput_input_len", 1), ("throughput_output_len", 1)):
@@ -236,8 +236,8 @@ def run(args: argparse.Namespace) -> int:
         print()
         print(throughput_table(throughput))
     if args.json_path:
-        bench_report.write_json(args.json_path, {
-            "command": bench_report.command_line(), "machine": machine_line(),
+        report.write_json(args.json_path, {
+            "command": report.command_line(), "machine": machine_line(),
             "load_s": {s.name: s.load_s for s in systems},
             "single_stream_tok_s_by_rep": figures,
             "throughput": throughput})
@@ -247,9 +247,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def write_docs(args: argparse.Namespace, path: str, single: str, load_lines: str, throughput: dict) -> None:
-    command = bench_report.command_line()
+    command = report.command_line()
     header = f"Command: `{command}`\n\nMeasured {machine_line()}. {noise_note()}\n\n"
-    bench_report.update_docs_section(path, SINGLE_STREAM_SECTION, header + (
+    report.update_docs_section(path, SINGLE_STREAM_SECTION, header + (
         f"Decode: {args.decode_tokens} greedy tokens after a {DECODE_PROMPT_TOKENS}-token prompt, EOS ignored, "
         f"tok/s = (tokens - 1) / (last token time - first token time). Prefill: a {args.prefill_tokens}-token "
         "prompt / time to first token; every prompt starts differently, so no prompt cache is reused. "
@@ -258,7 +258,7 @@ def write_docs(args: argparse.Namespace, path: str, single: str, load_lines: str
         "systems take turns within a rep, so a ratio sees nearly the same machine load on both sides). "
         f"llama.cpp runs with {args.threads} threads on the same GGUF.\n\n{single}\n\n{load_lines}"))
     if throughput:
-        bench_report.update_docs_section(path, THROUGHPUT_SECTION, header + (
+        report.update_docs_section(path, THROUGHPUT_SECTION, header + (
             f"{args.throughput_prompts} prompts of {args.throughput_input_len} tokens, "
             f"{args.throughput_output_len} greedy output tokens each (EOS ignored). tokios gets all of them at "
             "once (`LLM.generate`, continuous batching); llama.cpp runs them one after another, as its Python "

@@ -21,10 +21,10 @@ import tempfile
 import time
 
 from tokios.errors import InvalidRequestError
-from tokios.tools import bench_report
-from tokios.tools.bench_offline import machine_line, noise_note
-from tokios.tools.bench_prompts import make_token_ids
-from tokios.tools.bench_report import fmt, fmt_ratio, markdown_table
+from tokios.tools.bench import report
+from tokios.tools.bench.offline import machine_line, noise_note
+from tokios.tools.bench.prompts import make_token_ids
+from tokios.tools.bench.report import fmt, fmt_ratio, markdown_table
 
 SECTION = "Prefix cache across a restart"
 TARGET_RATIO = 5.0
@@ -85,8 +85,8 @@ def measure_llama_server(args: argparse.Namespace, prompts: list[list[int]]) -> 
     automatically): each prompt runs once, the server restarts, and the same prompt is timed."""
     import httpx
 
-    from tokios.tools.bench_compare import llama_machine_arguments
-    from tokios.tools.peers import ServerProcess, find_llama_server, free_port, resolve_model_path
+    from tokios.tools.bench.compare import llama_machine_arguments
+    from tokios.tools.bench.peers import ServerProcess, find_llama_server, free_port, resolve_model_path
 
     binary, model_path = find_llama_server(args.llama_server), resolve_model_path(args.model)
     times = []
@@ -108,8 +108,8 @@ def measure_llama_server(args: argparse.Namespace, prompts: list[list[int]]) -> 
 
 
 def run(args: argparse.Namespace) -> int:
-    from tokios.tools.bench_compare import llama_machine_arguments
-    from tokios.tools.peers import load_prompt_codec, resolve_model_path
+    from tokios.tools.bench.compare import llama_machine_arguments
+    from tokios.tools.bench.peers import load_prompt_codec, resolve_model_path
 
     if args.reps < 1 or args.prompt_tokens < 32:
         raise InvalidRequestError("reps must be >= 1 and prompt_tokens >= 32", param="reps")
@@ -130,10 +130,10 @@ def run(args: argparse.Namespace) -> int:
               f"{fmt_ratio(statistics.median(ratios))} (target >= {TARGET_RATIO:g}x).")
     print(text)
     if args.json_path:
-        bench_report.write_json(args.json_path, {"command": bench_report.command_line(), "machine": machine_line(),
-                                                 "tokios": results, "llama_cpp": llama})
+        report.write_json(args.json_path, {"command": report.command_line(), "machine": machine_line(),
+                                           "tokios": results, "llama_cpp": llama})
     if args.write_docs:
-        body = (f"Command: `{bench_report.command_line()}`\n\nMeasured {machine_line()}. {noise_note()}\n\n"
+        body = (f"Command: `{report.command_line()}`\n\nMeasured {machine_line()}. {noise_note()}\n\n"
                 f"Each rep: a fresh prompt runs on an engine with `--kv-cache-disk` in a new directory, the engine "
                 f"closes (its memory cache goes to disk, as at server shutdown), a new engine starts over the same "
                 f"directory and the first token of the same prompt is timed; an engine without the tier gives the "
@@ -141,6 +141,6 @@ def run(args: argparse.Namespace) -> int:
                 f"prompt cache across a restart: it is started, given the prompt, restarted, and timed on the same "
                 f"prompt over HTTP{' (with --no-repack: this CPU has AMX, whose path crashes it)' if llama_machine_arguments() else ''}."
                 f"\n\n{text}")
-        bench_report.update_docs_section(args.write_docs, SECTION, body)
+        report.update_docs_section(args.write_docs, SECTION, body)
         print(f"updated {args.write_docs}", file=sys.stderr)
     return 0

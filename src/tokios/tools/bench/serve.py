@@ -4,7 +4,7 @@ Sends /v1/chat/completions or /v1/completions requests with `stream: true` throu
 fixed concurrency (a list of them is a sweep) or at a Poisson request rate, and times every
 streamed chunk. Token counts come from the final usage chunk (`stream_options.include_usage`)
 when the server sends one, else one content chunk counts as one token. The figures are those of
-`vllm bench serve` (see bench_stats); bench_report prints, saves and plots them. bench_compare
+`vllm bench serve` (see stats.py); report.py prints, saves and plots them. compare.py
 drives this same code against tokios and llama-server.
 
 `--json-schema builtin|FILE` constrains every request to a JSON schema (response_format on chat,
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import httpx
 
 from tokios.errors import InvalidRequestError
-from tokios.tools.bench_prompts import LengthSpec, TokenCodec, make_prompt
-from tokios.tools.bench_stats import RequestRecord, ServeSummary, summarize_serve
+from tokios.tools.bench.prompts import LengthSpec, TokenCodec, make_prompt
+from tokios.tools.bench.stats import RequestRecord, ServeSummary, summarize_serve
 
 ENDPOINT_TO_PATH = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "responses": "/v1/responses",
                     "messages": "/v1/messages", "ollama-chat": "/api/chat"}
@@ -416,8 +416,8 @@ def load_from_args(args: argparse.Namespace, base_url: str, model: str | None) -
 
 
 def run(args: argparse.Namespace) -> int:
-    from tokios.tools import bench_report
-    from tokios.tools.peers import load_prompt_codec
+    from tokios.tools.bench import report
+    from tokios.tools.bench.peers import load_prompt_codec
 
     load = load_from_args(args, args.base_url, args.model)
     concurrencies = resolve_concurrencies(args.concurrency, args.request_rate)
@@ -432,13 +432,13 @@ def run(args: argparse.Namespace) -> int:
         return run_structured_comparison(args, load, requests, concurrencies)
     summaries = run_sweep(load, requests, concurrencies=concurrencies, request_rate=args.request_rate,
                           num_warmups=args.num_warmups, show_progress=args.show_progress)
-    print(bench_report.serve_table(summaries, title=f"{load.root_url} ({load.endpoint}, "
-                                   f"in {load.input_len}, out {load.output_len})"))
+    print(report.serve_table(summaries, title=f"{load.root_url} ({load.endpoint}, "
+                             f"in {load.input_len}, out {load.output_len})"))
     if args.json_path:
-        bench_report.write_json(args.json_path, {"load": bench_report.load_to_dict(load),
-                                                 "levels": [s.to_dict() for s in summaries]})
+        report.write_json(args.json_path, {"load": report.load_to_dict(load),
+                                           "levels": [s.to_dict() for s in summaries]})
     if args.plot_dir:
-        for path in bench_report.plot_serve({"server": summaries}, args.plot_dir):
+        for path in report.plot_serve({"server": summaries}, args.plot_dir):
             print(f"wrote {path}", file=sys.stderr)
     return 0 if all(s.num_failed == 0 for s in summaries) else 1
 
@@ -491,9 +491,9 @@ def run_endpoint_comparison(args, load: ServeLoad, requests: list[BenchRequest],
     print(f"{load.root_url} (in {load.input_len}, out {load.output_len}, {args.repeats} rounds)")
     print("\n".join(lines))
     if args.json_path:
-        from tokios.tools import bench_report
+        from tokios.tools.bench import report
 
-        bench_report.write_json(args.json_path, {"load": bench_report.load_to_dict(load), "endpoints": results})
+        report.write_json(args.json_path, {"load": report.load_to_dict(load), "endpoints": results})
     return 0 if ok else 1
 
 
@@ -558,7 +558,7 @@ def run_structured_comparison(args, load: ServeLoad, requests: list[BenchRequest
                               concurrencies: list[int | None]) -> int:
     from dataclasses import replace
 
-    from tokios.tools import bench_report
+    from tokios.tools.bench import report
 
     plain_load = replace(load, json_schema=None)
     lines = ["| level | unconstrained out tok/s | constrained out tok/s | ratio | compiles | compile p50 / p99 "
@@ -599,5 +599,5 @@ def run_structured_comparison(args, load: ServeLoad, requests: list[BenchRequest
           "same prompts:\n")
     print("\n".join(lines))
     if args.json_path:
-        bench_report.write_json(args.json_path, {"load": bench_report.load_to_dict(load), "levels": results})
+        report.write_json(args.json_path, {"load": report.load_to_dict(load), "levels": results})
     return 0 if ok else 1

@@ -16,7 +16,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from tokios.tools.bench_stats import ServeSummary
+from tokios.tools.bench.stats import ServeSummary
 
 DOCS_TITLE = "# Benchmarks"
 

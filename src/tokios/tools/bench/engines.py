@@ -8,7 +8,7 @@ EOS, and the wall time of a batch of prompts. Systems:
 - llama.cpp: llama-cpp-python's Llama with n_threads=2 (its own prompt-prefix reuse stays on, as
   in real use; the callers vary prompt starts where a measurement must not hit a cache);
 - transformers: AutoModelForCausalLM on the GGUF (dequantized), bf16 by default.
-Used by bench_offline and bench_prefix.
+Used by offline.py and prefix.py.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class TokiosSystem:
 
 class LlamaCppSystem:
     def __init__(self, model_path: str, *, num_threads: int = 2, n_ctx: int = 4096, n_batch: int = 512):
-        from tokios.tools.peers import require_llama_cpp
+        from tokios.tools.bench.peers import require_llama_cpp
 
         llama_cpp = require_llama_cpp()
         started = time.perf_counter()

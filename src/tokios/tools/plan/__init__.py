@@ -1,0 +1,6 @@
+"""`tokios plan`: capacity planning by formula, without torch.
+
+formulas.py holds the arithmetic of serving a transformer (also used by roofline/),
+model_presets.py the model shapes, hardware.py the devices, capacity.py the plan made from
+them, and cli.py the command line and table.
+"""

@@ -675,7 +675,7 @@ def test_prefix_aware_routing_sends_a_shared_prefix_where_it_is_cached(cluster):
     # Uneven load spreads: long streams sharing the prefix pile up on the holder only until its
     # load is uneven (more than 2 over the idlest and 1.5x), then go by load.
     def stream_long() -> None:
-        for _ in gateway.chat.completions.create(model="smol", max_tokens=200, temperature=0, stream=True, messages=[
+        for _ in gateway.chat.completions.create(model="smol", max_tokens=48, temperature=0, stream=True, messages=[
                 {"role": "system", "content": SHARED_SYSTEM_PROMPTS[0]},
                 {"role": "user", "content": "Tell the whole history of Europe."}]):
             pass

@@ -49,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also serve every model in this directory (*.gguf files and model directories), "
                              "named after their files, loaded on demand")
     engine.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, int8 or int4 (default auto)")
+    engine.add_argument("--threads", type=int, default=None,
+                        help="CPU threads of each model's engine (default: the physical cores; fewer when several "
+                             "servers share a machine)")
     add_chat_template_argument(engine)
     engine.add_argument("--kv-cache-memory", default="512MiB", help="memory for the KV cache, e.g. 512MiB, 2GiB")
     engine.add_argument("--kv-cache-dtype", default="auto", choices=list(SUPPORTED_KV_CACHE_DTYPES),
@@ -146,7 +149,7 @@ def _engine_config(args: argparse.Namespace, model: str | None):
     from tokios.speculative.config import SpeculativeConfig
 
     return EngineConfig(
-        load=LoadConfig(model=model, dtype=args.dtype, chat_template=args.chat_template),
+        load=LoadConfig(model=model, dtype=args.dtype, chat_template=args.chat_template, num_threads=args.threads),
         cache=CacheConfig(block_size=args.block_size,
                           kv_cache_memory_bytes=parse_size(args.kv_cache_memory, field_name="kv_cache_memory"),
                           enable_prefix_caching=not args.no_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,

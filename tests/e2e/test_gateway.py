@@ -570,8 +570,8 @@ def test_responses_follow_ups_and_reads_reach_the_backend_that_stored_them(clust
     for backend_id in ("responses-a", "responses-b"):
         port = free_port()
         cluster.start(f"tokios-serve-{backend_id}", [*TOKIOS, "serve", "--port", str(port), "--model",
-                                                     _default_model_path(), "--connect", gateway_url,
-                                                     "--backend-id", backend_id],
+                                                     _default_model_path(), "--threads", "1", "--connect",
+                                                     gateway_url, "--backend-id", backend_id],
                       env={"TOKIOS_CONNECTOR_TOKEN": cluster.connector_token})
         backend_urls.append(f"http://127.0.0.1:{port}")
     for url in backend_urls:
@@ -638,7 +638,7 @@ def test_prefix_aware_routing_sends_a_shared_prefix_where_it_is_cached(cluster):
         backend_id_to_process[backend_id] = cluster.start(
             f"tokios-serve-{backend_id}",
             [*TOKIOS, "serve", "--port", str(port), "--model", model_path, "--served-model-name", "smol",
-             "--connect", gateway_url, "--backend-id", backend_id, "--report-cache-events"],
+             "--threads", "1", "--connect", gateway_url, "--backend-id", backend_id, "--report-cache-events"],
             env={"TOKIOS_CONNECTOR_TOKEN": cluster.connector_token})
         backend_id_to_url[backend_id] = f"http://127.0.0.1:{port}"
     for url in backend_id_to_url.values():

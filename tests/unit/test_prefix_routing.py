@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
+from test_gateway_parts import FakeBackend
 
 from tokios.errors import InvalidRequestError
 from tokios.gateway.connector import cache_event_frames
@@ -109,14 +110,6 @@ def test_a_large_snapshot_is_cut_into_frames_that_rebuild_it():
     for payload in payloads:
         index.apply("a", payload)
     assert index.num_blocks("a") == 2000
-
-
-@dataclass
-class FakeBackend:
-    backend_id: str
-    models: tuple[str, ...] = ("m",)
-    num_in_flight: int = 0
-    is_draining: bool = False
 
 
 class FakePrefix:

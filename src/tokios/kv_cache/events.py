@@ -43,18 +43,20 @@ class CacheEventLog:
         self._stored: set[int] = set()
 
     def record_stored(self, key: object) -> None:
-        if type(key) is int:
-            with self._lock:
-                self._events.append((True, key))
-                self._next_seq += 1
-                self._stored.add(key)
+        self._record(True, key)
 
     def record_removed(self, key: object) -> None:
+        self._record(False, key)
+
+    def _record(self, is_stored: bool, key: object) -> None:
         if type(key) is int:
             with self._lock:
-                self._events.append((False, key))
+                self._events.append((is_stored, key))
                 self._next_seq += 1
-                self._stored.discard(key)
+                if is_stored:
+                    self._stored.add(key)
+                else:
+                    self._stored.discard(key)
 
     def read(self, since_seq: int, log_id: str = "") -> CacheEvents:
         """Events from `since_seq` of this log on; a snapshot when those are no longer held, or

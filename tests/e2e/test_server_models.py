@@ -170,7 +170,8 @@ def test_a_load_does_not_stall_the_other_models_streams(two_models):
 
 def test_both_models_stream_at_once_and_answer_as_they_do_alone(two_models):
     """Each loaded model is its own engine: streams to both run side by side (each model's tokens
-    arrive while the other's do), and each answers as it does alone (greedy, same weights)."""
+    arrive while the other's do), and afterwards each still answers as the first did alone
+    (greedy, same weights)."""
     for model in ("default", SECOND):
         assert chat(two_models, model, max_tokens=1).status_code == 200  # loaded before timing starts
     alone = chat(two_models, "default", max_tokens=48).json()["choices"][0]["message"]["content"]
@@ -181,6 +182,7 @@ def test_both_models_stream_at_once_and_answer_as_they_do_alone(two_models):
         thread.start()
     for thread in threads:
         thread.join(300)
+        assert not thread.is_alive()
     spans = {model: (min(times[0] for times, _ in model_streams), max(times[-1] for times, _ in model_streams))
              for model, model_streams in streams.items()}
     # (A delta may carry more than one token: the detokenizer holds back partial characters.)

@@ -240,6 +240,14 @@ def test_a_reply_streams_renders_and_survives_a_reload(web_server, browser, tmp_
         assert [card["id"] for card in http.get("/v1/models").json()["data"]] == browser.evaluate(
             "[...document.getElementById('model-picker').options].map(o => o.value)")
     assert model == browser.evaluate("document.getElementById('model-name').textContent")
+    # The page's own files are served, the npm tree behind them is not, and the page is locked
+    # to its own origin by its content security policy.
+    with web_server.client() as http:
+        assert http.get("/static/vendor/marked.js").status_code == 200
+        for path in ("/static/node_modules/marked/package.json", "/static/package-lock.json",
+                     "/static/vendor/../../web_assets.py", "/static/vendor/nothing.js"):
+            assert http.get(path).status_code == 404, path
+        assert "default-src 'self'" in http.get("/").headers["content-security-policy"]
     # Every asset came from this server (the page works offline), and the libraries loaded.
     origins = browser.evaluate("[...new Set(performance.getEntriesByType('resource').map(e => new URL(e.name).origin))]")
     assert origins == [web_server.base_url], origins
@@ -344,11 +352,22 @@ def test_model_output_renders_as_text_and_runs_nothing(web_server, browser, tmp_
     open_page(browser, web_server)
     chat = {"format": "tokios-conversations", "version": 1, "conversations": [
         {"title": "hostile", "messages": [{"role": "user", "content": "<b>bold?</b> <img src=x onerror=alert(9)>"},
-                                          {"role": "assistant", "content": HOSTILE_MARKDOWN}]}]}
+                                          {"role": "assistant", "content": HOSTILE_MARKDOWN,
+                                           "stats": {"ttft_s": "<b>x</b>", "num_tokens": 7}}]},
+        # Input the markdown renderer cannot take must not break the page (it shows as text).
+        {"title": "deep", "messages": [{"role": "user", "content": "quote"},
+                                       {"role": "assistant", "content": ">" * 5000 + " deep"}]}]}
     chat_file = tmp_path / "hostile.json"
     chat_file.write_text(json.dumps(chat))
     browser.set_files("#import-file", [chat_file])
-    browser.wait_for("document.querySelectorAll('.message').length === 2", 10)
+    browser.wait_for("document.querySelectorAll('.conversation').length === 2", 10)
+    browser.click(".conversation:not(.active) .title")  # the deep one is shown first; it rendered
+    assert "deep" in browser.evaluate("document.querySelector('.message.assistant .content').textContent")
+    browser.click(".conversation:not(.active) .title")
+    browser.wait_for("document.querySelectorAll('.message').length === 2 && "
+                     "document.querySelector('.message.user .content').textContent.startsWith('<b>')", 10)
+    # Imported stats are kept only with the types they are shown as.
+    assert browser.evaluate("document.querySelector('.message.assistant .stats').textContent") == "7 tokens"
     reply = "document.querySelector('.message.assistant .content')"
     # Raw HTML shows as its characters; nothing of it became an element or ran.
     text = browser.evaluate(f"{reply}.textContent")

@@ -137,14 +137,14 @@ def test_the_router_prefers_the_longest_cached_prefix_above_the_threshold():
     assert router.pick("m", prefix=FakePrefix(100, {"b": 50, "c": 50})).backend_id == "c"
     # No policy: load alone.
     assert make_router(None, loads=(0, 3, 1)).pick("m", prefix=FakePrefix(100, {"b": 100})).backend_id == "a"
-    assert router.decision_counts == {"prefix": 2, "least_busy": 1}
+    assert router.decision_to_count == {"prefix": 2, "least_busy": 1}
 
 
 def test_uneven_load_routes_by_load_and_a_session_wins_over_the_prefix():
     policy = PrefixPolicy(balance_abs_threshold=4, balance_rel_threshold=1.5)
     busy = make_router(policy, loads=(10, 1, 2))
     assert busy.pick("m", prefix=FakePrefix(100, {"a": 100})).backend_id == "b"
-    assert busy.decision_counts == {"imbalance": 1, "least_busy": 1}
+    assert busy.decision_to_count == {"imbalance": 1, "least_busy": 1}
     # 10 against 7: more than 1.5x is not met, so the prefix still decides.
     assert make_router(policy, loads=(10, 7, 7)).pick("m", prefix=FakePrefix(100, {"a": 100})).backend_id == "a"
     router = make_router(policy)
@@ -159,3 +159,42 @@ def test_bad_policy_values_name_the_field():
         with pytest.raises(InvalidRequestError) as error:
             PrefixPolicy(**kwargs)
         assert error.value.param == field
+
+
+def test_the_owner_of_a_stored_response_answers_even_cooling_and_keeps_its_pin():
+    clock_time = [0.0]
+    router = BackendRouter(prefix_policy=PrefixPolicy(), max_consecutive_failures=1, clock=lambda: clock_time[0])
+    a, b = FakeBackend("a", num_in_flight=9), FakeBackend("b")
+    router.add(a)
+    router.add(b)
+    router.pin("response:r1", "a")
+    router.record_failure("a")  # cooling now
+    assert router.is_cooling("a")
+    assert router.pick("m", owner_backend_id="a").backend_id == "a"
+    assert router.pick("m", session_id="s", owner_backend_id="a", prefix=FakePrefix(10, {"b": 10})).backend_id == "a"
+    assert router.pinned_backend("response:r1") is a
+    # Excluded after a failed attempt, or gone: the others by the usual rules.
+    assert router.pick("m", exclude=["a"], owner_backend_id="a").backend_id == "b"
+    assert router.decision_to_count["owner"] == 2
+
+
+class _FakeTokenizer:
+    vocab_size = 100
+
+    def encode(self, text, add_special_tokens=True):
+        return [ord(char) % 100 for char in text]
+
+
+def test_prompt_ids_for_routing_skip_ids_the_backend_would_refuse_and_cut_long_prompts():
+    from tokios.gateway import prefix_index
+    from tokios.gateway.prefix_index import PromptHasher
+
+    hasher = PromptHasher({})
+    hasher._model_to_tokenizer["m"] = _FakeTokenizer()
+    assert hasher.prompt_token_ids("/v1/completions", {"model": "m", "prompt": [1, 2, 3]}) == [1, 2, 3]
+    for bad in ([-1] * 16, [100], [2**40], [True]):
+        assert hasher.prompt_token_ids("/v1/completions", {"model": "m", "prompt": bad}) is None
+    long_text = "x" * (prefix_index.MAX_HASHED_CHARS * 3)
+    ids = hasher.prompt_token_ids("/v1/completions", {"model": "m", "prompt": long_text})
+    assert len(ids) == prefix_index.MAX_HASHED_CHARS - 64
+    assert hasher.prompt_token_ids("/v1/completions", {"model": "other", "prompt": "x"}) is None

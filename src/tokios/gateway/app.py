@@ -126,7 +126,7 @@ RESPONSES_PATH = "/v1/responses"
 # An id of OpenAI's Responses API as tokios makes them; the first in a body is the response's own
 # (its output items' ids have other prefixes).
 _RESPONSE_ID = re.compile(rb'"id":\s*"(resp_[A-Za-z0-9]{1,64})"')
-_RESPONSE_ID_PATH_PART = re.compile(r"^resp_[A-Za-z0-9]{1,64}$")
+_RESPONSE_ID_PATH_PART = re.compile(r"resp_[A-Za-z0-9]{1,64}")
 
 
 def _response_session(response_id: str) -> str:
@@ -180,7 +180,9 @@ class Gateway:
             prefix_policy=config.prefix_policy,
         )
         self.prefix_index = PrefixIndex()
-        self.prompt_hasher = PromptHasher(config.model_to_tokenizer_path)
+        # Loaded only where prompts are hashed: prefix routing on, tokenizers given.
+        self.prompt_hasher = (PromptHasher(config.model_to_tokenizer_path)
+                              if config.prefix_policy is not None and config.model_to_tokenizer_path else None)
         self.metrics = GatewayMetrics()
         self.links: set[BackendLink] = set()
 
@@ -232,32 +234,42 @@ class Gateway:
         if not key.can_use_model(model):
             raise PermissionDeniedError(f"This key may not use model {model!r}.", param="model", code="model_not_allowed")
         session_id = request.headers.get("x-session-id")
+        # A Responses follow-up can only be answered by the backend whose store holds its
+        # predecessor: that backend wins over the session, the prefix and the load.
         previous_response_id = payload.get("previous_response_id") if path == RESPONSES_PATH else None
-        if session_id is None and isinstance(previous_response_id, str):
-            session_id = _response_session(previous_response_id)  # the backend whose store holds it
-        prefix = None
-        if self.config.prefix_policy is not None and self.prompt_hasher.has_model(model):
-            token_ids = self.prompt_hasher.prompt_token_ids(path, payload)
-            if token_ids:
-                prefix = PrefixQuery(self.prefix_index, model, token_ids)
+        owner = (self.router.pinned_backend(_response_session(previous_response_id))
+                 if isinstance(previous_response_id, str) else None)
         self.limiter.admit(key)
         exchange = _Exchange(self, key)
         try:
+            prefix = None
+            if owner is None and self._routes_by_prefix(model, session_id):
+                # In a worker thread: a long prompt takes tens of ms to tokenize.
+                token_ids = await asyncio.to_thread(self.prompt_hasher.prompt_token_ids, path, payload)
+                if token_ids:
+                    prefix = PrefixQuery(self.prefix_index, model, token_ids)
             # Until the first byte goes out, only watching the connection notices a client that
             # left (a whole-body answer is buffered here): cancelling the attempt cancels the
             # backend stream, so the backend aborts its generation instead of finishing it.
             return await run_watching_disconnect(
-                request, self._attempt(exchange, request, path, body, model, is_stream, session_id, prefix))
+                request, self._attempt(exchange, request, path, body, model, is_stream, session_id, prefix,
+                                       owner.backend_id if owner is not None else None))
         except BaseException as exc:
             status = str(exc.status) if isinstance(exc, TokiosError) else "client_closed"
             exchange.finish(status)
             raise
 
+    def _routes_by_prefix(self, model: str, session_id: str | None) -> bool:
+        """Whether the prompt's hashes could change where this request goes."""
+        return (self.prompt_hasher is not None and self.prompt_hasher.has_model(model)
+                and self.router.num_candidates(model) > 1
+                and (session_id is None or self.router.pinned_backend(session_id) is None))
+
     async def get_stored_response(self, request: Request, response_id: str) -> Response:
         """`GET /v1/responses/{id}`, from the backend that made the response (each backend's store is its own)."""
         key = self.authenticate(request)
         backend = self.router.pinned_backend(_response_session(response_id))
-        if not _RESPONSE_ID_PATH_PART.match(response_id) or backend is None:
+        if not _RESPONSE_ID_PATH_PART.fullmatch(response_id) or backend is None:
             raise NotFoundError(f"No stored response {response_id!r} is reachable through this gateway: it was not "
                                 "made through it, was made before it started, or its backend has left.",
                                 param="response_id")
@@ -265,25 +277,35 @@ class Gateway:
         exchange = _Exchange(self, key)
         exchange.backend_id = backend.backend_id
         path = f"{RESPONSES_PATH}/{response_id}"
+        def check_model(content: bytes) -> None:
+            try:
+                model = json.loads(content).get("model")
+            except (ValueError, AttributeError):
+                return
+            if isinstance(model, str) and not key.can_use_model(model):
+                raise NotFoundError(f"No stored response {response_id!r} is reachable with this key.",
+                                    param="response_id")
+        stream = None
         try:
             stream = backend.open_stream("GET", path, {"accept": "application/json"}, b"")
-            response = await self._first_response(exchange, stream, False, path)
+            # A read charges no tokens to the key: they were counted when the response was made.
+            response = await self._first_response(exchange, stream, False, path, check_body=check_model,
+                                                   count_usage=False)
+            if isinstance(response, str):
+                raise BackendFailedError(f"The backend holding response {response_id!r} failed: {response}")
+            return response
         except LinkClosedError as exc:
             exchange.finish("502")
             raise BackendFailedError(f"The backend holding response {response_id!r} failed: {exc}") from exc
-        except BaseException:
-            exchange.finish("client_closed")
+        except BaseException as exc:
+            if stream is not None:
+                stream.cancel()
+            exchange.finish(str(exc.status) if isinstance(exc, TokiosError) else "client_closed")
             raise
-        if isinstance(response, str):
-            exchange.finish("502")
-            raise BackendFailedError(f"The backend holding response {response_id!r} failed: {response}")
-        try:
-            model = json.loads(response.body).get("model") if response.status_code == 200 else None
-        except ValueError:
-            model = None
-        if isinstance(model, str) and not key.can_use_model(model):
-            raise NotFoundError(f"No stored response {response_id!r} is reachable with this key.", param="response_id")
-        return response
+
+    def _apply_cache_events(self, link: BackendLink, payload: dict[str, Any]) -> None:
+        if self.router.is_registered(link):  # a replaced link's late frames are not this backend's
+            self.prefix_index.apply(link.backend_id, payload)
 
     def _remember_response(self, content: bytes, backend_id: str) -> None:
         """Pins the Responses id in `content` (a whole body, or a stream's first events) to its backend."""
@@ -293,13 +315,14 @@ class Gateway:
 
     async def _attempt(
         self, exchange: _Exchange, request: Request, path: str, body: bytes, model: str, is_stream: bool,
-        session_id: str | None, prefix: PrefixQuery | None,
+        session_id: str | None, prefix: PrefixQuery | None, owner_backend_id: str | None,
     ) -> Response:
         headers = {"content-type": "application/json", "accept": request.headers.get("accept", "*/*")}
         tried_ids: list[str] = []
         last_failure = ""
         for _ in range(self.config.max_attempts):
-            link = self.router.pick(model, session_id, exclude=tried_ids, prefix=prefix)
+            link = self.router.pick(model, session_id, exclude=tried_ids, prefix=prefix,
+                                    owner_backend_id=owner_backend_id)
             if link is None:
                 break
             if tried_ids:
@@ -328,9 +351,11 @@ class Gateway:
             )
         raise BackendFailedError(f"{len(tried_ids)} backend(s) failed for model {model!r}: {last_failure}")
 
-    async def _first_response(self, exchange: _Exchange, stream: LinkStream, is_stream: bool,
-                              path: str) -> Response | str:
-        """The client's response, or a failure message when this backend failed before any byte was sent."""
+    async def _first_response(self, exchange: _Exchange, stream: LinkStream, is_stream: bool, path: str, *,
+                              check_body: Callable[[bytes], None] | None = None,
+                              count_usage: bool = True) -> Response | str:
+        """The client's response, or a failure message when this backend failed before any byte was
+        sent. `check_body` may refuse a whole 2xx body (raising) before it is counted as answered."""
         head = await stream.next_event()
         if head.kind is not FrameKind.RESPONSE_HEAD:
             return _failure_message(head)
@@ -351,6 +376,8 @@ class Gateway:
                 else:
                     return _failure_message(event)
             content = b"".join(chunks)
+            if check_body is not None and status < 300:
+                check_body(content)
             if status >= 500:
                 self.router.record_failure(backend_id)
             else:
@@ -358,7 +385,7 @@ class Gateway:
             if path == RESPONSES_PATH and status == 200:
                 self._remember_response(content, backend_id)
             self.metrics.time_to_first_byte.observe(time.monotonic() - exchange.started_at)
-            exchange.finish(str(status), _usage_tokens(content))
+            exchange.finish(str(status), _usage_tokens(content) if count_usage else 0)
             return Response(content, status_code=status, media_type=content_type)
         first = await stream.next_event()
         if first.kind is FrameKind.ERROR:
@@ -441,7 +468,7 @@ class Gateway:
                  "num_cached_blocks_reported": self.prefix_index.num_blocks(link.backend_id)}
                 for link in self.router.backends
             ],
-            "routing_decisions": dict(self.router.decision_counts),
+            "routing_decisions": dict(self.router.decision_to_count),
             "indexed_backends": self.prefix_index.backend_ids(),
         }
 
@@ -461,7 +488,7 @@ class Gateway:
             return
         link = BackendLink(
             websocket, backend_id, models, heartbeat_s=self.config.heartbeat_s, dead_after_s=self.config.dead_after_s,
-            on_cache_events=self.prefix_index.apply,
+            on_cache_events=self._apply_cache_events,
         )
         await websocket.send_bytes(
             protocol.encode_json(
@@ -473,6 +500,7 @@ class Gateway:
         replaced = self.router.add(link)
         if replaced is not None:
             replaced.close()
+        self.prefix_index.drop(backend_id)  # what an earlier link reported; this one sends its own
         self.links.add(link)
         self.metrics.connected_backends.set(len(self.router.backends))
         logger.info("backend %s registered with models %s", backend_id, list(models))

@@ -10,6 +10,7 @@ It talks to the gateway only through gateway/protocol.py frames; `tokios connect
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
 import re
@@ -37,7 +38,7 @@ ALLOWED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/model
                            "/v1/messages/count_tokens", "/v1/embeddings", "/api/chat", "/api/generate", "/api/show",
                            "/api/embed"})
 # A stored OpenAI response, read back by id (GET only).
-STORED_RESPONSE_PATH = re.compile(r"^/v1/responses/resp_[A-Za-z0-9]{1,64}$")
+STORED_RESPONSE_PATH = re.compile(r"/v1/responses/resp_[A-Za-z0-9]{1,64}")
 MAX_REQUEST_BYTES = 8 * 1024 * 1024
 
 
@@ -97,17 +98,23 @@ class ConnectorConfig:
 
 REPORT_CACHE_EVENTS_INTERVAL_S = 0.25  # what --report-cache-events polls at
 
-# Hashes per CACHE_EVENTS frame: 32 hex digits and JSON punctuation each, within MAX_PAYLOAD_BYTES.
-_HASHES_PER_FRAME = (protocol.MAX_PAYLOAD_BYTES - 512) // 36
+# A hash in a CACHE_EVENTS frame: 32 hex digits and JSON punctuation; the rest of a frame's payload
+# is the model's name and a few small fields.
+_HASH_BYTES = 36
+_FRAME_FIELDS_BYTES = 256
 
 
 def cache_event_frames(model: str, events: dict[str, Any]) -> list[bytes]:
     """A backend's cache events as CACHE_EVENTS frames; a snapshot too large for one frame is cut,
     only the first of its frames saying `reset`."""
     changes = [(True, key) for key in events["stored"]] + [(False, key) for key in events["removed"]]
+    max_hashes_per_frame = (protocol.MAX_PAYLOAD_BYTES - _FRAME_FIELDS_BYTES
+                            - len(json.dumps(model).encode())) // _HASH_BYTES
+    if max_hashes_per_frame < 1:
+        raise InvalidRequestError(f"model name too long to report cache events: {model[:40]!r}...", param="model")
     frames = []
-    for start in range(0, max(len(changes), 1), _HASHES_PER_FRAME):
-        part = changes[start:start + _HASHES_PER_FRAME]
+    for start in range(0, max(len(changes), 1), max_hashes_per_frame):
+        part = changes[start:start + max_hashes_per_frame]
         frames.append(protocol.encode_json(FrameKind.CACHE_EVENTS, protocol.CONTROL_STREAM_ID, {
             "model": model, "reset": bool(events["reset"]) and start == 0, "block_size": events["block_size"],
             "root_hash": events["root_hash"], "stored": [key for is_stored, key in part if is_stored],
@@ -314,23 +321,30 @@ class _ConnectionSession:
 
     async def _report_cache_events(self) -> None:
         """Each model's prefix-cache changes, polled from the backend; a new connection starts
-        with a snapshot (the gateway forgets a backend's blocks when its link ends)."""
-        model_to_cursor = {model: (-1, "") for model in self.connector.models}
+        with a snapshot (the gateway forgets a backend's blocks when its link ends). A failed
+        poll loses a hint, never the connection."""
+        model_to_cursor = {model: (-1, None) for model in self.connector.models}
+        is_failure_logged = False
         while True:
             for model, (since, log_id) in model_to_cursor.items():
                 try:
                     response = await self.connector._http.get(
                         self.config.backend_url + "/v1/engine/cache_events",
-                        params={"model": model, "since": since, "log_id": log_id}, timeout=10.0)
+                        params={"model": model, "since": since, "log_id": log_id or ""}, timeout=10.0)
                     response.raise_for_status()
                     events = response.json()
-                    model_to_cursor[model] = (int(events["next"]), str(events["log_id"]))
-                except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-                    logger.debug("cache events of %s not read: %s", model, exc)
-                    continue
-                if events["reset"] or events["stored"] or events["removed"]:
-                    for frame in cache_event_frames(model, events):
-                        self._outbox.put_nowait(frame)
+                    cursor = (int(events["next"]), str(events["log_id"]))
+                    # A reset is news only from a log this side has not read (an unloaded model
+                    # answers a reset of nothing each time).
+                    if (events["reset"] and cursor[1] != log_id) or events["stored"] or events["removed"]:
+                        for frame in cache_event_frames(model, events):
+                            self._outbox.put_nowait(frame)
+                    model_to_cursor[model] = cursor
+                except (httpx.HTTPError, ValueError, KeyError, TypeError, InvalidRequestError) as exc:
+                    if not is_failure_logged:
+                        logger.warning("cannot report the prefix cache of %s to the gateway (%s); routing there "
+                                       "goes by load", model, getattr(exc, "message", exc))
+                        is_failure_logged = True
             await asyncio.sleep(self.config.cache_events_interval_s)
 
     def _send_error(self, stream_id: int, message: str, code: str) -> None:
@@ -341,7 +355,7 @@ class _ConnectionSession:
         which closes the backend connection so the backend aborts the generation."""
         try:
             method, path = str(head.get("method", "POST")), str(head.get("path", ""))
-            if path not in ALLOWED_PATHS and not (method == "GET" and STORED_RESPONSE_PATH.match(path)):
+            if path not in ALLOWED_PATHS and not (method == "GET" and STORED_RESPONSE_PATH.fullmatch(path)):
                 self._send_error(stream_id, f"path must be one of {sorted(ALLOWED_PATHS)}, got {path!r}", "bad_path")
                 return
             if len(body) > MAX_REQUEST_BYTES:

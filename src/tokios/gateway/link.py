@@ -65,10 +65,10 @@ class BackendLink:
         *,
         heartbeat_s: float,
         dead_after_s: float,
-        on_cache_events: Callable[[str, dict[str, Any]], None] = lambda backend_id, payload: None,
+        on_cache_events: Callable[["BackendLink", dict[str, Any]], None] = lambda link, payload: None,
     ):
         self.websocket = websocket
-        self.on_cache_events = on_cache_events  # CACHE_EVENTS frames: (backend id, payload)
+        self.on_cache_events = on_cache_events  # CACHE_EVENTS frames: (this link, payload)
         self.backend_id = backend_id
         self.models = models
         self.heartbeat_s = heartbeat_s
@@ -161,7 +161,7 @@ class BackendLink:
                 self.is_draining = True
             elif frame.kind is FrameKind.CACHE_EVENTS:
                 try:
-                    self.on_cache_events(self.backend_id, frame.json())
+                    self.on_cache_events(self, frame.json())
                 except InvalidRequestError as exc:  # a routing hint lost, not the link
                     logger.warning("backend %s sent bad cache events: %s", self.backend_id, exc.message)
             return

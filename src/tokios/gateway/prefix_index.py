@@ -128,9 +128,18 @@ class PrefixQuery:
         return self.index.num_matched_blocks(backend_id, self.model, hashes) * scheme.block_size
 
 
+# The most prompt text hashed for routing: encoding runs in a worker thread but holds the GIL, so
+# a huge prompt must not stall the gateway's streams (64 Ki characters: about 16k tokens, 40 ms).
+# A longer prompt is cut; its hashed prefix still finds the backend holding its beginning.
+MAX_HASHED_CHARS = 64 * 1024
+# Tokens dropped from the end of a cut text: the cut may split a word that whole text tokenizes
+# differently, and a wrong last block would end the match early.
+_CUT_MARGIN_TOKENS = 64
+
+
 class PromptHasher:
-    """The prompt token ids of OpenAI chat and completions bodies, per model whose tokenizer the
-    gateway was given. Anything it cannot turn into the backend's exact ids gives None, and the
+    """The leading prompt token ids of OpenAI chat and completions bodies, per model whose tokenizer
+    the gateway was given. Anything it cannot turn into the backend's exact ids gives None, and the
     request is routed by load alone."""
 
     def __init__(self, model_to_tokenizer_path: dict[str, str]):
@@ -158,15 +167,23 @@ class PromptHasher:
                 tools = ToolSet.from_request(body.tools, body.tool_choice, body.parallel_tool_calls)
                 turn = ChatTurn(body.messages_as_dicts(), {}, tools=tools,
                                 add_generation_prompt=body.add_generation_prompt)
-                return turn.prompt_ids(tokenizer)
+                return _leading_ids(tokenizer, *turn.prompt_text(tokenizer))
             if path == "/v1/completions":
                 prompt = payload.get("prompt")
                 if isinstance(prompt, list) and len(prompt) == 1:
                     prompt = prompt[0]
                 if isinstance(prompt, str):
-                    return tokenizer.encode(prompt, add_special_tokens=True)
-                if isinstance(prompt, list) and prompt and all(type(token) is int for token in prompt):
-                    return list(prompt)
+                    return _leading_ids(tokenizer, prompt, True)
+                # Ids the backend would refuse (it answers the client why) give no hint.
+                if (isinstance(prompt, list) and prompt
+                        and all(type(token) is int and 0 <= token < tokenizer.vocab_size for token in prompt)):
+                    return list(prompt[:MAX_HASHED_CHARS // 4])
         except Exception as exc:  # a body the backend will refuse: it says why, the router only loses a hint
             logger.debug("no prompt hashes for a %s body: %s", path, exc)
         return None
+
+
+def _leading_ids(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    if len(text) <= MAX_HASHED_CHARS:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return tokenizer.encode(text[:MAX_HASHED_CHARS], add_special_tokens=add_special_tokens)[:-_CUT_MARGIN_TOKENS]

@@ -6,7 +6,7 @@ request goes to the backend holding the longest part of its prompt if that is at
 `cache_threshold` of the prompt; when loads are uneven (the busiest has more than
 `balance_abs_threshold` requests over the idlest and more than `balance_rel_threshold` times its
 count), or no backend holds enough, to the least busy. The counts of each decision are kept
-(`decision_counts`, shown by the gateway's /status).
+(`decision_to_count`, shown by the gateway's /status).
 
 Sessions are keys pinned to a backend (LRU-bounded): a client's `x-session-id`, and each stored
 OpenAI Responses id (`response:<id>`), so that `previous_response_id` and `GET /v1/responses/{id}`
@@ -81,7 +81,7 @@ class BackendRouter:
         self.cool_down_s = cool_down_s
         self.max_sessions = max_sessions
         self.prefix_policy = prefix_policy  # None: least in-flight only
-        self.decision_counts: collections.Counter[str] = collections.Counter()
+        self.decision_to_count: collections.Counter[str] = collections.Counter()
         self._clock = clock
         self._backend_id_to_backend: dict[str, RoutableBackend] = {}
         self._backend_id_to_num_failures: dict[str, int] = collections.defaultdict(int)
@@ -112,12 +112,14 @@ class BackendRouter:
         return self._backend_id_to_cool_until.get(backend_id, 0.0) > self._clock()
 
     def pick(self, model: str, session_id: str | None = None, exclude: Iterable[str] = (),
-             prefix: PrefixMatcher | None = None) -> RoutableBackend | None:
+             prefix: PrefixMatcher | None = None, owner_backend_id: str | None = None) -> RoutableBackend | None:
         """The backend for one attempt, or None when no backend serves `model`.
 
-        Healthy backends come first; cooling ones are used only when nothing else serves
-        the model, since a backend that may work beats a certain 503. A session's pinned
-        backend wins, then (with a prefix policy and `prefix`) the longest cached prefix.
+        `owner_backend_id`, the one backend that can answer (it stores what the request refers
+        to), wins while it is connected and not draining, cooling or not. Otherwise healthy
+        backends come first; cooling ones are used only when nothing else serves the model,
+        since a backend that may work beats a certain 503. A session's pinned backend wins, then
+        (with a prefix policy and `prefix`) the longest cached prefix, then the least busy.
         """
         excluded_ids = set(exclude)
         candidates = [
@@ -126,6 +128,10 @@ class BackendRouter:
         ]
         if not candidates:
             return None
+        for backend in candidates:
+            if backend.backend_id == owner_backend_id:
+                self.decision_to_count["owner"] += 1
+                return backend
         healthy = [b for b in candidates if not self.is_cooling(b.backend_id)]
         pool = healthy or candidates
         if session_id is not None:
@@ -133,12 +139,12 @@ class BackendRouter:
             for backend in pool:
                 if backend.backend_id == pinned_id:
                     self._session_id_to_backend_id.move_to_end(session_id)
-                    self.decision_counts["session"] += 1
+                    self.decision_to_count["session"] += 1
                     return backend
         chosen = self._by_prefix(pool, prefix) if prefix is not None and self.prefix_policy is not None else None
         if chosen is None:
             chosen = min(pool, key=lambda b: b.num_in_flight)
-            self.decision_counts["least_busy"] += 1
+            self.decision_to_count["least_busy"] += 1
         if session_id is not None:
             self.pin(session_id, chosen.backend_id)
         return chosen
@@ -146,14 +152,14 @@ class BackendRouter:
     def _by_prefix(self, pool: list[RoutableBackend], prefix: PrefixMatcher) -> RoutableBackend | None:
         policy = self.prefix_policy
         if len(pool) > 1 and policy.is_imbalanced([b.num_in_flight for b in pool]):
-            self.decision_counts["imbalance"] += 1
+            self.decision_to_count["imbalance"] += 1
             return None
         # The most tokens held; among equals the least busy.
         best = max(pool, key=lambda b: (prefix.num_matched_tokens(b.backend_id), -b.num_in_flight))
         num_matched = prefix.num_matched_tokens(best.backend_id)
         if num_matched == 0 or num_matched < policy.cache_threshold * prefix.num_prompt_tokens:
             return None
-        self.decision_counts["prefix"] += 1
+        self.decision_to_count["prefix"] += 1
         return best
 
     def pin(self, session_id: str, backend_id: str) -> None:
@@ -162,6 +168,13 @@ class BackendRouter:
         self._session_id_to_backend_id.move_to_end(session_id)
         while len(self._session_id_to_backend_id) > self.max_sessions:
             self._session_id_to_backend_id.popitem(last=False)
+
+    def num_candidates(self, model: str) -> int:
+        """Connected, non-draining backends serving `model`."""
+        return sum(1 for b in self._backend_id_to_backend.values() if model in b.models and not b.is_draining)
+
+    def is_registered(self, backend: RoutableBackend) -> bool:
+        return self._backend_id_to_backend.get(backend.backend_id) is backend
 
     def pinned_backend(self, session_id: str) -> RoutableBackend | None:
         """The connected backend `session_id` is pinned to, if any."""

@@ -26,7 +26,6 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
-from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokios.errors import OverloadedError, TokiosError
@@ -40,7 +39,8 @@ from tokios.server.protocol import (ChatCompletionRequest, CompletionRequest, De
                                     TokenizeRequest, parse_body)
 from tokios.server.registry import UNLOADED, ModelEntry, ModelLease, ModelRegistry, ModelSpec
 from tokios.server.serving import SSEResponse, Serving, ServerSettings
-from tokios.server.web_assets import STATIC_DIR, vendor_file, warn_if_vendor_files_missing
+from tokios.server.web_assets import (CONTENT_SECURITY_POLICY, STATIC_DIR, PageFiles, vendor_file,
+                                     warn_if_vendor_files_missing)
 
 logger = logging.getLogger("tokios.server")
 
@@ -405,7 +405,8 @@ def create_app(settings: ServerSettings, *, registry: ModelRegistry | None = Non
 
     @app.get("/")
     async def index() -> Response:
-        return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
+        return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache",
+                                                                "Content-Security-Policy": CONTENT_SECURITY_POLICY})
 
     @app.get("/static/vendor/{name}")
     async def vendor(name: str) -> Response:
@@ -416,5 +417,5 @@ def create_app(settings: ServerSettings, *, registry: ModelRegistry | None = Non
 
     warn_if_vendor_files_missing()
 
-    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+    app.mount("/static", PageFiles(directory=STATIC_DIR), name="static")
     return app

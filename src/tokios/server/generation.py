@@ -67,15 +67,20 @@ class ChatTurn:
     def calls_possible(self) -> bool:
         return self.tools is not None and self.tools.calls_possible
 
-    def prompt_ids(self, tokenizer: Tokenizer) -> list[int]:
-        """The prompt's token ids: the chat template over the messages (and tools), or the raw
-        prompt. The gateway's prefix-aware routing hashes the same ids (gateway/prefix_index.py)."""
+    def prompt_text(self, tokenizer: Tokenizer) -> tuple[str, bool]:
+        """The prompt as text, and whether encoding it adds the tokenizer's special tokens: the
+        chat template over the messages (and tools), or the raw prompt."""
         if self.raw_prompt is not None:
-            return tokenizer.encode(self.raw_prompt, add_special_tokens=True)
+            return self.raw_prompt, True
         messages, template_tools = template_inputs(self.messages, self.tools, tokenizer.chat_template_takes_tools)
-        prompt_text = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=self.add_generation_prompt, tools=template_tools)
-        return tokenizer.encode(prompt_text, add_special_tokens=False)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=self.add_generation_prompt,
+                                             tools=template_tools), False
+
+    def prompt_ids(self, tokenizer: Tokenizer) -> list[int]:
+        """The prompt's token ids. The gateway's prefix-aware routing hashes the same ids from the
+        same text (gateway/prefix_index.py)."""
+        text, add_special_tokens = self.prompt_text(tokenizer)
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 @dataclass

@@ -18,6 +18,17 @@ const MAX_RENDER_SHARE = 0.2;
 const THEMES = ["auto", "light", "dark"];
 
 const store = new ConversationStore();
+
+// Runs a change of the conversations; storage that is full is said in the page, and the page goes
+// on with what it has in memory.
+function saving(change) {
+  try {
+    return change();
+  } catch (err) {
+    showNotice(`Not saved: ${err.message}`);
+    return undefined;
+  }
+}
 // The reply being streamed, if any: which conversation and message it writes, and how to stop it.
 let streaming = null;
 let keyTimer = null; // debounces /v1/models while a key is being typed
@@ -170,7 +181,7 @@ function renderSidebar() {
     title.textContent = conversation.title;
     title.title = conversation.title;
     title.addEventListener("click", () => {
-      store.select(conversation.id);
+      saving(() => store.select(conversation.id));
       renderAll();
     });
     const rename = document.createElement("button");
@@ -193,7 +204,7 @@ function renderSidebar() {
         setTimeout(() => { remove.classList.remove("armed"); remove.textContent = "✕"; }, 3000);
         return;
       }
-      store.remove(conversation.id);
+      saving(() => store.remove(conversation.id));
       renderAll();
     });
     item.append(title, rename, remove);
@@ -213,7 +224,7 @@ function startRename(item, conversation) {
   input.className = "rename-input";
   input.value = conversation.title;
   const finish = (isSaved) => {
-    if (isSaved) store.rename(conversation.id, input.value);
+    if (isSaved) saving(() => store.rename(conversation.id, input.value));
     renderSidebar();
   };
   input.addEventListener("keydown", (event) => {
@@ -296,7 +307,7 @@ async function streamReply(conversation, index) {
     settings = requestOptions();
   } catch (err) {
     message.error = `settings: ${err.message}`;
-    store.touch(conversation);
+    saving(() => store.touch(conversation));
     renderMessages();
     return;
   }
@@ -372,14 +383,14 @@ async function streamReply(conversation, index) {
     if (numTokens > 1 && decodeSeconds > 0) stats.tokens_per_s = (numTokens - 1) / decodeSeconds;
   }
   message.stats = stats;
-  store.touch(conversation);
+  saving(() => store.touch(conversation));
   renderAll();
 }
 
 function send(text) {
-  const conversation = store.current() || store.create();
+  const conversation = store.current() || saving(() => store.create()) || store.current();
   conversation.messages.push({ role: "user", content: text }, { role: "assistant", content: "" });
-  store.touch(conversation);
+  saving(() => store.touch(conversation));
   return streamReply(conversation, conversation.messages.length - 1);
 }
 
@@ -387,7 +398,7 @@ function send(text) {
 function regenerate(index) {
   const conversation = store.current();
   conversation.messages.splice(index, conversation.messages.length - index, { role: "assistant", content: "" });
-  store.touch(conversation);
+  saving(() => store.touch(conversation));
   return streamReply(conversation, index);
 }
 
@@ -396,7 +407,7 @@ function editAndResend(index, text) {
   const conversation = store.current();
   conversation.messages.splice(index, conversation.messages.length - index,
                                { role: "user", content: text }, { role: "assistant", content: "" });
-  store.touch(conversation);
+  saving(() => store.touch(conversation));
   return streamReply(conversation, index + 1);
 }
 
@@ -476,7 +487,7 @@ function init() {
   });
   $("new-chat").addEventListener("click", () => {
     const current = store.current();
-    if (!current || current.messages.length) store.create();
+    if (!current || current.messages.length) saving(() => store.create());
     renderAll();
     $("message").focus();
   });

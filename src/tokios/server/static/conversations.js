@@ -39,10 +39,15 @@ export class ConversationStore {
     return [...this.conversations].sort((a, b) => b.updated - a.updated);
   }
 
+  // Throws an Error saying the browser's storage is full (the conversations stay in memory).
   save() {
-    localStorage.setItem(CONVERSATIONS_KEY, JSON.stringify(this.conversations));
-    if (this.currentId) localStorage.setItem(CURRENT_KEY, this.currentId);
-    else localStorage.removeItem(CURRENT_KEY);
+    try {
+      localStorage.setItem(CONVERSATIONS_KEY, JSON.stringify(this.conversations));
+      if (this.currentId) localStorage.setItem(CURRENT_KEY, this.currentId);
+      else localStorage.removeItem(CURRENT_KEY);
+    } catch (err) {
+      throw new Error(`this browser's storage refused the conversations (${err.name}): delete or export some`);
+    }
   }
 
   create() {
@@ -107,15 +112,35 @@ export class ConversationStore {
     const imported = items.map((item, index) => checkedConversation(item, `conversations[${index}]`));
     if (!imported.length) throw new Error("the file holds no conversations");
     const now = Date.now();
+    const previous = { conversations: this.conversations, currentId: this.currentId };
     imported.forEach((conversation, index) => {
       conversation.id = newId();
       conversation.updated = conversation.updated || now - index;
-      this.conversations.push(conversation);
     });
+    this.conversations = [...this.conversations, ...imported];
     this.currentId = imported[0].id;
-    this.save();
+    try {
+      this.save();
+    } catch (err) {
+      Object.assign(this, previous); // an import that cannot be kept adds nothing
+      throw err;
+    }
     return imported.length;
   }
+}
+
+// The stats fields the page shows, each kept only with the type it is shown as.
+const STAT_FIELD_TO_TYPE = { ttft_s: "number", tokens_per_s: "number", num_tokens: "number",
+                             finish_reason: "string", model: "string" };
+
+function checkedStats(stats) {
+  if (!stats || typeof stats !== "object") return null;
+  const kept = {};
+  for (const [field, type] of Object.entries(STAT_FIELD_TO_TYPE)) {
+    const value = stats[field];
+    if (typeof value === type && (type !== "number" || Number.isFinite(value))) kept[field] = value;
+  }
+  return kept;
 }
 
 function checkedConversation(item, where) {
@@ -130,7 +155,8 @@ function checkedConversation(item, where) {
     if (typeof message.content !== "string") throw new Error(`${at}.content must be a string`);
     const kept = { role: message.role, content: message.content };
     if (typeof message.error === "string") kept.error = message.error;
-    if (message.stats && typeof message.stats === "object") kept.stats = message.stats;
+    const stats = checkedStats(message.stats);
+    if (stats) kept.stats = stats;
     return kept;
   });
   const now = Date.now();

@@ -82,7 +82,16 @@ export function renderMarkdown(element, text) {
     element.textContent = text;
     return;
   }
-  const html = window.DOMPurify.sanitize(window.marked.parse(text), SANITIZE_OPTIONS);
+  let html;
+  try {
+    html = window.DOMPurify.sanitize(window.marked.parse(text), SANITIZE_OPTIONS);
+  } catch (err) {
+    // Input the renderer cannot take (thousands of nested quotes, say) is shown as it is.
+    element.classList.add("plain");
+    element.textContent = text;
+    return;
+  }
+  element.classList.remove("plain");
   element.innerHTML = html;
   for (const code of element.querySelectorAll("pre > code")) {
     if (isHighlightAvailable) window.hljs.highlightElement(code);

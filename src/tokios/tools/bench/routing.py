@@ -8,8 +8,9 @@ gateway at `--concurrency`: each is one of `--num-shared-prompts` system prompts
 `--shared-prompt-tokens` tokens (drawn at random per request) followed by a question of its own;
 rounds alternate the two gateways and every round draws new system prompts, so no round finds
 another's blocks cached. Reported per policy: TTFT p50/p95, output throughput, and the prefix
-cache's hit rate summed over the backends (prompt tokens found cached / prompt tokens, from each
-backend's /v1/engine/stats), with medians over rounds. Into docs/scale-out.md with --write-docs.
+cache's hit rate summed over the backends (tokens found / tokens looked up, each engine's own
+counters from /v1/engine/stats), with medians over rounds. Into docs/scale-out.md with
+--write-docs. The processes' logs stay in the peers cache (routing/).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import contextlib
 import os
 import random
 import statistics
+import signal
 import subprocess
 import sys
 import tempfile
@@ -66,32 +68,27 @@ def _check(args: argparse.Namespace) -> None:
         raise InvalidRequestError("shared_prompt_tokens must be >= 64", param="shared_prompt_tokens")
 
 
-class _Processes:
-    """Subprocesses with their logs in one folder; all stopped (SIGTERM, then SIGKILL) on exit."""
+class _Connectors:
+    """`tokios connect` processes (no port to wait on), stopped with their sessions on exit."""
 
     def __init__(self, log_dir: Path):
         self.log_dir = log_dir
         self.popens: list[subprocess.Popen] = []
 
-    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    def start(self, name: str, argv: list[str], env: dict[str, str]) -> None:
         with open(self.log_dir / f"{name}.log", "wb") as log:
-            popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env={**os.environ, **(env or {})}, start_new_session=True)
-        self.popens.append(popen)
-        return popen
-
-    def log_tail(self, name: str) -> str:
-        return (self.log_dir / f"{name}.log").read_text(errors="replace")[-1500:]
+            self.popens.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                                env={**os.environ, **env}, start_new_session=True))
 
     def stop_all(self) -> None:
-        for popen in reversed(self.popens):
-            if popen.poll() is None:
-                popen.terminate()
-        for popen in reversed(self.popens):
+        for popen in self.popens:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(popen.pid, signal.SIGTERM)
+        for popen in self.popens:
             try:
                 popen.wait(30)
             except subprocess.TimeoutExpired:
-                popen.kill()
+                os.killpg(popen.pid, signal.SIGKILL)
                 popen.wait(10)
 
 
@@ -108,13 +105,14 @@ def _wait(predicate, timeout_s: float, what: str) -> None:
 
 
 def _engine_totals(backend_urls: list[str]) -> tuple[int, int]:
-    """(prompt tokens, prompt tokens found in the prefix cache), summed over the backends."""
-    num_prompt = num_hit = 0
+    """(prompt tokens looked up in the prefix cache, of those found there), summed over the
+    backends: each engine's own hit rate counters."""
+    num_queried = num_hit = 0
     for url in backend_urls:
         stats = httpx.get(url + "/v1/engine/stats", timeout=30).json()
-        num_prompt += stats["num_prompt_tokens"]
+        num_queried += stats["prefix_cache_queries"]
         num_hit += stats["prefix_cache_hits"]
-    return num_prompt, num_hit
+    return num_queried, num_hit
 
 
 def _round_requests(args: argparse.Namespace, rng: random.Random, codec) -> list[BenchRequest]:
@@ -128,45 +126,45 @@ def _round_requests(args: argparse.Namespace, rng: random.Random, codec) -> list
 
 def run(args: argparse.Namespace) -> int:
     from tokios.gateway.keys import KIND_CLIENT, KIND_CONNECTOR, KeyStore
-    from tokios.tools.bench.peers import free_port, load_prompt_codec, resolve_model_path
+    from tokios.tools.bench.peers import ServerProcess, free_port, load_prompt_codec, peers_dir, resolve_model_path
 
     _check(args)
     model_path = resolve_model_path(args.model)
     codec = load_prompt_codec(model_path)
     with tempfile.TemporaryDirectory(prefix="tokios-bench-routing-") as work_dir, contextlib.ExitStack() as stack:
-        processes = _Processes(Path(work_dir))
-        stack.callback(processes.stop_all)
-        store = KeyStore(Path(work_dir) / "gateway.db")
+        db_path = Path(work_dir) / "gateway.db"
+        store = KeyStore(db_path)
         client_key = store.create(KIND_CLIENT, "bench")[1]
         connector_token = store.create(KIND_CONNECTOR, "bench")[1]
         store.close()
-        backend_urls = []
-        for index in range(args.num_backends):
-            port = free_port()
-            processes.start(f"backend-{index}", [*TOKIOS, "serve", "--port", str(port), "--model", model_path,
-                                                 "--served-model-name", SERVED_NAME, "--kv-cache-memory",
-                                                 args.kv_cache_memory, "--threads", str(args.backend_threads)])
-            backend_urls.append(f"http://127.0.0.1:{port}")
-        policy_to_gateway_url = {}
-        for policy in POLICIES:
-            port = free_port()
-            processes.start(f"gateway-{policy}", [*TOKIOS, "gateway", "--port", str(port), "--db",
-                                                  str(Path(work_dir) / "gateway.db"), "--routing", policy,
-                                                  "--tokenizer", f"{SERVED_NAME}={model_path}", "--log-level",
-                                                  "warning"])
-            policy_to_gateway_url[policy] = f"http://127.0.0.1:{port}"
-        for url in [*backend_urls, *policy_to_gateway_url.values()]:
-            _wait(lambda: httpx.get(url + "/health", timeout=5).status_code == 200, 300, url)
+        log_dir = peers_dir() / "routing"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        backends = [ServerProcess(f"backend-{index}", [
+            *TOKIOS, "serve", "--port", str(port), "--model", model_path, "--served-model-name", SERVED_NAME,
+            "--kv-cache-memory", args.kv_cache_memory, "--threads", str(args.backend_threads)], port,
+            log_path=log_dir / f"backend-{index}.log") for index, port in
+            ((index, free_port()) for index in range(args.num_backends))]
+        gateways = {policy: ServerProcess(f"gateway-{policy}", [
+            *TOKIOS, "gateway", "--port", str(port), "--db", str(db_path), "--routing", policy, "--tokenizer",
+            f"{SERVED_NAME}={model_path}", "--log-level", "warning"], port, log_path=log_dir / f"gateway-{policy}.log")
+            for policy, port in ((policy, free_port()) for policy in POLICIES)}
+        for server in [*backends, *gateways.values()]:
+            stack.enter_context(server.start())
+        backend_urls = [backend.base_url for backend in backends]
+        policy_to_gateway_url = {policy: gateway.base_url for policy, gateway in gateways.items()}
+        connectors = _Connectors(log_dir)
+        stack.callback(connectors.stop_all)
         for policy, gateway_url in policy_to_gateway_url.items():
             for index, backend_url in enumerate(backend_urls):
-                processes.start(f"connector-{policy}-{index}",
-                                [*TOKIOS, "connect", gateway_url, "--backend-url", backend_url, "--backend-id",
-                                 f"backend-{index}", "--report-cache-events", "--log-level", "warning"],
-                                env={"TOKIOS_CONNECTOR_TOKEN": connector_token})
+                connectors.start(f"connector-{policy}-{index}",
+                                 [*TOKIOS, "connect", gateway_url, "--backend-url", backend_url, "--backend-id",
+                                  f"backend-{index}", "--report-cache-events", "--log-level", "warning"],
+                                 env={"TOKIOS_CONNECTOR_TOKEN": connector_token})
         headers = {"Authorization": f"Bearer {client_key}"}
         for gateway_url in policy_to_gateway_url.values():
             _wait(lambda: len(httpx.get(gateway_url + "/status", headers=headers, timeout=5).json()
-                              ["indexed_backends"]) == args.num_backends, 120, f"backends on {gateway_url}")
+                              ["indexed_backends"]) == args.num_backends, 120,
+                  f"backends on {gateway_url} (logs in {log_dir})")
         print(f"{args.num_backends} backends, two gateways ready", file=sys.stderr)
 
         policy_to_rounds: dict[str, list[dict]] = {policy: [] for policy in POLICIES}
@@ -177,15 +175,15 @@ def run(args: argparse.Namespace) -> int:
                 requests = _round_requests(args, rng, codec)
                 load = ServeLoad(base_url=policy_to_gateway_url[policy], model=SERVED_NAME,
                                  num_prompts=len(requests), api_key=client_key, seed=args.seed + round_index)
-                prompt_before, hit_before = _engine_totals(backend_urls)
+                queried_before, hit_before = _engine_totals(backend_urls)
                 summary, _ = asyncio.run(run_level(load, requests, label=f"{policy} round {round_index + 1}",
                                                    max_concurrency=args.concurrency, num_warmups=0))
-                prompt_after, hit_after = _engine_totals(backend_urls)
+                queried_after, hit_after = _engine_totals(backend_urls)
                 decisions = httpx.get(policy_to_gateway_url[policy] + "/status", headers=headers,
                                       timeout=30).json()["routing_decisions"]
                 result = {"ttft_p50_ms": summary.ttft.median_ms, "ttft_p95_ms": summary.ttft.p95_ms,
                           "output_tok_s": summary.output_throughput, "num_failed": summary.num_failed,
-                          "hit_rate": (hit_after - hit_before) / max(1, prompt_after - prompt_before),
+                          "hit_rate": (hit_after - hit_before) / max(1, queried_after - queried_before),
                           "decisions": decisions}
                 policy_to_rounds[policy].append(result)
                 print(f"{policy} round {round_index + 1}: TTFT p50 {result['ttft_p50_ms']:.0f} ms, p95 "
@@ -204,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
               f"p95 {fmt_ratio(median('least-busy', 'ttft_p95_ms') / median('prefix', 'ttft_p95_ms'))}; "
               f"throughput prefix / least-busy "
               f"{fmt_ratio(median('prefix', 'output_tok_s') / median('least-busy', 'output_tok_s'))}. "
-              f"Prefix gateway's decisions over all its rounds: {policy_to_rounds['prefix'][-1]['decisions']}.")
+              f"The prefix gateway's decisions, all rounds: {policy_to_rounds['prefix'][-1]['decisions']}.")
     print(text)
     if args.json_path:
         report.write_json(args.json_path, {"command": report.command_line(), "machine": machine_line(),

@@ -493,3 +493,35 @@ def test_errors_are_shown_in_the_page(web_server, browser):
     wait_idle(browser)
     [question, reply] = messages(browser)
     assert question["text"] == "Hello?" and reply["text"] and not reply["error"], reply
+
+
+def test_every_setting_reaches_the_request(web_server, browser):
+    open_page(browser, web_server)
+    browser.evaluate("window.__bodies = []; const send = window.fetch; window.fetch = (url, options) => {"
+                     " if (options && options.body) window.__bodies.push(JSON.parse(options.body));"
+                     " return send(url, options); }")
+    settings = {"system-prompt": "Be brief.", "temperature": "0.7", "top-p": "0.9", "top-k": "20", "min-p": "0.1",
+                "max-tokens": "12", "min-tokens": "2", "presence-penalty": "0.5", "frequency-penalty": "0.25",
+                "repetition-penalty": "1.1", "seed": "7", "stop-strings": "END\nSTOP", "logit-bias": '{"42": -5}',
+                "response-format": "json_object", "speculative": "ngram"}
+    for element_id, value in settings.items():
+        set_setting(browser, element_id, value)
+    send_message(browser, "Give me a JSON object.")
+    wait_idle(browser)
+    [_, reply] = messages(browser)
+    assert not reply["error"], reply
+    body = browser.evaluate("window.__bodies[window.__bodies.length - 1]")
+    assert body["messages"][0] == {"role": "system", "content": "Be brief."}
+    expected = {"temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.1, "max_tokens": 12, "min_tokens": 2,
+                "presence_penalty": 0.5, "frequency_penalty": 0.25, "repetition_penalty": 1.1, "seed": 7,
+                "stop": ["END", "STOP"], "logit_bias": {"42": -5}, "response_format": {"type": "json_object"},
+                "speculative": {"method": "ngram"}, "stream": True}
+    assert {name: body.get(name) for name in expected} == expected
+    # The settings are kept per browser: a reload shows them, and Reset brings the defaults back.
+    browser.call("Page.reload")
+    browser.wait_for("document.readyState === 'complete' && document.getElementById('seed').value === '7'", 30)
+    browser.click("#open-settings")
+    browser.click("#reset-settings")
+    assert browser.evaluate("['temperature', 'seed', 'speculative'].map(id => document.getElementById(id).value)"
+                            ".join()") == "0.8,,default"
+    assert browser.evaluate("localStorage.getItem('tokios.api-key')") == API_KEY  # the key survives a reset

@@ -16,7 +16,7 @@ from tokios.tools.hardware import NAME_TO_HARDWARE
 from tokios.tools.model_presets import NAME_TO_PRESET
 from tokios.tools.plan import PlanInputs, make_plan
 from tokios.tools.simulate.backend import BackendLimits, BatchingBackend, ServiceModel, SimRequest
-from tokios.tools.simulate.calibration import MeasuredStep, RooflineMeasurement, fit_efficiency
+from tokios.tools.simulate.calibration import MeasuredStep, RooflineMeasurement, fit_efficiency, predicted_seconds
 from tokios.tools.simulate.cost_model import BackendCostModel, DecodeRun, Efficiency
 from tokios.tools.simulate.engine import FleetSpec, simulate
 from tokios.tools.simulate.fleet_search import find_fleet_size
@@ -110,7 +110,7 @@ def test_decode_run_closed_form_equals_the_sum_of_its_steps_across_the_ridge():
     assert run.compute0 > run.memory0  # starts compute-bound ...
     last = num_steps - 1
     assert run.memory0 + run.memory_slope * last > run.compute0 + run.compute_slope * last  # ... ends memory-bound
-    brute = [cost.step_seconds(*cost.decode_work(batch_size, total_context + batch_size * j)) for j in range(num_steps)]
+    brute = [cost.decode_step_seconds(batch_size, (total_context + batch_size * j) / batch_size) for j in range(num_steps)]
     for k in (1, 7, 1000, num_steps):
         assert run.elapsed_s(k) == pytest.approx(sum(brute[:k]), rel=1e-9)
     assert run.steps_done_by(sum(brute[:1234]) + 1e-12, num_steps) == 1234
@@ -118,9 +118,13 @@ def test_decode_run_closed_form_equals_the_sum_of_its_steps_across_the_ridge():
 
 def test_efficiency_scales_the_roofs():
     cost = _cost()
-    slow = cost.with_efficiency(Efficiency(compute=0.5, bandwidth=0.25, step_overhead_s=0.001))
+    slow = cost.with_efficiency(Efficiency(prefill_compute=0.5, decode_compute=0.1, bandwidth=0.25,
+                                           step_overhead_s=0.001))
     assert slow.decode_step_seconds(1, 1024) == pytest.approx(4 * cost.decode_step_seconds(1, 1024) + 0.001, rel=1e-9)
     assert slow.prefill_seconds(8000) == pytest.approx(2 * cost.prefill_seconds(8000) + 0.001, rel=1e-9)
+    compute_bound = 256 * plan_math.decode_step_flops(LLAMA_70B, 1, 16) / (0.1 * cost.peak_flops)
+    assert slow.decode_step_seconds(256, 16) == pytest.approx(max(compute_bound, 4 * (
+        cost.decode_step_seconds(256, 16))) + 0.001, rel=1e-9)
 
 
 # ---- routing -----------------------------------------------------------------------------------
@@ -269,15 +273,16 @@ def test_find_fleet_size_returns_the_smallest_fleet_meeting_the_slo():
 # ---- calibration ---------------------------------------------------------------------------------
 def test_fit_recovers_known_efficiencies():
     hardware = dataclasses.replace(NAME_TO_HARDWARE["l4"], name="this-machine", is_measured=True)
-    truth = Efficiency(compute=0.4, bandwidth=0.6, step_overhead_s=0.002)
+    truth = Efficiency(prefill_compute=0.4, decode_compute=0.08, bandwidth=0.6, step_overhead_s=0.002)
     peak, bandwidth = hardware.peak_flops("bf16"), hardware.memory_bandwidth
     shapes = [("prefill", 2e12, 2e8), ("prefill", 8e12, 3e8), ("prefill", 5e11, 2e8),
-              ("decode", 1e10, 1.5e10), ("decode", 2e11, 1.6e10), ("decode", 4e11, 1.8e10)]
-    steps = [MeasuredStep(f"{phase} {i}", flops, num_bytes,
-                          truth.step_overhead_s + max(flops / (truth.compute * peak), num_bytes / (truth.bandwidth * bandwidth)))
+              ("decode", 1e10, 1.5e10), ("decode", 2e11, 1.6e10), ("decode", 8e11, 1.8e10), ("decode", 2e12, 2e10)]
+    steps = [MeasuredStep(phase, f"{phase} {i}", flops, num_bytes, predicted_seconds(
+        MeasuredStep(phase, "", flops, num_bytes, 1.0), peak, bandwidth, truth))
              for i, (phase, flops, num_bytes) in enumerate(shapes)]
     calibration = fit_efficiency(RooflineMeasurement(hardware, "bf16", "bfloat16", steps))
-    assert calibration.efficiency.compute == pytest.approx(0.4, rel=0.02)
+    assert calibration.efficiency.prefill_compute == pytest.approx(0.4, rel=0.02)
+    assert calibration.efficiency.decode_compute == pytest.approx(0.08, rel=0.02)
     assert calibration.efficiency.bandwidth == pytest.approx(0.6, rel=0.02)
     assert calibration.efficiency.step_overhead_s == pytest.approx(0.002, rel=0.1)
     assert calibration.rms_log_error < 0.01
@@ -295,7 +300,7 @@ def test_fit_recovers_known_efficiencies():
     (lambda: LengthDistribution.parse("lognormal:0:1", field_name="prompt_len"), "prompt_len"),
     (lambda: LengthDistribution.parse("9:3", field_name="output_len"), "output_len"),
     (lambda: BackendLimits(max_num_seqs=64, max_num_batched_tokens=32), "max_num_batched_tokens"),
-    (lambda: Efficiency(compute=0.0), "compute_efficiency"),
+    (lambda: Efficiency(decode_compute=0.0), "decode_compute_efficiency"),
     (lambda: Slo(ttft_p99_s=-2.0), "slo_ttft_p99"),
 ])
 def test_bad_input_raises_naming_the_field(make, field):

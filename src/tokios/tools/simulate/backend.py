@@ -176,7 +176,8 @@ class BatchingBackend:
         """One step: decodes, prefill chunks, admissions. Returns its time in seconds."""
         cost, limits = self.cost, self.limits
         budget = limits.max_num_batched_tokens - len(decoding)
-        flops, num_bytes = cost.decode_work(len(decoding), total_context)
+        decode_flops, num_bytes = cost.decode_work(len(decoding), total_context)
+        prefill_flops = 0.0
         is_time_bound = limits.max_step_s is not None and bool(decoding)
         candidates = list(prefilling)
         while True:
@@ -185,26 +186,27 @@ class BatchingBackend:
                     break
                 num_tokens = min(request.prompt_len - request.num_computed, budget)
                 if is_time_bound and num_tokens > MIN_PREFILL_CHUNK:
-                    num_tokens = self._fit_chunk_in_time(request, num_tokens, flops, num_bytes)
+                    num_tokens = self._fit_chunk_in_time(request, num_tokens, decode_flops, prefill_flops, num_bytes)
                 chunk_flops, chunk_bytes = cost.prefill_chunk_work(
                     num_tokens, request.num_computed, request.num_computed + num_tokens == request.prompt_len)
-                flops += chunk_flops
+                prefill_flops += chunk_flops
                 num_bytes += chunk_bytes
                 budget -= num_tokens
                 self.prefill_chunks.append((request, num_tokens))
             if budget <= 0 or not self._admit_next(now):
                 break
             candidates = [self.running[-1]]  # the newly admitted request gets its first chunk
-        return cost.step_seconds(flops, num_bytes)
+        return cost.step_seconds(decode_flops, prefill_flops, num_bytes)
 
-    def _fit_chunk_in_time(self, request: SimRequest, num_tokens: int, flops: float, num_bytes: float) -> int:
+    def _fit_chunk_in_time(self, request: SimRequest, num_tokens: int, decode_flops: float, prefill_flops: float,
+                           num_bytes: float) -> int:
         """The most prompt tokens (at least MIN_PREFILL_CHUNK) the step can add within max_step_s."""
         cost, max_step_s = self.cost, self.limits.max_step_s
 
         def fits(count: int) -> bool:
             chunk_flops, chunk_bytes = cost.prefill_chunk_work(
                 count, request.num_computed, request.num_computed + count == request.prompt_len)
-            return cost.step_seconds(flops + chunk_flops, num_bytes + chunk_bytes) <= max_step_s
+            return cost.step_seconds(decode_flops, prefill_flops + chunk_flops, num_bytes + chunk_bytes) <= max_step_s
 
         low, high = MIN_PREFILL_CHUNK, num_tokens
         if fits(high):

@@ -2,16 +2,21 @@
 
 Owns `RooflineMeasurement` (read by `load_roofline_json`: the roofs that tools/roofline_bench.py
 measured and the engine's prefill and decode points, tools/roofline_measure.py) and
-`fit_efficiency`, which finds the Efficiency (cost_model.py: share of the FLOP/s roof, share of
-the bandwidth roof, fixed seconds per step) under which the simulator's step formula,
-overhead + max(FLOPs / (e_c x peak), bytes / (e_b x bandwidth)), best predicts the measured steps.
+`fit_efficiency`, which finds the Efficiency (cost_model.py: the share of the FLOP/s roof that
+prompt tokens and that decode rows attain, the share of the bandwidth roof, fixed seconds per
+step) under which the simulator's step formula,
+overhead + max(FLOPs / (efficiency x peak), bytes / (efficiency x bandwidth)), best predicts the
+measured steps.
 
 Why fit, and how: the roofline is a floor; on a 2-core CPU the engine's decode reaches a fraction
 of the bandwidth roof and its prefill a fraction of the matmul roof, and every step pays Python
-and scheduling time. The three numbers are chosen to minimise the squared log error over all
-points (so a 5 ms decode step counts as much as a 2 s prefill), by a grid search refined twice
-around its best cell: deterministic, no dependency. `Calibration.residuals` lists each point's
-prediction against its measurement, so the fit can be judged.
+and scheduling time. The four numbers minimise the squared log error over all points (so a 5 ms
+decode step counts as much as a 2 s prefill), by coordinate descent over log-spaced grids that
+narrow each round, from four starts (an overhead of 0 to 90% of the shortest step, the rest read
+off the points: prefill points as compute-bound, the smallest decode batch as bandwidth-bound, the
+largest as compute-bound), keeping the best: deterministic, no dependency.
+`Calibration.residuals` lists each point's prediction against its measurement, so the fit can be
+judged; points need both phases, and two decode batch sizes at least, for the four to be told apart.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import statistics
 from pathlib import Path
 
 from tokios.errors import InvalidRequestError
@@ -28,6 +34,7 @@ from tokios.tools.simulate.cost_model import Efficiency
 
 @dataclasses.dataclass(frozen=True)
 class MeasuredStep:
+    phase: str  # "prefill" or "decode"
     label: str  # "prefill of 256 tokens", "decode at batch 4"
     flops: float
     bytes_moved: float
@@ -50,16 +57,16 @@ def load_roofline_json(path: str | Path) -> RooflineMeasurement:
     try:
         record = json.loads(Path(path).read_text())
         hardware = spec_from_measurement(record["measurement"])
-        steps = [MeasuredStep(_label(point), float(point["flops"]), float(point["bytes_moved"]), float(point["seconds"]))
+        steps = [MeasuredStep(str(point["phase"]), _label(point), float(point["flops"]), float(point["bytes_moved"]), float(point["seconds"]))
                  for point in record.get("points", [])]
         roof_dtype, engine_dtype = str(record["roof_dtype"]), str(record.get("engine_dtype", ""))
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise InvalidRequestError(f"roofline_json: cannot read {path} as the output of `tokios roofline --json` "
                                   f"({exc})", param="roofline_json") from None
-    phases = {step.label.split()[0] for step in steps}
-    if not {"prefill", "decode"} <= phases:
-        raise InvalidRequestError(f"roofline_json: {path} needs both prefill and decode points (run "
-                                  "`tokios roofline --json` without --skip-engine)", param="roofline_json")
+    num_prefills = sum(1 for step in steps if step.phase == "prefill")
+    if num_prefills < 1 or len(steps) - num_prefills < 2:
+        raise InvalidRequestError(f"roofline_json: {path} needs a prefill point and two decode batch sizes at least "
+                                  "(run `tokios roofline --json` without --skip-engine)", param="roofline_json")
     return RooflineMeasurement(hardware, roof_dtype, engine_dtype, steps)
 
 
@@ -79,48 +86,88 @@ class Calibration:
         return math.sqrt(sum(math.log(p / m) ** 2 for _, p, m in self.residuals) / len(self.residuals))
 
     def to_dict(self) -> dict:
-        return {"compute_efficiency": self.efficiency.compute, "bandwidth_efficiency": self.efficiency.bandwidth,
+        return {"prefill_compute_efficiency": self.efficiency.prefill_compute,
+                "decode_compute_efficiency": self.efficiency.decode_compute,
+                "bandwidth_efficiency": self.efficiency.bandwidth,
                 "step_overhead_s": self.efficiency.step_overhead_s,
                 "points": [{"point": label, "predicted_s": predicted, "measured_s": measured}
                            for label, predicted, measured in self.residuals]}
 
 
 def predicted_seconds(step: MeasuredStep, peak_flops: float, bandwidth: float, efficiency: Efficiency) -> float:
-    return efficiency.step_overhead_s + max(step.flops / (efficiency.compute * peak_flops),
+    compute = efficiency.decode_compute if step.phase == "decode" else efficiency.prefill_compute
+    return efficiency.step_overhead_s + max(step.flops / (compute * peak_flops),
                                             step.bytes_moved / (efficiency.bandwidth * bandwidth))
+
+
+_MIN_EFFICIENCY, _MAX_EFFICIENCY = 1e-3, 4.0
+_SPANS = (8.0, 2.0, 1.25, 1.05, 1.01)  # each round searches value / span .. value * span
+_GRID_SIZE = 41
+_SWEEPS_PER_SPAN = 4
+_OVERHEAD_START_SHARES = (0.0, 0.3, 0.6, 0.9)  # of the shortest measured step
 
 
 def fit_efficiency(measurement: RooflineMeasurement) -> Calibration:
     steps = measurement.steps
     peak, bandwidth = measurement.peak_flops, measurement.hardware.memory_bandwidth
-    compute_times = [step.flops / peak for step in steps]
-    memory_times = [step.bytes_moved / bandwidth for step in steps]
-    logs_measured = [math.log(step.seconds) for step in steps]
-
-    def loss(compute: float, bw: float, overhead: float) -> float:
-        return sum((math.log(overhead + max(c / compute, m / bw)) - logged) ** 2
-                   for c, m, logged in zip(compute_times, memory_times, logs_measured))
-
     shortest = min(step.seconds for step in steps)
-    # Grids: efficiencies log-spaced over [0.01, 4]; overhead 0 or log-spaced below the shortest step.
-    compute_grid = _geometric(0.01, 4.0, 40)
-    bandwidth_grid = _geometric(0.01, 4.0, 40)
-    overhead_grid = [0.0] + _geometric(shortest * 1e-3, shortest * 0.95, 20)
-    best = min(((loss(c, b, o), c, b, o) for c in compute_grid for b in bandwidth_grid for o in overhead_grid))
-    for span in (1.3, 1.04):  # refine around the best cell, each time finer
-        _, c0, b0, o0 = best
-        compute_grid = _geometric(max(0.01, c0 / span), min(4.0, c0 * span), 15)
-        bandwidth_grid = _geometric(max(0.01, b0 / span), min(4.0, b0 * span), 15)
-        overhead_grid = sorted({0.0, *(_geometric(o0 / span, min(shortest * 0.95, o0 * span), 15) if o0 else [])})
-        best = min(best, *((loss(c, b, o), c, b, o) for c in compute_grid for b in bandwidth_grid for o in overhead_grid))
-    _, compute, bw, overhead = best
-    efficiency = Efficiency(compute=compute, bandwidth=bw, step_overhead_s=overhead)
+
+    def loss(params: list[float]) -> float:
+        efficiency = _efficiency(params)
+        return sum(math.log(predicted_seconds(step, peak, bandwidth, efficiency) / step.seconds) ** 2
+                   for step in steps)
+
+    prefills = [s for s in steps if s.phase == "prefill"]
+    decodes = sorted((s for s in steps if s.phase == "decode"), key=lambda s: s.flops)
+    best_loss, best_params = math.inf, None
+    # Several starts, one per guess of the overhead: with max() in the formula a single descent can
+    # stop on a ridge (e.g. no overhead, a low bandwidth share) far from the best fit.
+    for overhead_share in _OVERHEAD_START_SHARES:
+        overhead = overhead_share * shortest
+        params = [  # prefill compute, decode compute, bandwidth, overhead
+            _clip(statistics.median(s.flops / peak / (s.seconds - overhead) for s in prefills)),
+            _clip(decodes[-1].flops / peak / (decodes[-1].seconds - overhead)),
+            _clip(decodes[0].bytes_moved / bandwidth / (decodes[0].seconds - overhead)),
+            overhead,
+        ]
+        current = loss(params)
+        for span in _SPANS:
+            for _ in range(_SWEEPS_PER_SPAN):
+                for index in range(len(params)):
+                    for candidate in _candidates(index, params[index], span, shortest):
+                        trial = params[:index] + [candidate] + params[index + 1:]
+                        trial_loss = loss(trial)
+                        if trial_loss < current:
+                            current, params = trial_loss, trial
+        if current < best_loss:
+            best_loss, best_params = current, params
+    params = best_params
+    efficiency = _efficiency(params)
     residuals = [(step.label, predicted_seconds(step, peak, bandwidth, efficiency), step.seconds) for step in steps]
     return Calibration(efficiency, residuals)
+
+
+def _efficiency(params: list[float]) -> Efficiency:
+    return Efficiency(prefill_compute=params[0], decode_compute=params[1], bandwidth=params[2],
+                      step_overhead_s=params[3])
+
+
+def _clip(efficiency: float) -> float:
+    return min(_MAX_EFFICIENCY, max(_MIN_EFFICIENCY, efficiency))
+
+
+def _candidates(index: int, value: float, span: float, shortest_s: float) -> list[float]:
+    if index < 3:
+        return _geometric(_clip(value / span), _clip(value * span), _GRID_SIZE)
+    # The overhead: 0, or up to 95% of the shortest measured step.
+    ceiling = 0.95 * shortest_s
+    if value == 0.0:
+        return [0.0] + _geometric(ceiling * 1e-3, ceiling, _GRID_SIZE)
+    return [0.0] + _geometric(max(ceiling * 1e-4, value / span), min(ceiling, value * span), _GRID_SIZE)
 
 
 def _geometric(low: float, high: float, count: int) -> list[float]:
     if count == 1 or high <= low:
         return [low]
     ratio = (high / low) ** (1 / (count - 1))
-    return [low * ratio ** i for i in range(count)]
+    return [low * ratio ** i for i in range(count - 1)] + [high]  # the ends exact: no rounding past a bound

@@ -75,6 +75,7 @@ def draw_fleet_chart(searches: Sequence[FleetSearch], slo: Slo, path: str | Path
     hit_axes.set_xlabel("request rate (req/s)")
     hit_axes.set_ylabel("prefix cache hit rate (% of prompt tokens)")
     hit_axes.set_title("cache hit rate at that fleet size", fontsize=9)
+    hit_axes.set_ylim(bottom=0)
     for axes in (size_axes, hit_axes):
         axes.grid(True, linewidth=0.3)
         axes.legend(fontsize=8)

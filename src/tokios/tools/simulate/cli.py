@@ -63,8 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     backend.add_argument("--headroom", type=float, default=0.10, help="memory kept free per device (default 0.10)")
     backend.add_argument("--kv-cache-memory", default=None,
                          help="KV cache per backend, e.g. 512MiB (default: what tokios plan leaves after weights)")
-    backend.add_argument("--compute-efficiency", type=float, default=None,
-                         help="share of the FLOP/s roof a step attains (default 1, or fitted by --roofline-json)")
+    backend.add_argument("--prefill-compute-efficiency", type=float, default=None,
+                         help="share of the FLOP/s roof prompt tokens attain (default 1, or fitted by --roofline-json)")
+    backend.add_argument("--decode-compute-efficiency", type=float, default=None,
+                         help="share of the FLOP/s roof decode rows attain (default 1, or fitted)")
     backend.add_argument("--bandwidth-efficiency", type=float, default=None,
                          help="share of the bandwidth roof a step attains (default 1, or fitted)")
     backend.add_argument("--step-overhead-ms", type=float, default=None,
@@ -162,10 +164,15 @@ def build_service(args: argparse.Namespace):
     else:
         hardware = load_hardware(args.hardware or THIS_MACHINE)
         fitted = Efficiency()
+    def chosen(flag_value: float | None, fitted_value: float) -> float:
+        return fitted_value if flag_value is None else flag_value
+
     efficiency = Efficiency(
-        compute=fitted.compute if args.compute_efficiency is None else args.compute_efficiency,
-        bandwidth=fitted.bandwidth if args.bandwidth_efficiency is None else args.bandwidth_efficiency,
-        step_overhead_s=fitted.step_overhead_s if args.step_overhead_ms is None else args.step_overhead_ms / 1e3)
+        prefill_compute=chosen(args.prefill_compute_efficiency, fitted.prefill_compute),
+        decode_compute=chosen(args.decode_compute_efficiency, fitted.decode_compute),
+        bandwidth=chosen(args.bandwidth_efficiency, fitted.bandwidth),
+        step_overhead_s=chosen(None if args.step_overhead_ms is None else args.step_overhead_ms / 1e3,
+                               fitted.step_overhead_s))
     model = load_model_shape(args.model or default_model())
     inputs = PlanInputs(model=model, hardware=hardware, count=args.tp, tp=args.tp,
                         weight_bits=parse_weight_bits(args.weight_bits) if args.weight_bits else None,
@@ -280,8 +287,9 @@ def describe(service: ServiceModel, spec: WorkloadSpec, args: argparse.Namespace
     lines = [
         f"backend: {cost.model.name} on {cost.tp} x {cost.hardware_name}, {cost.compute_dtype} "
         f"{cost.peak_flops / 1e12:,.3f} TFLOP/s, {cost.memory_bandwidth / 1e9:,.1f} GB/s ({source}); "
-        f"efficiency: compute {efficiency.compute:.3f}, bandwidth {efficiency.bandwidth:.3f}, "
-        f"step overhead {efficiency.step_overhead_s * 1e3:.2f} ms",
+        f"efficiency: prefill compute {efficiency.prefill_compute:.3f}, decode compute "
+        f"{efficiency.decode_compute:.3f}, bandwidth {efficiency.bandwidth:.3f}, step overhead "
+        f"{efficiency.step_overhead_s * 1e3:.2f} ms",
         f"         KV cache {cost.kv_capacity_tokens:,} tokens; max_num_seqs {limits.max_num_seqs}, "
         f"max_num_batched_tokens {limits.max_num_batched_tokens}, block {limits.block_size}, max step "
         f"{'off' if limits.max_step_s is None else format_seconds(limits.max_step_s)}, prefix caching "
@@ -346,7 +354,9 @@ def backend_dict(service: ServiceModel) -> dict:
             "compute_dtype": cost.compute_dtype, "peak_flops": cost.peak_flops,
             "memory_bandwidth": cost.memory_bandwidth, "step_weight_bytes": cost.step_weight_bytes,
             "kv_bytes_per_token": cost.kv_bytes_per_token, "kv_capacity_tokens": cost.kv_capacity_tokens,
-            "compute_efficiency": cost.efficiency.compute, "bandwidth_efficiency": cost.efficiency.bandwidth,
+            "prefill_compute_efficiency": cost.efficiency.prefill_compute,
+            "decode_compute_efficiency": cost.efficiency.decode_compute,
+            "bandwidth_efficiency": cost.efficiency.bandwidth,
             "step_overhead_s": cost.efficiency.step_overhead_s, "max_num_seqs": limits.max_num_seqs,
             "max_num_batched_tokens": limits.max_num_batched_tokens, "block_size": limits.block_size,
             "max_step_s": limits.max_step_s, "enable_prefix_caching": limits.enable_prefix_caching}

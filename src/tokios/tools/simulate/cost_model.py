@@ -7,7 +7,11 @@ steps of an unchanging batch, timed in closed form). Used by backend.py; calibra
 the Efficiency to `tokios roofline` measurements.
 
 A step's time is plan_math.decode_step_seconds(FLOPs, bytes, peak, bandwidth), the larger of its
-compute time and its memory time, plus `Efficiency.step_overhead_s`:
+compute time and its memory time, plus `Efficiency.step_overhead_s`. The FLOPs of decode rows and of
+prompt tokens are divided by their own efficiency before they are added: a decode row is one row
+of each matrix product, a prompt chunk hundreds, and small products reach a much smaller share of
+the FLOP/s roof (measured on this CPU: about 5% against 25% for a 256-token prefill, docs/scale-out.md).
+The parts of a step:
 - every step reads the weights once (plan_math.step_weight_bytes), shared by all its rows;
 - a decode row adds plan_math.decode_step_flops and reads its context's KV
   (plan_math.decode_step_bytes);
@@ -36,15 +40,19 @@ from tokios.tools.plan import PlanInputs, make_plan
 
 @dataclasses.dataclass(frozen=True)
 class Efficiency:
-    """compute, bandwidth: the share of the FLOP/s and bandwidth roofs a step attains (1: the
-    roofline itself); step_overhead_s: what every step costs on top (launches, scheduling)."""
+    """The share of a roof each kind of work attains (1: the roofline itself): prefill_compute of
+    the FLOP/s roof for prompt tokens, decode_compute for decode rows, bandwidth of the memory
+    roof; step_overhead_s: what every step costs on top (launches, scheduling, Python)."""
 
-    compute: float = 1.0
+    prefill_compute: float = 1.0
+    decode_compute: float = 1.0
     bandwidth: float = 1.0
     step_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for field, value in (("compute_efficiency", self.compute), ("bandwidth_efficiency", self.bandwidth)):
+        for field, value in (("prefill_compute_efficiency", self.prefill_compute),
+                             ("decode_compute_efficiency", self.decode_compute),
+                             ("bandwidth_efficiency", self.bandwidth)):
             if not (math.isfinite(value) and 0 < value <= 4):
                 raise InvalidRequestError(f"{field}: {value!r} must be within (0, 4] (the share of the roof "
                                           "a step attains; 1 is the roofline)", param=field)
@@ -54,7 +62,7 @@ class Efficiency:
 
     @property
     def is_roofline(self) -> bool:
-        return self.compute == 1.0 and self.bandwidth == 1.0 and self.step_overhead_s == 0.0
+        return self == Efficiency()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,25 +134,26 @@ class BackendCostModel:
 
     # ---- time ------------------------------------------------------------------------------------
     @property
-    def effective_peak_flops(self) -> float:
-        return self.peak_flops * self.efficiency.compute
-
-    @property
     def effective_bandwidth(self) -> float:
         return self.memory_bandwidth * self.efficiency.bandwidth
 
-    def step_seconds(self, flops: float, num_bytes: float) -> float:
-        """A step whose parts add up to `flops` and `num_bytes` (weights not included: read once here)."""
-        return self.efficiency.step_overhead_s + plan_math.decode_step_seconds(
-            flops, self.step_weight_bytes + num_bytes, self.effective_peak_flops, self.effective_bandwidth)
+    def step_seconds(self, decode_flops: float, prefill_flops: float, num_bytes: float) -> float:
+        """A step whose decode rows add up to `decode_flops`, prompt chunks to `prefill_flops`, and
+        both to `num_bytes` besides the weights (read once here)."""
+        efficiency = self.efficiency
+        roofline_flops = decode_flops / efficiency.decode_compute + prefill_flops / efficiency.prefill_compute
+        return efficiency.step_overhead_s + plan_math.decode_step_seconds(
+            roofline_flops, self.step_weight_bytes + num_bytes, self.peak_flops, self.effective_bandwidth)
 
     def decode_step_seconds(self, batch_size: int, context_len: float) -> float:
         """One step of `batch_size` decode rows, each at `context_len` tokens."""
-        return self.step_seconds(*self.decode_work(batch_size, batch_size * context_len))
+        flops, num_bytes = self.decode_work(batch_size, batch_size * context_len)
+        return self.step_seconds(flops, 0.0, num_bytes)
 
     def prefill_seconds(self, prompt_len: int) -> float:
         """A whole prompt in one step, nothing else in it."""
-        return self.step_seconds(*self.prefill_chunk_work(prompt_len, 0, True))
+        flops, num_bytes = self.prefill_chunk_work(prompt_len, 0, True)
+        return self.step_seconds(0.0, flops, num_bytes)
 
 
 class DecodeRun:
@@ -156,7 +165,7 @@ class DecodeRun:
     one event for the simulator."""
 
     def __init__(self, cost: BackendCostModel, batch_size: int, total_context: float):
-        peak, bandwidth = cost.effective_peak_flops, cost.effective_bandwidth
+        peak, bandwidth = cost.peak_flops * cost.efficiency.decode_compute, cost.effective_bandwidth
         flops0, bytes0 = cost.decode_work(batch_size, total_context)
         flops1, bytes1 = cost.decode_work(batch_size, total_context + batch_size)
         self.compute0 = flops0 / peak

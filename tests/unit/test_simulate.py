@@ -330,3 +330,36 @@ def test_cli_runs_every_policy_and_prints_json(capsys):
     payload = json.loads(capsys.readouterr().out)
     assert [r["policy"] for r in payload["reports"]] == ["rr", "least-busy", "prefix"]
     assert all(r["num_requests"] == 200 and r["ttft"]["p99_s"] > 0 for r in payload["reports"])
+
+
+# ---- replaying bench serve runs ------------------------------------------------------------------
+def _bench_json(path, *, label="rate=2/s", num_prompts=10, seed=0) -> str:
+    import json
+
+    level = {"label": label, "num_failed": 0, "output_throughput": 100.0,
+             "ttft": {"median_ms": 50.0, "p99_ms": 90.0}, "tpot": {"median_ms": 10.0, "p99_ms": 20.0}}
+    load = {"input_len": "128", "output_len": "16", "seed": seed, "num_prompts": num_prompts, "ignore_eos": True}
+    path.write_text(json.dumps({"load": load, "levels": [level]}))
+    return str(path)
+
+
+def test_replay_reuses_the_prompts_an_earlier_run_sent(tmp_path):
+    from tokios.tools.simulate.replay import load_bench_run, replay_bench_runs
+
+    runs = [load_bench_run(_bench_json(tmp_path / "a.json")), load_bench_run(_bench_json(tmp_path / "b.json"))]
+    slow_prefill = Efficiency(prefill_compute=0.01)  # so that a prefill's time follows its tokens
+    service = ServiceModel.batching(_cost(model=NAME_TO_PRESET["llama-3-8b"], count=1, tp=1).with_efficiency(slow_prefill))
+    first, second = replay_bench_runs(runs, service)
+    assert first.num_requests == second.num_requests == 10
+    cached_share = 112 / 128  # all whole blocks of a 128-token prompt but the one with its last token
+    assert first.cache_hit_rate == pytest.approx(cached_share / 10)  # only prompt 0, sent by the warm-up
+    assert second.cache_hit_rate == pytest.approx(cached_share)
+    assert second.ttft.p50_s < first.ttft.p50_s
+
+
+def test_replay_refuses_a_concurrency_level(tmp_path):
+    from tokios.tools.simulate.replay import load_bench_run
+
+    with pytest.raises(InvalidRequestError) as error:
+        load_bench_run(_bench_json(tmp_path / "c.json", label="c=4"))
+    assert error.value.param == "validate_against"

@@ -80,6 +80,7 @@ def _label(point: dict) -> str:
 class Calibration:
     efficiency: Efficiency
     residuals: list[tuple[str, float, float]]  # (point, predicted seconds, measured seconds)
+    is_fitted: bool = True  # False: the efficiency was given (flags), the points only judge it
 
     @property
     def rms_log_error(self) -> float:
@@ -142,9 +143,16 @@ def fit_efficiency(measurement: RooflineMeasurement) -> Calibration:
         if current < best_loss:
             best_loss, best_params = current, params
     params = best_params
-    efficiency = _efficiency(params)
-    residuals = [(step.label, predicted_seconds(step, peak, bandwidth, efficiency), step.seconds) for step in steps]
-    return Calibration(efficiency, residuals)
+    return evaluate_efficiency(measurement, _efficiency(params))
+
+
+def evaluate_efficiency(measurement: RooflineMeasurement, efficiency: Efficiency, *,
+                        is_fitted: bool = True) -> Calibration:
+    """Each measured step against what `efficiency` predicts for it."""
+    peak, bandwidth = measurement.peak_flops, measurement.hardware.memory_bandwidth
+    residuals = [(step.label, predicted_seconds(step, peak, bandwidth, efficiency), step.seconds)
+                 for step in measurement.steps]
+    return Calibration(efficiency, residuals, is_fitted)
 
 
 def _efficiency(params: list[float]) -> Efficiency:

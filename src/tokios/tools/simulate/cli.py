@@ -11,6 +11,7 @@ to the engine's steps, calibration.py). The simulation itself is engine.py; no t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -122,6 +123,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="find the fewest backends for each rate: the fleet-size curves")
     slo.add_argument("--max-backends", type=int, default=10_000, help="largest fleet a search tries (default 10000)")
 
+    check = parser.add_argument_group("validation")
+    check.add_argument("--validate-against", default=None, metavar="BENCH.json,...",
+                       help="replay these `tokios bench serve --request-rate R --json` files (in the order they ran "
+                       "against one server) on one simulated backend and print predicted against measured")
+
     out = parser.add_argument_group("output")
     out.add_argument("--chart", default=None,
                      help="PNG path (default: simulate.png or simulate-fleet.png in the tokios cache, "
@@ -148,7 +154,7 @@ def build_service(args: argparse.Namespace):
     from tokios.tools.model_presets import load_model_shape
     from tokios.tools.plan import PlanInputs, parse_weight_bits
     from tokios.tools.plan_cli import default_model
-    from tokios.tools.simulate.calibration import fit_efficiency, load_roofline_json
+    from tokios.tools.simulate.calibration import evaluate_efficiency, fit_efficiency, load_roofline_json
 
     calibration = None
     compute_dtype = args.compute_dtype
@@ -179,6 +185,8 @@ def build_service(args: argparse.Namespace):
                         kv_dtype=args.kv_dtype, context_len=model.max_context_len, compute_dtype=compute_dtype,
                         headroom=args.headroom)
     kv_cache_bytes = parse_size(args.kv_cache_memory, field_name="kv_cache_memory") if args.kv_cache_memory else None
+    if calibration is not None and efficiency != calibration.efficiency:
+        calibration = evaluate_efficiency(measurement, efficiency, is_fitted=False)
     cost = BackendCostModel.from_plan_inputs(inputs, efficiency=efficiency, kv_cache_bytes=kv_cache_bytes)
     limits = BackendLimits(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                            block_size=args.block_size, max_step_s=_max_step_s(args.max_step_ms),
@@ -213,6 +221,8 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidRequestError("slo_ttft_p99: --find-backends and --sweep-rates need --slo-ttft-p99 and/or "
                                   "--slo-tpot-p99", param="slo_ttft_p99")
     check_num_backends(args.num_backends)  # before any work
+    if args.validate_against:
+        return run_validation(args)
     workload_spec = build_workload_spec(args)
     service, calibration = build_service(args)
     progress = None if args.quiet else (lambda line: print(line, file=sys.stderr, flush=True))
@@ -260,6 +270,23 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_validation(args: argparse.Namespace) -> int:
+    from tokios.tools.simulate.replay import load_bench_run, render_validation, replay_bench_runs
+
+    runs = [load_bench_run(path.strip()) for path in args.validate_against.split(",") if path.strip()]
+    service, calibration = build_service(args)
+    reports = replay_bench_runs(runs, service)
+    if args.json:
+        print(json.dumps({"backend": backend_dict(service),
+                          "calibration": calibration.to_dict() if calibration else None,
+                          "runs": [dataclasses.asdict(run) for run in runs],
+                          "reports": [report.to_dict() for report in reports]}, indent=2))
+        return 0
+    header = describe_backend(service, args, calibration, mean_prompt=runs[0].prompt_len)
+    print(header + "\n\n" + render_validation(runs, reports))
+    return 0
+
+
 def _chart(args: argparse.Namespace, default_name: str, draw_with):
     if args.no_chart:
         return None
@@ -280,10 +307,14 @@ def _title(service: ServiceModel, spec: WorkloadSpec, slo: Slo, *, sweep: bool =
 
 # ---- text ----------------------------------------------------------------------------------------
 def describe(service: ServiceModel, spec: WorkloadSpec, args: argparse.Namespace, calibration) -> str:
+    return describe_backend(service, args, calibration, mean_prompt=max(1, round(spec.prompt_len.mean))) \
+        + "\n" + describe_workload(spec)
+
+
+def describe_backend(service: ServiceModel, args: argparse.Namespace, calibration, *, mean_prompt: int) -> str:
     cost, limits = service.cost, service.limits
     efficiency = cost.efficiency
     source = "measured roofs (tokios roofline)" if args.roofline_json else "roofline"
-    mean_prompt = max(1, round(spec.prompt_len.mean))
     lines = [
         f"backend: {cost.model.name} on {cost.tp} x {cost.hardware_name}, {cost.compute_dtype} "
         f"{cost.peak_flops / 1e12:,.3f} TFLOP/s, {cost.memory_bandwidth / 1e9:,.1f} GB/s ({source}); "
@@ -296,18 +327,22 @@ def describe(service: ServiceModel, spec: WorkloadSpec, args: argparse.Namespace
         f"{'on' if limits.enable_prefix_caching else 'off'}",
         f"         alone: a {mean_prompt:,}-token prompt {format_seconds(cost.prefill_seconds(mean_prompt))}, "
         f"a decode step at batch 1 {format_seconds(cost.decode_step_seconds(1, mean_prompt))}",
-        f"workload: {spec.num_requests:,} requests, {spec.arrival}"
-        + (f" (burstiness {spec.burstiness:g})" if spec.arrival == "bursty" else "")
-        + f" at {spec.rate:g} req/s; prompt {spec.prompt_len}, output {spec.output_len} tokens"
-        + (f"; {spec.shared_prefix_share:.0%} start with one of {spec.num_shared_prefixes} system prompts of "
-           f"{spec.shared_prefix_len:,} tokens" if spec.uses_shared_prefixes else "")
-        + f"; seed {spec.seed}",
     ]
     if calibration is not None:
-        lines.append(f"calibration ({args.roofline_json}, rms log error {calibration.rms_log_error:.3f}):")
+        how = "fitted to" if calibration.is_fitted else "given efficiencies against"
+        lines.append(f"calibration ({how} {args.roofline_json}, rms log error {calibration.rms_log_error:.3f}):")
         lines += [f"  {label:<26} predicted {format_seconds(predicted):>10}  measured {format_seconds(measured):>10}"
                   f"  ({100 * (predicted / measured - 1):+.0f}%)" for label, predicted, measured in calibration.residuals]
     return "\n".join(lines)
+
+
+def describe_workload(spec: WorkloadSpec) -> str:
+    return (f"workload: {spec.num_requests:,} requests, {spec.arrival}"
+            + (f" (burstiness {spec.burstiness:g})" if spec.arrival == "bursty" else "")
+            + f" at {spec.rate:g} req/s; prompt {spec.prompt_len}, output {spec.output_len} tokens"
+            + (f"; {spec.shared_prefix_share:.0%} start with one of {spec.num_shared_prefixes} system prompts of "
+               f"{spec.shared_prefix_len:,} tokens" if spec.uses_shared_prefixes else "")
+            + f"; seed {spec.seed}")
 
 
 def render_run_costs(reports: list[PolicyReport]) -> str:

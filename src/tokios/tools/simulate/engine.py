@@ -119,10 +119,9 @@ def simulate(workload: Workload, fleet: FleetSpec, policy: str, *,
         if next_event_s is not None:
             heapq.heappush(events, (next_event_s, backend_id, backend.version))
 
-    counters = {key: value for key, value in vars(router).items() if key.startswith("num_")}
     return SimulationResult(
         policy=policy, num_backends=num_backends, requests=requests,
         backend_busy_s=[backend.busy_s for backend in backends],
         num_backend_steps=sum(backend.num_steps for backend in backends), num_events=num_events,
         num_prefix_evictions=sum(backend.prefix_cache.num_evictions for backend in backends),
-        wall_s=time.perf_counter() - started, router_counters=counters)
+        wall_s=time.perf_counter() - started, router_counters=router.counters())

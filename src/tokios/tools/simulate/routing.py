@@ -116,6 +116,9 @@ class RoundRobinRouter:
     def on_load_change(self, backend_id: int) -> None:
         pass
 
+    def counters(self) -> dict[str, int]:
+        return {}
+
 
 class LeastBusyRouter:
     name = "least-busy"
@@ -128,6 +131,9 @@ class LeastBusyRouter:
 
     def on_load_change(self, backend_id: int) -> None:
         self.least_loaded.update(backend_id)
+
+    def counters(self) -> dict[str, int]:
+        return {}
 
 
 class PrefixAwareRouter:
@@ -179,6 +185,9 @@ class PrefixAwareRouter:
         self.most_loaded.update(backend_id)
         for prefix_id in self.backend_id_to_prefix_ids.get(backend_id, ()):
             self.prefix_id_to_holders[prefix_id].update(backend_id)
+
+    def counters(self) -> dict[str, int]:
+        return {"num_imbalanced": self.num_imbalanced, "num_prefix_routed": self.num_prefix_routed}
 
     def on_prefix_evicted(self, backend_id: int, prefix_id: int) -> None:
         holders = self.prefix_id_to_holders.get(prefix_id)

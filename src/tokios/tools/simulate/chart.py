@@ -76,8 +76,8 @@ def draw_fleet_chart(searches: Sequence[FleetSearch], slo: Slo, path: str | Path
     hit_axes.set_ylabel("prefix cache hit rate (% of prompt tokens)")
     hit_axes.set_title("cache hit rate at that fleet size", fontsize=9)
     hit_axes.set_ylim(bottom=0)
-    for axes in (size_axes, hit_axes):
+    for axes, corner in ((size_axes, "upper left"), (hit_axes, "lower left")):
         axes.grid(True, linewidth=0.3)
-        axes.legend(fontsize=8)
+        axes.legend(fontsize=8, loc=corner)
     figure.suptitle(title, fontsize=9)
     return _save(figure, plt, path)

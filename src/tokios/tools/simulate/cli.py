@@ -308,7 +308,7 @@ def _title(service: ServiceModel, spec: WorkloadSpec, slo: Slo, *, sweep: bool =
 # ---- text ----------------------------------------------------------------------------------------
 def describe(service: ServiceModel, spec: WorkloadSpec, args: argparse.Namespace, calibration) -> str:
     return describe_backend(service, args, calibration, mean_prompt=max(1, round(spec.prompt_len.mean))) \
-        + "\n" + describe_workload(spec)
+        + "\n" + describe_workload(spec, sweep_rates=args.sweep_rates, duration_s=args.duration)
 
 
 def describe_backend(service: ServiceModel, args: argparse.Namespace, calibration, *, mean_prompt: int) -> str:
@@ -336,10 +336,16 @@ def describe_backend(service: ServiceModel, args: argparse.Namespace, calibratio
     return "\n".join(lines)
 
 
-def describe_workload(spec: WorkloadSpec) -> str:
-    return (f"workload: {spec.num_requests:,} requests, {spec.arrival}"
+def describe_workload(spec: WorkloadSpec, *, sweep_rates: list[float] | None = None,
+                      duration_s: float | None = None) -> str:
+    if sweep_rates:
+        count = f"{duration_s:g} s of requests" if duration_s else f"{spec.num_requests:,} requests"
+        rates = f"each of {', '.join(f'{rate:g}' for rate in sorted(sweep_rates))} req/s"
+    else:
+        count, rates = f"{spec.num_requests:,} requests", f"{spec.rate:g} req/s"
+    return (f"workload: {count}, {spec.arrival}"
             + (f" (burstiness {spec.burstiness:g})" if spec.arrival == "bursty" else "")
-            + f" at {spec.rate:g} req/s; prompt {spec.prompt_len}, output {spec.output_len} tokens"
+            + f" at {rates}; prompt {spec.prompt_len}, output {spec.output_len} tokens"
             + (f"; {spec.shared_prefix_share:.0%} start with one of {spec.num_shared_prefixes} system prompts of "
                f"{spec.shared_prefix_len:,} tokens" if spec.uses_shared_prefixes else "")
             + f"; seed {spec.seed}")

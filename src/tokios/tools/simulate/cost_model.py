@@ -9,9 +9,8 @@ the Efficiency to `tokios roofline` measurements.
 A step's time is plan_math.decode_step_seconds(FLOPs, bytes, peak, bandwidth), the larger of its
 compute time and its memory time, plus `Efficiency.step_overhead_s`. The FLOPs of decode rows and of
 prompt tokens are divided by their own efficiency before they are added: a decode row is one row
-of each matrix product, a prompt chunk hundreds, and small products reach a much smaller share of
-the FLOP/s roof (measured on this CPU: about 5% against 25% for a 256-token prefill, docs/scale-out.md).
-The parts of a step:
+of each matrix product, a prompt chunk hundreds, and the two can reach different shares of the
+FLOP/s roof (fitted on this CPU: 0.19 and 0.24, docs/scale-out.md). The parts of a step:
 - every step reads the weights once (plan_math.step_weight_bytes), shared by all its rows;
 - a decode row adds plan_math.decode_step_flops and reads its context's KV
   (plan_math.decode_step_bytes);

@@ -14,6 +14,7 @@ The package owns the simulator, split by concern:
 - engine.py: the event loop (a heap of step-end events beside the sorted arrivals).
 - report.py: percentiles, throughput and cache hit rate per policy, as a table or JSON.
 - fleet_search.py: the fewest backends that meet a latency SLO, and its curve over request rates.
+- replay.py: `tokios bench serve` runs replayed on one simulated backend (validation).
 - chart.py: the PNG charts; cli.py: the command line.
 
 No torch anywhere: a simulation of 10,000 backends runs in plain Python.

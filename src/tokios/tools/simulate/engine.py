@@ -7,7 +7,7 @@ backend in a heap keyed by (time, backend id, version). The loop takes whichever
 a backend event whose version is older than the backend's is one a later call replaced (an
 arrival cut a run of decode steps short) and is skipped. On an arrival the router picks a
 backend; on a finish the backend's load falls. Nothing else moves time, so a run costs a few
-events per request whatever the fleet size (backends.py explains the decode runs).
+events per request whatever the fleet size (backend.py explains the runs of decode steps).
 """
 
 from __future__ import annotations

@@ -4,9 +4,8 @@ Owns `FleetSearch` (one policy at one rate: the answer and every size tried) and
 `find_fleet_size`, which simulates fleets of 1, 2, 4, ... backends until one meets the SLO, then
 bisects between the last that failed and the first that met it; and `sweep_rates`, which does
 that for each request rate (the same seeded workload, its gaps rescaled) and each policy: the
-fleet-size curves. Bisection assumes more backends never hurt, which holds for these policies
-once the fleet is large enough to be stable; each size tried is reported, so a non-monotone
-case would show.
+fleet-size curves. Bisection assumes more backends never hurt; each size tried is reported, so
+a case where that fails would show.
 """
 
 from __future__ import annotations
@@ -83,8 +82,9 @@ def sweep_rates(workload_spec: WorkloadSpec, rates: list[float], policies: list[
                 prefix_options: PrefixRoutingOptions = PrefixRoutingOptions(),
                 progress: Callable[[str], None] | None = None) -> list[FleetSearch]:
     """One FleetSearch per (rate, policy). With `duration_s` each rate gets rate x duration
-    requests (at least 1), so every rate is simulated over the same stretch of time; the search
-    at a higher rate starts from the size the previous rate needed (a floor, not a guess)."""
+    requests (at least 1), so every rate is simulated over the same stretch of time. The search at
+    a higher rate starts from the size the previous rate needed (assuming more requests per second
+    never need fewer backends); if that size already meets the SLO it bisects down from it."""
     searches = []
     policy_to_floor = {policy: 1 for policy in policies}
     for rate in sorted(rates):

@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("tokios.tools.bench.cli", "benchmarks: offline engine vs peers, serving load"),
     "plan": ("tokios.tools.plan.cli", "capacity planning by formula"),
     "roofline": ("tokios.tools.roofline.cli", "measured utilization against the machine's roofs"),
+    "simulate": ("tokios.tools.simulate.cli", "discrete-event simulation of a fleet: routing policies, SLO fleet size"),
     "soak": ("tokios.tools.soak", "thousands of mixed requests against a server, then leak checks"),
     "gateway": ("tokios.gateway.cli", "run the gateway (stable authenticated endpoint)"),
     "connect": ("tokios.gateway.connector_cli", "connect a local backend to a gateway"),

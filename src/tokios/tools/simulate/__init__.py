@@ -4,7 +4,7 @@ The package owns the simulator, split by concern:
 
 - workload.py: arrivals (Poisson or bursty), prompt/output length distributions, shared system
   prompts; makes the list of `SimRequest`s every policy is run on.
-- cost_model.py: what one backend's step costs, from tools/plan.py and tools/formulas.py (a step
+- cost_model.py: what one backend's step costs, from tools/plan/capacity.py and tools/plan/formulas.py (a step
   takes max(compute time, memory time) of the batch it runs), and a run of decode steps in closed form.
 - calibration.py: efficiencies fitted to the measured points of `tokios roofline --json`.
 - prefix_cache.py, backend.py: one backend, a continuous-batching scheduler (token budget,

@@ -1,7 +1,7 @@
 """A measured backend: this machine's roofs and the engine's efficiencies, from `tokios roofline --json`.
 
-Owns `RooflineMeasurement` (read by `load_roofline_json`: the roofs that tools/roofline_bench.py
-measured and the engine's prefill and decode points, tools/roofline_measure.py) and
+Owns `RooflineMeasurement` (read by `load_roofline_json`: the roofs that tools/roofline/microbench.py
+measured and the engine's prefill and decode points, tools/roofline/measure.py) and
 `fit_efficiency`, which finds the Efficiency (cost_model.py: the share of the FLOP/s roof that
 prompt tokens and that decode rows attain, the share of the bandwidth roof, fixed seconds per
 step) under which the simulator's step formula,

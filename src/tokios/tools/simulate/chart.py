@@ -3,7 +3,7 @@
 Owns `draw_policy_chart` (one simulation per policy: TTFT and TPOT percentiles side by side,
 throughput and cache hit rate in the legend) and `draw_fleet_chart` (the fleet-size curves:
 backends needed against request rate, one line per policy, and the cache hit rate at that
-size). Called by cli.py; matplotlib is imported only here, as tools/roofline_chart.py does.
+size). Called by cli.py; matplotlib is imported only here, as tools/roofline/chart.py does.
 """
 
 from __future__ import annotations

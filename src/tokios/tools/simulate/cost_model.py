@@ -2,7 +2,7 @@
 
 Owns `Efficiency` (the share of each roof a real engine reaches, plus a fixed cost per step),
 `BackendCostModel` (one backend: a model on a tensor-parallel group of devices, built by
-`from_plan_inputs` from tools/plan.py's `PlanInputs` and `make_plan`) and `DecodeRun` (k decode
+`from_plan_inputs` from tools/plan/capacity.py's `PlanInputs` and `make_plan`) and `DecodeRun` (k decode
 steps of an unchanging batch, timed in closed form). Used by backend.py; calibration.py fits
 the Efficiency to `tokios roofline` measurements.
 
@@ -105,7 +105,7 @@ class BackendCostModel:
     # ---- the work of a step's parts: (FLOPs, bytes moved besides the weights) ------------------
     def kv_read_per_token(self, context_len: float) -> float:
         """KV bytes per context token a row reads (below kv_bytes_per_token once sliding windows
-        cap some layers), as tools/plan.py counts it."""
+        cap some layers), as tools/plan/capacity.py counts it."""
         if self.model.layer_windows is None:
             return self.kv_bytes_per_token
         context = max(1, int(context_len))

@@ -5,7 +5,7 @@ measured; `load_bench_run`), `replay_bench_runs(runs, service)` and `render_vali
 runs are replayed in the order given, on one backend, as they ran against one server:
 
 - each run's requests are bench serve's own: prompt i of a seed is the same text in every run
-  (tools/bench_serve.py build_requests), so the simulator gives it the same prompt id, and a
+  (tools/bench/serve.py build_requests), so the simulator gives it the same prompt id, and a
   prompt sent before (by an earlier run, or as this run's warm-up) finds its whole blocks in the
   prefix cache, less the last token, which must be computed;
 - before its timed requests each run sends its first prompt once with at most 8 output tokens

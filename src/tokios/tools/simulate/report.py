@@ -2,7 +2,7 @@
 
 Owns `LatencyStats`, `PolicyReport` (made by `summarize(result)` from engine.py's
 SimulationResult), `Slo` (validated latency targets and `meets`) and the text table. Percentiles
-are tools/bench_stats.py's (linear interpolation, as numpy and `tokios bench serve` compute them),
+are tools/bench/stats.py's (linear interpolation, as numpy and `tokios bench serve` compute them),
 and TTFT / TPOT / end-to-end are defined as `vllm bench serve` defines them: TTFT from arrival to
 the first output token, TPOT = (end-to-end - TTFT) / (output tokens - 1) over requests with more
 than one output token. Throughput divides by the makespan (first arrival to last finish).

@@ -2,7 +2,7 @@
 which of them start with one of K shared system prompts.
 
 Owns `LengthDistribution` (fixed, uniform, lognormal; the fixed and uniform forms are
-tools/bench_prompts.py's `LengthSpec`, the syntax `tokios bench serve` takes), `WorkloadSpec`
+tools/bench/prompts.py's `LengthSpec`, the syntax `tokios bench serve` takes), `WorkloadSpec`
 (validated; bad input raises InvalidRequestError naming the field) and `Workload`, the requests
 as parallel lists that every routing policy is run on, made by `make_workload`.
 

@@ -157,9 +157,20 @@ class EngineStatsResponse(_Out):
 
 REQUEST_MODELS = [ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest, EmbeddingRequest] + [
     body for _, _, body, _ in DIALECT_OPENAPI_ROUTES.values() if body is not None]
+class CacheEventsResponse(_Out):
+    model: str
+    log_id: str
+    next: int
+    reset: bool
+    block_size: int
+    root_hash: str
+    stored: list[str]
+    removed: list[str]
+
+
 RESPONSE_MODELS = [ErrorResponse, ChatCompletion, TextCompletion, ModelList, TokenizeResponse, DetokenizeResponse,
                    TokenizerInfo, EmbeddingList,
-                   Health, EngineStatsResponse]
+                   Health, EngineStatsResponse, CacheEventsResponse]
 
 # One schema per event (as OpenAPI 3.2's itemSchema): `data` holds a JSON chunk, an error body
 # after a failure mid-stream, or the final `[DONE]`.
@@ -260,6 +271,15 @@ def build_openapi(title: str, version: str, protect_metrics: bool) -> dict[str, 
                          "description": "run a one-token generation within --health-generate-timeout"}])},
         "/metrics": {"get": _operation("Prometheus metrics", {"text/plain": {"schema": {"type": "string"}}},
                                        open_errors)},
+        "/v1/engine/cache_events": {"get": _operation(
+            "The prefix cache's stored and dropped block hashes since a reader's last call (for the gateway's "
+            "prefix-aware routing)", _json(CacheEventsResponse), [400, 401, 404, 503],
+            parameters=[{"name": "model", "in": "query", "required": False, "schema": {"type": "string"},
+                         "description": "which model (default: the first)"},
+                        {"name": "since", "in": "query", "required": False, "schema": {"type": "integer"},
+                         "description": "the `next` of the reader's last call (default -1: a snapshot)"},
+                        {"name": "log_id", "in": "query", "required": False, "schema": {"type": "string"},
+                         "description": "the `log_id` of the reader's last call"}])},
         "/v1/engine/stats": {"get": _operation(
             "A loaded model's engine counters and the KV invariants", _json(EngineStatsResponse),
             open_errors + [404, 503],

@@ -18,17 +18,18 @@ import sys
 
 from tokios.config import parse_size
 from tokios.errors import InvalidRequestError
+from tokios.gateway.router import PrefixPolicy
 from tokios.tools.simulate.backend import BackendLimits, ServiceModel
 from tokios.tools.simulate.cost_model import BackendCostModel, Efficiency
 from tokios.tools.simulate.engine import FleetSpec, check_num_backends, simulate
 from tokios.tools.simulate.fleet_search import FleetSearch, find_fleet_size, sweep_rates
 from tokios.tools.simulate.report import (PolicyReport, Slo, format_seconds, render_reports, render_rows,
                                           report_row, REPORT_COLUMNS, summarize)
-from tokios.tools.simulate.routing import POLICY_NAMES, PrefixRoutingOptions, parse_policies
+from tokios.tools.simulate.routing import POLICY_NAMES, parse_policies
 from tokios.tools.simulate.workload import ARRIVAL_KINDS, LengthDistribution, WorkloadSpec, make_workload
 
 _DEFAULTS = BackendLimits()
-_PREFIX_DEFAULTS = PrefixRoutingOptions()
+_PREFIX_DEFAULTS = PrefixPolicy()
 
 
 def _float_list(text: str) -> list[float]:
@@ -88,9 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="backends in the fleet (default 1)")
     fleet.add_argument("--policies", default=",".join(POLICY_NAMES),
                        help=f"routing policies to compare on the same workload (default {','.join(POLICY_NAMES)})")
-    fleet.add_argument("--prefix-match-threshold", type=float, default=_PREFIX_DEFAULTS.match_threshold,
+    fleet.add_argument("--prefix-match-threshold", type=float, default=_PREFIX_DEFAULTS.cache_threshold,
                        help="prefix: route to a holder when its cached prefix covers at least this share of the "
-                       f"prompt (default {_PREFIX_DEFAULTS.match_threshold}, SGLang's)")
+                       f"prompt (default {_PREFIX_DEFAULTS.cache_threshold}, SGLang's)")
     fleet.add_argument("--balance-rel-threshold", type=float, default=_PREFIX_DEFAULTS.balance_rel_threshold,
                        help="prefix: least-busy while the busiest backend has more than this times the idlest's "
                        f"load ... (default {_PREFIX_DEFAULTS.balance_rel_threshold})")
@@ -215,8 +216,9 @@ def build_workload_spec(args: argparse.Namespace, rate: float | None = None) -> 
 def run(args: argparse.Namespace) -> int:
     policies = parse_policies(args.policies)
     slo = Slo(args.slo_ttft_p99, args.slo_tpot_p99)
-    prefix_options = PrefixRoutingOptions(args.prefix_match_threshold, args.balance_rel_threshold,
-                                          args.balance_abs_threshold)
+    prefix_options = PrefixPolicy(cache_threshold=args.prefix_match_threshold,
+                                  balance_abs_threshold=args.balance_abs_threshold,
+                                  balance_rel_threshold=args.balance_rel_threshold)
     if (args.find_backends or args.sweep_rates) and not slo.is_set:
         raise InvalidRequestError("slo_ttft_p99: --find-backends and --sweep-rates need --slo-ttft-p99 and/or "
                                   "--slo-tpot-p99", param="slo_ttft_p99")

@@ -17,8 +17,9 @@ import heapq
 import time
 
 from tokios.errors import InvalidRequestError
+from tokios.gateway.router import PrefixPolicy
 from tokios.tools.simulate.backend import ServiceModel, SimRequest
-from tokios.tools.simulate.routing import PrefixRoutingOptions, make_router
+from tokios.tools.simulate.routing import make_router
 from tokios.tools.simulate.workload import Workload
 
 MAX_BACKENDS = 100_000
@@ -76,7 +77,7 @@ def check_workload_fits(workload: Workload, service: ServiceModel) -> None:
 
 
 def simulate(workload: Workload, fleet: FleetSpec, policy: str, *,
-             prefix_options: PrefixRoutingOptions = PrefixRoutingOptions(), seed: int = 0) -> SimulationResult:
+             prefix_options: PrefixPolicy = PrefixPolicy(), seed: int = 0) -> SimulationResult:
     started = time.perf_counter()
     check_workload_fits(workload, fleet.service)
     num_backends = fleet.num_backends

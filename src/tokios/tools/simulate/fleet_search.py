@@ -15,10 +15,10 @@ import math
 from typing import Callable
 
 from tokios.errors import InvalidRequestError
+from tokios.gateway.router import PrefixPolicy
 from tokios.tools.simulate.engine import MAX_BACKENDS, FleetSpec, simulate
 from tokios.tools.simulate.report import PolicyReport, Slo, summarize
 from tokios.tools.simulate.backend import ServiceModel
-from tokios.tools.simulate.routing import PrefixRoutingOptions
 from tokios.tools.simulate.workload import WorkloadSpec, make_workload
 
 
@@ -37,7 +37,7 @@ class FleetSearch:
 
 
 def find_fleet_size(workload_spec: WorkloadSpec, service: ServiceModel, policy: str, slo: Slo, *,
-                    max_backends: int = 10_000, prefix_options: PrefixRoutingOptions = PrefixRoutingOptions(),
+                    max_backends: int = 10_000, prefix_options: PrefixPolicy = PrefixPolicy(),
                     min_backends: int = 1, progress: Callable[[str], None] | None = None) -> FleetSearch:
     if not slo.is_set:
         raise InvalidRequestError("slo_ttft_p99: finding a fleet size needs --slo-ttft-p99 and/or --slo-tpot-p99",
@@ -79,7 +79,7 @@ def find_fleet_size(workload_spec: WorkloadSpec, service: ServiceModel, policy: 
 
 def sweep_rates(workload_spec: WorkloadSpec, rates: list[float], policies: list[str], service: ServiceModel,
                 slo: Slo, *, duration_s: float | None = None, max_backends: int = 10_000,
-                prefix_options: PrefixRoutingOptions = PrefixRoutingOptions(),
+                prefix_options: PrefixPolicy = PrefixPolicy(),
                 progress: Callable[[str], None] | None = None) -> list[FleetSearch]:
     """One FleetSearch per (rate, policy). With `duration_s` each rate gets rate x duration
     requests (at least 1), so every rate is simulated over the same stretch of time. The search at

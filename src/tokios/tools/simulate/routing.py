@@ -8,10 +8,11 @@ owns the `loads` list, changes it on every arrival and finish and then calls
 
 - round robin ("rr"): backends in turn.
 - least-busy ("least-busy"): the backend with the fewest unfinished requests (ties: lowest id).
-- prefix-aware ("prefix"): SGLang's cache-aware router. When the fleet is imbalanced (the
+- prefix-aware ("prefix"): SGLang's cache-aware router, with the gateway's own thresholds and
+  imbalance test (gateway/router.py PrefixPolicy). When the fleet is imbalanced (the
   busiest backend has more than `balance_abs_threshold` requests more than the idlest and more
   than `balance_rel_threshold` times its load) it routes least-busy. Otherwise a request whose
-  cached system prompt covers at least `match_threshold` of its prompt goes to the least loaded
+  cached system prompt covers at least `cache_threshold` of its prompt goes to the least loaded
   backend holding that prefix; anything else goes least-busy. Like SGLang's router, it keeps its
   own map of what it has sent where (prefix id -> backends), and forgets a backend when that
   backend evicts the prefix.
@@ -22,10 +23,10 @@ load change pushes one entry, stale entries are skipped when they reach the top.
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 
 from tokios.errors import InvalidRequestError
+from tokios.gateway.router import PrefixPolicy
 from tokios.tools.simulate.workload import NO_PREFIX
 
 POLICY_NAMES = ("rr", "least-busy", "prefix")
@@ -43,26 +44,6 @@ def parse_policies(text: str) -> list[str]:
         if name not in names:
             names.append(name)
     return names
-
-
-@dataclasses.dataclass(frozen=True)
-class PrefixRoutingOptions:
-    """SGLang router's defaults: cache_threshold 0.3, balance_rel_threshold 1.5, balance_abs_threshold 64."""
-
-    match_threshold: float = 0.3
-    balance_rel_threshold: float = 1.5
-    balance_abs_threshold: int = 64
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.match_threshold <= 1:
-            raise InvalidRequestError(f"prefix_match_threshold: {self.match_threshold!r} must be within [0, 1]",
-                                      param="prefix_match_threshold")
-        if not self.balance_rel_threshold >= 1:
-            raise InvalidRequestError(f"balance_rel_threshold: {self.balance_rel_threshold!r} must be >= 1",
-                                      param="balance_rel_threshold")
-        if not isinstance(self.balance_abs_threshold, int) or self.balance_abs_threshold < 0:
-            raise InvalidRequestError(f"balance_abs_threshold: {self.balance_abs_threshold!r} must be an "
-                                      "integer >= 0", param="balance_abs_threshold")
 
 
 class LoadHeap:
@@ -140,7 +121,7 @@ class PrefixAwareRouter:
     name = "prefix"
 
     def __init__(self, loads: list[int], *, cacheable_prefix_len: int,
-                 options: PrefixRoutingOptions = PrefixRoutingOptions()):
+                 options: PrefixPolicy = PrefixPolicy()):
         self.loads = loads
         self.options = options
         self.cacheable_prefix_len = cacheable_prefix_len
@@ -154,8 +135,7 @@ class PrefixAwareRouter:
     def is_imbalanced(self) -> bool:
         busiest = self.loads[self.most_loaded.top()]
         idlest = self.loads[self.least_loaded.top()]
-        return (busiest - idlest > self.options.balance_abs_threshold
-                and busiest > self.options.balance_rel_threshold * idlest)
+        return self.options.is_imbalanced([busiest, idlest])
 
     def choose(self, request) -> int:
         prefix_id = request.prefix_id
@@ -165,7 +145,7 @@ class PrefixAwareRouter:
         else:
             backend_id = None
             if prefix_id != NO_PREFIX and \
-                    self.cacheable_prefix_len >= self.options.match_threshold * request.prompt_len:
+                    self.cacheable_prefix_len >= self.options.cache_threshold * request.prompt_len:
                 holders = self.prefix_id_to_holders.get(prefix_id)
                 backend_id = holders.top() if holders is not None else None
                 if backend_id is not None:
@@ -197,7 +177,7 @@ class PrefixAwareRouter:
 
 
 def make_router(policy: str, loads: list[int], *, cacheable_prefix_len: int = 0,
-                prefix_options: PrefixRoutingOptions = PrefixRoutingOptions()):
+                prefix_options: PrefixPolicy = PrefixPolicy()):
     if policy == "rr":
         return RoundRobinRouter(len(loads))
     if policy == "least-busy":

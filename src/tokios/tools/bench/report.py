@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from tokios.tools.bench.stats import ServeSummary
+from tokios.tools.charts import pyplot, save_png
 
 DOCS_TITLE = "# Benchmarks"
 
@@ -103,12 +104,7 @@ def _concurrency_of(summary: ServeSummary, position: int) -> float:
 
 def plot_serve(series_to_summaries: dict[str, list[ServeSummary]], plot_dir: str) -> list[str]:
     """throughput_vs_concurrency.png, ttft_percentiles.png, tpot_percentiles.png; returns paths."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    Path(plot_dir).mkdir(parents=True, exist_ok=True)
+    plt = pyplot()
     paths = []
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, summaries in series_to_summaries.items():
@@ -121,7 +117,7 @@ def plot_serve(series_to_summaries: dict[str, list[ServeSummary]], plot_dir: str
     ax.set_title("Token throughput vs concurrency")
     ax.grid(True, alpha=0.3)
     ax.legend()
-    paths.append(_save(fig, plot_dir, "throughput_vs_concurrency.png"))
+    paths.append(str(save_png(fig, Path(plot_dir) / "throughput_vs_concurrency.png", dpi=110)))
     for attr, name in (("ttft", "TTFT"), ("tpot", "TPOT")):
         fig, ax = plt.subplots(figsize=(7, 4))
         for series_name, summaries in series_to_summaries.items():
@@ -135,18 +131,8 @@ def plot_serve(series_to_summaries: dict[str, list[ServeSummary]], plot_dir: str
         ax.set_title(f"{name} percentiles vs concurrency")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small")
-        paths.append(_save(fig, plot_dir, f"{attr}_percentiles.png"))
+        paths.append(str(save_png(fig, Path(plot_dir) / f"{attr}_percentiles.png", dpi=110)))
     return paths
-
-
-def _save(fig, plot_dir: str, name: str) -> str:
-    import matplotlib.pyplot as plt
-
-    path = os.path.join(plot_dir, name)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 def command_line(argv: list[str] | None = None) -> str:

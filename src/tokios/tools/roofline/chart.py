@@ -11,16 +11,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+from tokios.tools.charts import pyplot, save_png
 from tokios.tools.roofline.roofs import Roofs, RooflinePoint
 
 
 def draw_roofline_chart(roofs_list: Sequence[Roofs], points: Sequence[RooflinePoint],
                         path: str | Path, *, title: str = "Roofline") -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
+
+    plt = pyplot()
 
     intensities = [p.arithmetic_intensity for p in points] + [r.ridge_intensity for r in roofs_list]
     low = min(intensities) / 4
@@ -50,9 +49,4 @@ def draw_roofline_chart(roofs_list: Sequence[Roofs], points: Sequence[RooflinePo
     axes.set_title(title)
     axes.grid(True, which="both", linewidth=0.3)
     axes.legend(fontsize=8, loc="lower right")
-    figure.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, format="png")
-    plt.close(figure)
-    return path
+    return save_png(figure, path)

@@ -3,7 +3,7 @@
 Owns `draw_policy_chart` (one simulation per policy: TTFT and TPOT percentiles side by side,
 throughput and cache hit rate in the legend) and `draw_fleet_chart` (the fleet-size curves:
 backends needed against request rate, one line per policy, and the cache hit rate at that
-size). Called by cli.py; matplotlib is imported only here, as tools/roofline/chart.py does.
+size). Called by cli.py; matplotlib comes from tools/charts.py.
 """
 
 from __future__ import annotations
@@ -11,32 +11,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+from tokios.tools.charts import pyplot, save_png
 from tokios.tools.simulate.fleet_search import FleetSearch
 from tokios.tools.simulate.report import PolicyReport, Slo
 
 POLICY_TO_COLOR = {"rr": "tab:blue", "least-busy": "tab:green", "prefix": "tab:red"}
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(figure, plt, path: str | Path) -> Path:
-    figure.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, format="png")
-    plt.close(figure)
-    return path
-
-
 def draw_policy_chart(reports: Sequence[PolicyReport], path: str | Path, *, title: str) -> Path:
-    plt = _pyplot()
+    plt = pyplot()
     figure, (ttft_axes, tpot_axes) = plt.subplots(1, 2, figsize=(9, 4), dpi=100)
     percentiles = ("p50", "p90", "p99")
     width = 0.8 / max(1, len(reports))
@@ -54,11 +37,11 @@ def draw_policy_chart(reports: Sequence[PolicyReport], path: str | Path, *, titl
         axes.grid(True, axis="y", linewidth=0.3)
     ttft_axes.legend(fontsize=7)
     figure.suptitle(title, fontsize=9)
-    return _save(figure, plt, path)
+    return save_png(figure, path)
 
 
 def draw_fleet_chart(searches: Sequence[FleetSearch], slo: Slo, path: str | Path, *, title: str) -> Path:
-    plt = _pyplot()
+    plt = pyplot()
     figure, (size_axes, hit_axes) = plt.subplots(1, 2, figsize=(10, 4), dpi=100)
     policies = list(dict.fromkeys(search.policy for search in searches))
     for policy in policies:
@@ -80,4 +63,4 @@ def draw_fleet_chart(searches: Sequence[FleetSearch], slo: Slo, path: str | Path
         axes.grid(True, linewidth=0.3)
         axes.legend(fontsize=8, loc=corner)
     figure.suptitle(title, fontsize=9)
-    return _save(figure, plt, path)
+    return save_png(figure, path)

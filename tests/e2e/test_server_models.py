@@ -132,10 +132,13 @@ def _stream_token_times(server, model: str, max_tokens: int, times: list[float],
                 started.set()
 
 
-def test_a_load_does_not_stall_the_other_models_streams(two_models):
-    ollama.Client(host=two_models.base_url).generate(model=SECOND, prompt="", keep_alive=0)
+def gaps_around_a_load(server) -> tuple[list[float], list[float], float]:
+    """4 streams of 400 tokens on `default`; 1.5 s in, a request for the unloaded SECOND loads it.
+    Returns the streams' inter-token gaps before the load and inside it, and the load's seconds
+    (benchmarks/load_stall.py measures the same scenario)."""
+    ollama.Client(host=server.base_url).generate(model=SECOND, prompt="", keep_alive=0)
     streams = [([], threading.Event()) for _ in range(4)]
-    threads = [threading.Thread(target=_stream_token_times, args=(two_models, "default", 400, times, started))
+    threads = [threading.Thread(target=_stream_token_times, args=(server, "default", 400, times, started))
                for times, started in streams]
     for thread in threads:
         thread.start()
@@ -143,7 +146,7 @@ def test_a_load_does_not_stall_the_other_models_streams(two_models):
         started.wait(60)
     time.sleep(1.5)
     load_started = time.monotonic()
-    assert chat(two_models, SECOND, max_tokens=1).status_code == 200
+    assert chat(server, SECOND, max_tokens=1).status_code == 200
     load_ended = time.monotonic()
     for thread in threads:
         thread.join()
@@ -154,16 +157,22 @@ def test_a_load_does_not_stall_the_other_models_streams(two_models):
                 before.append(current - previous)
             elif previous >= load_started and current <= load_ended:
                 during.append(current - previous)
-    assert len(before) > 20 and len(during) > 5, (len(before), len(during), load_ended - load_started)
+    return before, during, load_ended - load_started
+
+
+def test_a_load_does_not_stall_the_other_models_streams(two_models):
+    before, during, load_s = gaps_around_a_load(two_models)
+    assert len(before) > 20 and len(during) > 5, (len(before), len(during), load_s)
 
     # The issue's target, inter-token p95 during the load within 2x of before, is measured by the
-    # same scenario in docs/benchmarks.md (median 1.91x over 5 runs, 1.88-2.46x) and is not
+    # same scenario in docs/benchmarks.md (benchmarks/load_stall.py: within 2x in 15 of 15 runs on the EPYC
+    # host, 3 of 5 on the earlier one) and is not
     # asserted here: on this 2-core machine the ratio swings with whatever else runs (a full-suite
     # run saw 3.2x), and timed assertions do not belong in tests. What is asserted is what a stall
     # would break: the streams kept producing tokens through the load, and no gap came near the
     # load's own length (a load that blocks the event loop or the other engine stops them all).
     longest_gap = max(during)
-    assert longest_gap < 0.5 * (load_ended - load_started), (longest_gap, load_ended - load_started)
+    assert longest_gap < 0.5 * load_s, (longest_gap, load_s)
     assert statistics.median(during) < 4 * statistics.median(before), (statistics.median(before),
                                                                          statistics.median(during))
 

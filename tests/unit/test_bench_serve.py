@@ -107,7 +107,13 @@ def fake_server():
 
 
 def _reset(state):
-    state.update(in_flight=0, max_in_flight=0, bodies=[])
+    # The client can finish reading before the server's generator runs its `finally`, so the last
+    # test's streams may still be counted down; resetting under them would leave the count at -1.
+    deadline = time.monotonic() + 10
+    while state["in_flight"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert state["in_flight"] == 0, "the previous test's streams did not end"
+    state.update(max_in_flight=0, bodies=[])
 
 
 def test_concurrency_limit_usage_counting_and_request_shape(fake_server):
@@ -148,6 +154,7 @@ def test_without_usage_chunks_are_counted_and_completions_endpoint(fake_server):
 
 def test_failures_are_counted_with_their_messages(fake_server):
     url, state = fake_server
+    _reset(state)
     load = ServeLoad(base_url=url, num_prompts=3, output_len=LengthSpec(3, 3))
     requests = [BenchRequest("hello there", 3, 2), BenchRequest("FAIL please", 3, 2),
                 BenchRequest("STREAMERR now", 3, 2)]

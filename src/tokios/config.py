@@ -180,9 +180,52 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor x pipeline parallel over worker processes (tokios.distributed, docs/scale-out.md).
+    The group meets at master_addr:master_port (and the front listens one port above); with
+    nnodes > 1 the other machines run `tokios worker` with their node_rank."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None: a free port (one machine only)
+    nnodes: int = 1
+    node_rank: int = 0
+    # A collective that waits this long on a silent peer raises (a hung or unreachable rank).
+    timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        _require(1 <= self.tensor_parallel_size <= 64, "tensor_parallel_size",
+                 f"must be in 1..64, got {self.tensor_parallel_size}")
+        _require(1 <= self.pipeline_parallel_size <= 64, "pipeline_parallel_size",
+                 f"must be in 1..64, got {self.pipeline_parallel_size}")
+        _require(self.nnodes >= 1, "nnodes", f"must be >= 1, got {self.nnodes}")
+        _require(0 <= self.node_rank < self.nnodes, "node_rank", f"must be in 0..{self.nnodes - 1}, got {self.node_rank}")
+        _require(self.master_port is None or 1 <= self.master_port < 65535, "master_port",
+                 f"must be in 1..65534 (the front listens one above), got {self.master_port}")
+        _require(self.nnodes == 1 or self.master_port is not None, "master_port",
+                 "is needed when the group spans machines (they must all meet at the same port)")
+        _require(self.nnodes == 1 or self.master_addr not in ("127.0.0.1", "localhost"), "master_addr",
+                 "must be an address the other machines reach when the group spans machines")
+        _require(self.timeout_s > 0, "timeout_s", f"must be positive, got {self.timeout_s}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     load: LoadConfig = field(default_factory=LoadConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.parallel.world_size > 1:
+            _require(self.cache.kv_cache_disk is None, "kv_cache_disk",
+                     "is not available with tensor or pipeline parallel: the ranks hold the cache's blocks")
+            _require(self.parallel.node_rank == 0, "node_rank",
+                     "of the server is 0; the other machines run `tokios worker --node-rank N`")

@@ -95,7 +95,14 @@ class AsyncEngine:
             return
         finally:
             self._loaded.set()
+        watch = getattr(self.core.model, "watch", None)
+        if watch is not None:  # a parallel group's rank that dies between steps
+            watch(self._on_lost_part)
         self._run()
+
+    def _on_lost_part(self, error: TokiosError) -> None:
+        self._commands.put(("fail", error))
+        self._wake.set()
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -115,6 +122,8 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10)
             self._thread = None
+        if hasattr(self, "core"):
+            await asyncio.get_running_loop().run_in_executor(None, self.core.close)
 
     # ---- requests -------------------------------------------------------------------------------
     async def generate(self, prompt: str | None, sampling_params: SamplingParams, request_id: str | None = None,
@@ -215,6 +224,8 @@ class AsyncEngine:
             self._activity = "idle"
             self._wake.clear()
             self._drain_commands()
+            if self._stopping:
+                break
             if not self.core.has_unfinished:
                 self._wake.wait(timeout=1.0)
                 continue
@@ -256,6 +267,10 @@ class AsyncEngine:
                 self.core.add_requests(requests)
             elif command[0] == "reset_counters":
                 self.core.reset_counters()
+            elif command[0] == "fail":
+                logger.error("engine failed between steps: %s", command[1].message)
+                self._fail(EngineDeadError(f"engine failed: {command[1].message}", code="engine_failed"))
+                return
             else:
                 self._abort_now(command[1])
 

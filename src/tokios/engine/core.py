@@ -22,6 +22,8 @@ from tokios.errors import ContextLengthExceededError, InvalidRequestError
 from tokios.kv_cache.dtypes import kv_bytes_per_element
 from tokios.kv_cache.layout import KVCacheLayout
 from tokios.kv_cache.manager import KVCacheManager
+from tokios.distributed.plan import ParallelPlan
+from tokios.model.decoder import ModelPart
 from tokios.model.llama import kv_cache_dtype
 from tokios.model.loader import load_model
 from tokios.model_files import resolve_model_path
@@ -98,6 +100,7 @@ def physical_core_count() -> int:
 
 class EngineCore:
     def __init__(self, config: EngineConfig):
+        started = time.perf_counter()
         self.config = config
         self.device = resolve_device(config.load.device)
         if self.device.type == "cpu":
@@ -108,7 +111,12 @@ class EngineCore:
         path = resolve_model_path(config.load.model)
         # A bad --chat-template fails before the model is read.
         chat_template = None if config.load.chat_template is None else resolve_chat_template(config.load.chat_template)
-        loaded = load_model(path, self.weight_format, self.device)
+        parallel = ParallelPlan(config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size)
+        # In a parallel group the ranks hold the layers; this process keeps the output head.
+        loaded = load_model(path, self.weight_format, self.device,
+                            ModelPart(range(0), embed=False, head=True) if parallel.is_parallel else None)
+        if parallel.is_parallel:
+            parallel.check(loaded.config)
         self.model_path = path
         self.model = loaded.model
         self.model_config = loaded.config
@@ -116,8 +124,6 @@ class EngineCore:
         self.tokenizer = tokenizer_for_loaded_model(loaded.tokenizer_source, path)
         if chat_template is not None:
             self.tokenizer = self.tokenizer.with_chat_template(chat_template)
-        if hasattr(self.model, "weight_summary"):
-            logger.info("weights (--dtype %s): %s", self.weight_format, self.model.weight_summary())
         self.max_model_len = min(config.scheduler.max_model_len or self.model_config.max_model_len,
                                  self.model_config.max_model_len)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
@@ -153,6 +159,18 @@ class EngineCore:
             logger.info("KV cache: %s, %d bytes per token, %d blocks of %d tokens, capacity %d tokens",
                         str(kv_dtype).removeprefix("torch."), self.kv_bytes_per_token, num_blocks, block_size,
                         num_blocks * block_size)
+        if parallel.is_parallel:
+            from tokios.distributed.executor import DistributedModel, GroupAddress
+
+            group = config.parallel
+            self.model = DistributedModel(
+                self.model, self.model_config, parallel, model_path=path, weight_format=self.weight_format,
+                device=self.device, num_threads=config.load.num_threads, num_slots=num_blocks * block_size,
+                block_size=block_size, kv_dtype=kv_dtype, timeout_s=group.timeout_s,
+                address=GroupAddress(group.master_addr, group.master_port, group.nnodes, group.node_rank))
+            self.load_seconds = time.perf_counter() - started
+        if hasattr(self.model, "weight_summary"):
+            logger.info("weights (--dtype %s): %s", self.weight_format, self.model.weight_summary())
         max_step_ms = config.scheduler.max_step_ms
         self.scheduler = Scheduler(self.kv, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
                                    self.max_model_len,
@@ -184,6 +202,12 @@ class EngineCore:
                     disk.directory, disk.num_files, disk.total_bytes / 2**20, cache.kv_cache_disk_bytes / 2**20,
                     "" if disk.is_writable else " (not writable: read only)")
         return disk
+
+    def close(self) -> None:
+        """Stop what the engine started outside this process (a parallel group's ranks)."""
+        close = getattr(self.model, "close", None)
+        if close is not None:
+            close()
 
     def save_prefix_cache(self) -> int:
         """Write every block of the memory prefix cache to the disk tier and wait for the writes

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 from typing import Sequence
 
-from tokios.config import CacheConfig, EngineConfig, LoadConfig, SchedulerConfig, parse_size
+from tokios.config import CacheConfig, EngineConfig, LoadConfig, ParallelConfig, SchedulerConfig, parse_size
 from tokios.engine.core import EngineCore, EngineStats
 from tokios.engine.output_processor import OutputProcessor, sequence_ids
 from tokios.errors import InvalidRequestError
@@ -31,7 +31,9 @@ class LLM:
                  num_threads: int | None = None, seed: int = 0,
                  speculative_config: SpeculativeConfig | None = None, kv_cache_dtype: str = "auto",
                  chat_template: str | None = None, max_step_ms: float | str | None = None,
-                 kv_cache_disk: str | None = None, kv_cache_disk_size: str | int = "4GiB"):
+                 kv_cache_disk: str | None = None, kv_cache_disk_size: str | int = "4GiB",
+                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                 parallel_config: ParallelConfig | None = None):
         # max_step_ms defaults to None here, unlike the server: a batch run has no one waiting
         # on a stream, so prefill chunks are cut by the token budget alone (SchedulerConfig).
         self.engine_config = EngineConfig(
@@ -45,6 +47,8 @@ class LLM:
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len, max_step_ms=max_step_ms),
             speculative=speculative_config or SpeculativeConfig(),
+            parallel=parallel_config or ParallelConfig(tensor_parallel_size=tensor_parallel_size,
+                                                       pipeline_parallel_size=pipeline_parallel_size),
             seed=seed)
         self.core = EngineCore(self.engine_config)
         self.tokenizer = self.core.tokenizer
@@ -113,8 +117,12 @@ class LLM:
         return request_id
 
     def close(self) -> None:
-        """Write the prefix cache to its disk tier (--kv-cache-disk), so the next start is warm."""
-        self.core.save_prefix_cache()
+        """Write the prefix cache to its disk tier (--kv-cache-disk), so the next start is warm, and
+        stop a parallel group's ranks."""
+        try:
+            self.core.save_prefix_cache()
+        finally:
+            self.core.close()
 
     def stats(self) -> EngineStats:
         return self.core.stats()

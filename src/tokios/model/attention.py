@@ -52,18 +52,23 @@ class AttentionMetadata:
         return self.groups[self.layer_to_group[layer]] if self.groups else self
 
 
-def allocate_kv_caches(config, num_slots: int, dtype: torch.dtype,
-                       device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """A (key, value) pair per layer of `config` (a ModelConfig), num_slots slots each, zeroed.
-    Layers in the same place of different KV groups (kv_cache/layout.py) share one pair: each
-    group has its own block ids in the one block pool, so their slots never overlap."""
+def allocate_kv_caches(config, num_slots: int, dtype: torch.dtype, device: torch.device,
+                       layers: range | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A (key, value) pair per layer of `config` (a ModelConfig), or per layer of `layers` (a
+    pipeline stage's), num_slots slots each, zeroed. Layers in the same place of different KV
+    groups (kv_cache/layout.py) share one pair: each group has its own block ids in the one block
+    pool, so their slots never overlap."""
     from tokios.kv_cache.layout import KVCacheLayout
 
     layout = KVCacheLayout.for_config(config)
     shape = (num_slots, config.num_kv_heads, slot_width(dtype, config.head_dim))
-    tensors = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-               for _ in range(layout.num_tensor_pairs)]
-    return [tensors[layout.layer_to_tensor[layer]] for layer in range(config.num_layers)]
+    layers = range(config.num_layers) if layers is None else layers
+    tensors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for layer in layers:
+        if layout.layer_to_tensor[layer] not in tensors:
+            tensors[layout.layer_to_tensor[layer]] = (torch.zeros(shape, dtype=dtype, device=device),
+                                                      torch.zeros(shape, dtype=dtype, device=device))
+    return [tensors[layout.layer_to_tensor[layer]] for layer in layers]
 
 
 def quantize_kv(values: torch.Tensor) -> torch.Tensor:

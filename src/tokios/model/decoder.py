@@ -2,13 +2,18 @@
 (C++ kernels for quantized weights on the CPU, PyTorch otherwise), the fused all-layer decode
 step and when it applies, and the accounting of linear weights for logs and tools.
 
-A model sets self.layers (each with qkv, o_proj, gate_up, down) and self.lm_head, then calls
-init_ops(); its forward() tries fused_decode() first.
+A model sets self.layers (each with qkv, o_proj, gate_up, down), self.layer_indices (the
+model's layer number of each) and self.lm_head, then calls init_ops(); it defines embed() and
+layer_loop(), and forward() / run_layers() here try fused_decode() first. A ModelPart builds only
+some of it: a pipeline stage's layers, with or without the embedding and the output head
+(tokios.distributed).
 """
 
 from __future__ import annotations
 
 import torch
+
+from dataclasses import dataclass
 
 from tokios.model.attention import AttentionMetadata
 from tokios.model.kernels import load_extension
@@ -16,7 +21,48 @@ from tokios.model.linear import summarize_linears
 from tokios.model.ops import CpuKernelOps, TorchOps, fused_decode_inputs
 
 
+@dataclass(frozen=True)
+class ModelPart:
+    """Which pieces of a model one process builds: `layers` (the model's layer numbers, a
+    pipeline stage's range), the embedding table (the first stage) and the output head (where
+    logits are computed). The final norm is small and always built."""
+
+    layers: range
+    embed: bool = True
+    head: bool = True
+
+    @classmethod
+    def whole(cls, num_layers: int) -> "ModelPart":
+        return cls(range(num_layers))
+
+
 class DecoderModel:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_layers: int | None = None) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden].
+        num_layers: run only the model's first layers, then the final norm (speculative self-draft)."""
+        hidden = self.run_layers(self.embed(input_ids), positions, metadata, kv_caches, num_layers)
+        return self.ops.rms_norm(hidden, self.norm)
+
+    def run_layers(self, hidden: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                   kv_caches: list, num_layers: int | None = None) -> torch.Tensor:
+        """Hidden states through this part's layers (those numbered below num_layers, when given),
+        before the final norm. kv_caches: one (key, value) pair per layer of this part."""
+        count = self.num_local_layers(num_layers)
+        if count == 0:
+            return hidden
+        fused = self.fused_decode(hidden, positions, metadata, kv_caches, count)
+        if fused is not None:
+            return fused
+        return self.layer_loop(hidden, positions, metadata, kv_caches, count)
+
+    def num_local_layers(self, num_layers: int | None) -> int:
+        """How many of this part's layers have a model layer number below num_layers (None: all)."""
+        if num_layers is None:
+            return len(self.layers)
+        indices = self.layer_indices
+        return max(0, min(num_layers, indices.stop) - indices.start) if len(indices) else 0
+
     def init_ops(self, config, rotary, weight_format: str, device: torch.device) -> None:
         extension = load_extension() if weight_format in ("int4", "int8", "stored") and device.type == "cpu" else None
         self.ops = CpuKernelOps(config, rotary, extension) if extension is not None else TorchOps(config, rotary)
@@ -35,6 +81,8 @@ class DecoderModel:
         the fused C++ step can run (every layer in one call, no Python between ops); else None."""
         if not (self.can_fuse_decode and metadata.num_decode_tokens == hidden.shape[0]):
             return None
+        if num_layers == len(self.layers):
+            num_layers = None  # one fused step for "every layer", however it was asked for
         fused, fused_caches = self._fused_by_num_layers.get(num_layers, (None, None))
         if fused is None or fused_caches is not kv_caches:
             fused = self.ops.fused_decoder(self, kv_caches, num_layers)
@@ -44,8 +92,11 @@ class DecoderModel:
     def layer_linears(self) -> list:
         return [lin for layer in self.layers for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
 
+    def all_linears(self) -> list:
+        return ([self.lm_head] if self.lm_head is not None else []) + self.layer_linears()
+
     def weight_bytes(self) -> int:
-        return sum(lin.num_bytes() for lin in [self.lm_head] + self.layer_linears())
+        return sum(lin.num_bytes() for lin in self.all_linears())
 
     def weight_summary(self) -> str:
-        return summarize_linears([self.lm_head] + self.layer_linears())
+        return summarize_linears(self.all_linears())

@@ -22,7 +22,7 @@ from tokios.model.attention import AttentionMetadata
 from tokios.model.kernels import precise_activations
 from tokios.model.linear import make_linear
 from tokios.model.llama import ACTIVATION_DTYPE
-from tokios.model.decoder import DecoderModel
+from tokios.model.decoder import DecoderModel, ModelPart
 from tokios.model.quant import EmbeddingTable, as_dense, concat_rows
 from tokios.model.rope import RotaryEmbedding
 
@@ -57,38 +57,39 @@ class Gemma3Layer:
 
 
 class Gemma3Model(DecoderModel):
-    def __init__(self, config: ModelConfig, weights: dict, weight_format: str, device: torch.device):
+    def __init__(self, config: ModelConfig, weights: dict, weight_format: str, device: torch.device,
+                 part: ModelPart | None = None):
         if config.layer_windows is None:
             raise ValueError("a Gemma 3 config carries layer_windows (model/loader.py sets them)")
+        part = part or ModelPart.whole(config.num_layers)
         self.config = config
         self.weight_format = weight_format
         self.device = device
         self.dtype = ACTIVATION_DTYPE[weight_format]
-        embed = weights.pop("model.embed_tokens.weight")
-        self.embed_tokens = EmbeddingTable(embed, self.dtype, device)
+        embed = weights.pop("model.embed_tokens.weight", None)
+        self.embed_tokens = EmbeddingTable(embed, self.dtype, device) if part.embed else None
         self.embed_scale = torch.tensor(config.hidden_size ** 0.5, dtype=self.dtype)
         lm_head = weights.pop("lm_head.weight", None)
         self.lm_head = make_linear(embed if lm_head is None else lm_head, None, weight_format, device,
-                                   precise_activations(weight_format))
+                                   precise_activations(weight_format)) if part.head else None
         self.norm = as_dense(weights.pop("model.norm.weight")).to(device=device, dtype=self.dtype)
         self.rotary = RotaryEmbedding(config, config.max_model_len, device, torch.float32)
         local_config = replace(config, rope_theta=config.rope_local_theta or config.rope_theta, rope_scaling=None)
         self.local_rotary = RotaryEmbedding(local_config, config.max_model_len, device, torch.float32)
+        self.layer_indices = part.layers
         self.layers = [Gemma3Layer(config, weights, f"model.layers.{i}", weight_format, device,
                                    self.rotary if config.window_of(i) is None else self.local_rotary)
-                       for i in range(config.num_layers)]
+                       for i in part.layers]
         self.init_ops(config, self.rotary, weight_format, device)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_layers: int | None = None) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden]."""
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) * self.embed_scale
+
+    def layer_loop(self, hidden: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                   kv_caches: list[tuple[torch.Tensor, torch.Tensor]], count: int) -> torch.Tensor:
         ops = self.ops
-        hidden = self.embed_tokens(input_ids) * self.embed_scale
-        fused = self.fused_decode(hidden, positions, metadata, kv_caches, num_layers)
-        if fused is not None:
-            return ops.rms_norm(fused, self.norm)
         tables = {id(rotary): ops.rope_tables(positions, rotary) for rotary in (self.rotary, self.local_rotary)}
-        for index, (layer, (key_cache, value_cache)) in enumerate(zip(self.layers[:num_layers], kv_caches)):
+        for index, layer, (key_cache, value_cache) in zip(self.layer_indices[:count], self.layers, kv_caches):
             qkv = layer.qkv(ops.rms_norm(hidden, layer.input_norm)).float()
             qkv = ops.normalize_heads(qkv, layer.q_norm, layer.k_norm)
             attended = ops.attention(qkv, positions, key_cache, value_cache, metadata.for_layer(index),
@@ -98,7 +99,7 @@ class Gemma3Model(DecoderModel):
             gate_up = layer.gate_up(ops.rms_norm(hidden, layer.pre_feedforward_norm))
             feed_forward = layer.down(ops.gelu_tanh_mul(gate_up)).to(self.dtype)
             hidden = hidden + ops.rms_norm(feed_forward, layer.post_feedforward_norm)
-        return ops.rms_norm(hidden, self.norm)
+        return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_rows, hidden] -> float32 logits [num_rows, vocab]."""

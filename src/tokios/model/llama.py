@@ -15,7 +15,7 @@ from tokios.config import ModelConfig
 from tokios.model.attention import AttentionMetadata
 from tokios.model.kernels import precise_activations
 from tokios.model.linear import make_linear
-from tokios.model.decoder import DecoderModel
+from tokios.model.decoder import DecoderModel, ModelPart
 from tokios.model.quant import as_dense, concat_rows
 from tokios.model.rope import RotaryEmbedding
 
@@ -61,43 +61,41 @@ class LlamaLayer:
 
 class LlamaModel(DecoderModel):
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], weight_format: str,
-                 device: torch.device):
+                 device: torch.device, part: ModelPart | None = None):
+        part = part or ModelPart.whole(config.num_layers)
         self.config = config
         self.weight_format = weight_format
         self.device = device
         self.dtype = ACTIVATION_DTYPE[weight_format]
-        embed = weights.pop("model.embed_tokens.weight")
-        # The embedding table is only gathered from (a row per token), so it stays dense.
-        self.embed_tokens = as_dense(embed).to(device=device, dtype=self.dtype)
+        embed = weights.pop("model.embed_tokens.weight", None)
         lm_head = weights.pop("lm_head.weight", None)
+        # The embedding table is only gathered from (a row per token), so it stays dense.
+        self.embed_tokens = as_dense(embed).to(device=device, dtype=self.dtype) if part.embed else None
         # The output projection decides every token's ranking; 4-bit blocks there cost more
         # accuracy than anywhere else, so int4 keeps it at 8 bits (as llama.cpp's Q4 files do).
         head_format = "int8" if weight_format == "int4" else weight_format
         self.lm_head = make_linear(embed if lm_head is None else lm_head, None, head_format, device,
-                                   precise_activations(weight_format))
+                                   precise_activations(weight_format)) if part.head else None
         self.norm = as_dense(weights.pop("model.norm.weight")).to(device=device, dtype=self.dtype)
-        self.layers = [LlamaLayer(config, weights, f"model.layers.{i}", weight_format, device)
-                       for i in range(config.num_layers)]
+        self.layer_indices = part.layers
+        self.layers = [LlamaLayer(config, weights, f"model.layers.{i}", weight_format, device) for i in part.layers]
         self.rotary = RotaryEmbedding(config, config.max_model_len, device, torch.float32)
         self.init_ops(config, self.rotary, weight_format, device)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_layers: int | None = None) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden].
-        num_layers: run only the first layers, then the final norm (speculative self-draft)."""
-        hidden = self.embed_tokens[input_ids]
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens[input_ids]
+
+    def layer_loop(self, hidden: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                   kv_caches: list[tuple[torch.Tensor, torch.Tensor]], count: int) -> torch.Tensor:
         ops = self.ops
-        fused = self.fused_decode(hidden, positions, metadata, kv_caches, num_layers)
-        if fused is not None:
-            return ops.rms_norm(fused, self.norm)
         rope_tables = ops.rope_tables(positions)
-        for layer, (key_cache, value_cache) in zip(self.layers[:num_layers], kv_caches):
+        for layer, (key_cache, value_cache) in zip(self.layers[:count], kv_caches):
             qkv = layer.qkv(ops.rms_norm(hidden, layer.input_norm))
             attended = ops.attention(qkv, positions, key_cache, value_cache, metadata, rope_tables)
             hidden = hidden + layer.o_proj(attended.to(self.dtype)).to(self.dtype)
             gate_up = layer.gate_up(ops.rms_norm(hidden, layer.post_attention_norm))
             hidden = hidden + layer.down(ops.silu_mul(gate_up)).to(self.dtype)
-        return ops.rms_norm(hidden, self.norm)
+        return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_rows, hidden] -> float32 logits [num_rows, vocab]."""

@@ -19,6 +19,7 @@ from gguf import GGMLQuantizationType
 from tokios.config import ModelConfig
 from tokios.errors import ModelLoadError, UnsupportedError
 from tokios.gguf_file import GGUFFile
+from tokios.model.decoder import ModelPart
 from tokios.model.gemma3 import Gemma3Model
 from tokios.model.gemma3_metadata import gemma3_fields
 from tokios.model.llama import LlamaModel
@@ -200,9 +201,8 @@ def weights_from_hf(directory: str) -> dict[str, torch.Tensor]:
     return weights
 
 
-def load_model(path: str, weight_format: str, device: torch.device) -> LoadedModel:
-    """Load a GGUF file or HF directory into the model class of its architecture."""
-    started = time.perf_counter()
+def read_model_file(path: str) -> tuple[ModelConfig, dict, Any]:
+    """A GGUF file or HF directory -> (config, weights in Hugging Face names, tokenizer source)."""
     if os.path.isdir(path):
         config = model_config_from_hf(path)
         weights = weights_from_hf(path)
@@ -216,11 +216,25 @@ def load_model(path: str, weight_format: str, device: torch.device) -> LoadedMod
         config = _with_rope_factors(config, weights.pop("rope_freqs"))
     if "lm_head.weight" in weights and config.tie_word_embeddings:
         weights.pop("lm_head.weight")
+    return config, weights, tokenizer_source
+
+
+def build_model(path: str, config: ModelConfig, weights: dict, weight_format: str, device: torch.device,
+                part: ModelPart | None = None):
+    """The architecture's model class over `weights` (all of them, or the part's)."""
     model_class = _architecture_class(config.architecture)
     try:
-        model = model_class(config, weights, weight_format, device)
+        return model_class(config, weights, weight_format, device, part)
     except KeyError as exc:
         raise ModelLoadError(f"{path}: missing weight {exc.args[0]}") from None
+
+
+def load_model(path: str, weight_format: str, device: torch.device, part: ModelPart | None = None) -> LoadedModel:
+    """Load a GGUF file or HF directory into the model class of its architecture (all of it, or
+    `part` of it: the front of a parallel group builds only the output head)."""
+    started = time.perf_counter()
+    config, weights, tokenizer_source = read_model_file(path)
+    model = build_model(path, config, weights, weight_format, device, part)
     return LoadedModel(config, model, tokenizer_source, time.perf_counter() - started, path)
 
 

@@ -122,7 +122,8 @@ class CpuKernelOps(TorchOps):
         is_gemma = hasattr(layers[0], "pre_feedforward_norm")
         rotaries = [getattr(layer, "rotary", self.rotary) for layer in layers]
         optional = (lambda name: [getattr(layer, name) for layer in layers]) if is_gemma else (lambda name: [])
-        layer_groups = list(KVCacheLayout.for_config(config).layer_to_group[:len(layers)])
+        layer_to_group = KVCacheLayout.for_config(config).layer_to_group
+        layer_groups = [layer_to_group[index] for index in model.layer_indices[:len(layers)]]
         return self.extension.FusedDecoder(
             [layer.input_norm for layer in layers],
             [layer.pre_feedforward_norm if is_gemma else layer.post_attention_norm for layer in layers],

@@ -62,6 +62,18 @@ def row_failure(logits_row: torch.Tensor) -> TokiosError:
                                param=None, code="no_token_to_sample")
 
 
+def copy_cache_blocks(kv_caches: list, copies: list[tuple[int, int]], block_size: int, device) -> None:
+    """Copy-on-write of KV blocks: each (source, destination) block id, in every layer's cache.
+    Copies are of block ids in the one pool; each group's blocks live in the same tensors."""
+    bs = block_size
+    src = torch.tensor([s * bs + i for s, _ in copies for i in range(bs)], device=device)
+    dst = torch.tensor([d * bs + i for _, d in copies for i in range(bs)], device=device)
+    unique_pairs = {id(pair[0]): pair for pair in kv_caches}.values()  # groups share tensor pairs
+    for key_cache, value_cache in unique_pairs:
+        key_cache.index_copy_(0, dst, key_cache.index_select(0, src))
+        value_cache.index_copy_(0, dst, value_cache.index_select(0, src))
+
+
 @dataclass
 class Batch:
     input_ids: torch.Tensor  # [num_rows] long
@@ -78,8 +90,10 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.layout = KVCacheLayout.for_config(model_config)
-        # One (key, value) pair per layer: [num_slots, kv_heads, head_dim].
-        self.kv_caches = allocate_kv_caches(model_config, num_blocks * block_size, kv_dtype, device)
+        # One (key, value) pair per layer: [num_slots, kv_heads, head_dim]; none here when the
+        # model's ranks hold the cache (tokios.distributed).
+        self.kv_caches = ([] if getattr(model, "holds_kv_cache", False)
+                          else allocate_kv_caches(model_config, num_blocks * block_size, kv_dtype, device))
         self.state_store = SamplingStateStore(model_config.vocab_size, device)
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
         self.rejection_sampler = RejectionSampler(self.sampler.shared_generator)
@@ -137,14 +151,10 @@ class ModelRunner:
                 value_cache[block_id * bs:(block_id + 1) * bs] = data[2 * index + 1]
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        # Copies are of block ids in the one pool; each group's blocks live in the same tensors.
-        bs = self.block_size
-        src = torch.tensor([s * bs + i for s, _ in copies for i in range(bs)], device=self.device)
-        dst = torch.tensor([d * bs + i for _, d in copies for i in range(bs)], device=self.device)
-        unique_pairs = {id(pair[0]): pair for pair in self.kv_caches}.values()  # groups share tensor pairs
-        for key_cache, value_cache in unique_pairs:
-            key_cache.index_copy_(0, dst, key_cache.index_select(0, src))
-            value_cache.index_copy_(0, dst, value_cache.index_select(0, src))
+        if getattr(self.model, "holds_kv_cache", False):  # the ranks hold the cache (tokios.distributed)
+            self.model.copy_blocks(copies)
+        else:
+            copy_cache_blocks(self.kv_caches, copies, self.block_size, self.device)
 
     # ---- one step -----------------------------------------------------------------------------
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:

@@ -1,0 +1,322 @@
+"""The front process's side of a parallel group: starts the ranks, hands each step to them, and
+turns a rank's failure into one error.
+
+DistributedModel stands where a model stands for the runner (forward, compute_logits): forward
+sends one Step to every rank and waits for the output rank's hidden states, watching every rank
+while it waits, so a rank that exits, drops its connection or reports an exception ends the step
+with RankFailedError instead of a hang; the engine then fails every request and the server exits
+(docs/reliability.md). The output head (and so the logits, the sampler and everything after)
+stays here. Ranks of this machine are spawned; ranks of other machines connect to the same
+address (`tokios worker`), authenticated with the group's key.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import secrets
+import socket
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from multiprocessing.connection import Listener, wait
+
+import torch
+
+from tokios.distributed import messages
+from tokios.distributed.plan import ParallelPlan, map_tensors
+from tokios.distributed.worker import WorkerSpec
+from tokios.errors import TokiosError
+
+logger = logging.getLogger("tokios.distributed")
+
+KEY_ENVIRONMENT_VARIABLE = "TOKIOS_DIST_KEY"
+
+
+class RankFailedError(TokiosError):
+    """A rank of the parallel group died or raised: the group's state is gone."""
+
+
+@dataclass(frozen=True)
+class GroupAddress:
+    """Where the group meets: the rendezvous at master_addr:master_port, the front's listener
+    one port above. nnodes machines take world_size / nnodes ranks each; this is node_rank."""
+
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None: a free port (one machine only)
+    nnodes: int = 1
+    node_rank: int = 0
+
+
+def group_key(nnodes: int) -> bytes:
+    """The key every rank proves it holds when it connects: random for one machine, from
+    $TOKIOS_DIST_KEY (the same on every machine) for several."""
+    value = os.environ.get(KEY_ENVIRONMENT_VARIABLE)
+    if value:
+        return value.encode()
+    if nnodes > 1:
+        raise TokiosError(f"a parallel group over {nnodes} machines needs the same ${KEY_ENVIRONMENT_VARIABLE} on "
+                          "each (any secret string): ranks authenticate to the front with it", code="no_group_key")
+    return secrets.token_bytes(32)
+
+
+def _free_port_pair(host: str) -> int:
+    """A port p with p and p + 1 both free here (rendezvous, listener)."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind((host, 0))
+            port = probe.getsockname()[1]
+        if port < 65535:
+            try:
+                with socket.socket() as second:
+                    second.bind((host, port + 1))
+                return port
+            except OSError:
+                continue
+    raise TokiosError("no free pair of ports for the parallel group's rendezvous", code="no_free_port")
+
+
+class RankProcess:
+    """A rank of this machine: `python -m tokios.distributed.worker`, its WorkerSpec on stdin.
+    A process of its own, not a multiprocessing child: spawning would re-import the caller's
+    main module, which a script without a main guard cannot survive. `sentinel` (a pidfd) turns
+    readable when the process exits, so waits can watch it next to the ranks' connections."""
+
+    def __init__(self, popen: subprocess.Popen):
+        self.popen = popen
+        self.pid = popen.pid
+        self.sentinel = os.pidfd_open(popen.pid)
+
+    @classmethod
+    def start(cls, spec: WorkerSpec) -> "RankProcess":
+        popen = subprocess.Popen([sys.executable, "-m", "tokios.distributed.worker"], stdin=subprocess.PIPE,
+                                 close_fds=True)
+        popen.stdin.write(pickle.dumps(spec))
+        popen.stdin.close()
+        return cls(popen)
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
+
+    def kill(self) -> None:
+        self.popen.kill()
+
+    def join(self, timeout: float) -> None:
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+class DistributedModel:
+    holds_kv_cache = True  # the runner allocates no cache: the ranks hold it
+
+    def __init__(self, head_model, config, plan: ParallelPlan, *, model_path: str, weight_format: str,
+                 device: torch.device, num_threads: int | None, num_slots: int, block_size: int,
+                 kv_dtype: torch.dtype, address: GroupAddress = GroupAddress(), timeout_s: float = 60.0,
+                 start_timeout_s: float = 600.0):
+        plan.check(config)
+        self.head = head_model
+        self.config = config
+        self.plan = plan
+        self.device = device
+        self.dtype = head_model.dtype
+        self._lock = threading.Lock()
+        self._closed = False
+        self.failure: RankFailedError | None = None
+        ranks_per_node, remainder = divmod(plan.world_size, address.nnodes)
+        if remainder:
+            raise TokiosError(f"{plan.world_size} ranks do not split evenly over {address.nnodes} machines",
+                              code="bad_parallel_layout")
+        port = address.master_port or _free_port_pair(address.master_addr)
+        key = group_key(address.nnodes)
+        self._listener = Listener((address.master_addr, port + 1), authkey=key)
+        local_ranks = range(address.node_rank * ranks_per_node, (address.node_rank + 1) * ranks_per_node)
+        threads = num_threads or max(1, (os.cpu_count() or 1) // ranks_per_node)
+        self.processes: dict[int, RankProcess] = {}
+        for rank in local_ranks:
+            spec = WorkerSpec(rank=rank, plan=plan, model_path=model_path, weight_format=weight_format,
+                              device=device.type, num_threads=threads, num_slots=num_slots, block_size=block_size,
+                              kv_dtype=kv_dtype, init_method=f"tcp://{address.master_addr}:{port}",
+                              front_address=(address.master_addr, port + 1), authkey=key, timeout_s=timeout_s)
+            self.processes[rank] = RankProcess.start(spec)
+        logger.info("parallel group: tensor %d x pipeline %d = %d ranks, %d here (pids %s); rendezvous %s:%d",
+                    plan.tensor_parallel_size, plan.pipeline_parallel_size, plan.world_size, len(local_ranks),
+                    ", ".join(str(p.pid) for p in self.processes.values()), address.master_addr, port)
+        try:
+            self.connections = self._accept_ranks(start_timeout_s)
+            ready = self._await_ready(start_timeout_s)
+        except BaseException:
+            self._terminate()
+            raise
+        self._ready = ready
+        self.has_decode_attention_kernel = all(r.has_decode_attention_kernel for r in ready.values())
+        self._output = self.connections[plan.output_rank]
+        for rank in sorted(ready):
+            logger.info("rank %d: layers %s, %s; KV cache %.1f MiB", rank,
+                        plan.part_of(rank, config.num_layers).layers, ready[rank].weight_summary,
+                        ready[rank].kv_cache_bytes / 2**20)
+
+    # ---- start ---------------------------------------------------------------------------------
+    def _accept_ranks(self, timeout_s: float) -> dict:
+        connections: dict[int, object] = {}
+        accepted: list = []
+
+        def accept_all():
+            while len(accepted) < self.plan.world_size:
+                try:
+                    accepted.append(self._listener.accept())
+                except OSError:
+                    return
+
+        acceptor = threading.Thread(target=accept_all, daemon=True)
+        acceptor.start()
+        acceptor.join(timeout_s)
+        for connection in accepted:
+            hello = messages.decode(connection.recv_bytes())
+            connections[hello.rank] = connection
+        if len(connections) < self.plan.world_size:
+            missing = sorted(set(range(self.plan.world_size)) - set(connections))
+            self._check_local_processes()
+            raise RankFailedError(f"ranks {missing} did not connect within {timeout_s:g} s", code="rank_failed")
+        return connections
+
+    def _await_ready(self, timeout_s: float) -> dict:
+        ready: dict[int, messages.Ready] = {}
+        pending = dict(self.connections)
+        while pending:
+            sentinels = {p.sentinel: rank for rank, p in self.processes.items()}
+            events = wait(list(pending.values()) + list(sentinels), timeout=timeout_s)
+            if not events:
+                raise RankFailedError(f"ranks {sorted(pending)} did not load within {timeout_s:g} s", code="rank_failed")
+            for event in events:
+                if event in sentinels:
+                    self._check_local_processes()
+                    continue
+                rank = next(r for r, c in pending.items() if c is event)
+                message = self._receive(rank, event)
+                if not isinstance(message, messages.Ready):
+                    raise RankFailedError(f"rank {rank} sent {type(message).__name__} before it was ready",
+                                          code="rank_failed")
+                ready[rank] = message
+                del pending[rank]
+        return ready
+
+    # ---- the model interface -------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata, kv_caches,
+                num_layers: int | None = None) -> torch.Tensor:
+        to_cpu = (lambda tensor: tensor.cpu()) if self.device.type != "cpu" else (lambda tensor: tensor)
+        step = messages.Step(to_cpu(input_ids), to_cpu(positions),
+                             map_tensors(metadata, to_cpu) if self.device.type != "cpu" else metadata, num_layers)
+        self._broadcast(step)
+        result = self._await_output()
+        return result.hidden.to(self.device)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head.compute_logits(hidden)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        self._broadcast(messages.CopyBlocks(copies))
+
+    def weight_bytes(self) -> int:
+        return self.head.weight_bytes() + sum(r.weight_bytes for r in self._ready.values())
+
+    def weight_summary(self) -> str:
+        return (f"{self.plan.world_size} ranks (tensor {self.plan.tensor_parallel_size} x pipeline "
+                f"{self.plan.pipeline_parallel_size}); output head here: {self.head.weight_summary()}")
+
+    # ---- messages ------------------------------------------------------------------------------
+    def _broadcast(self, message) -> None:
+        if self.failure is not None:
+            raise self.failure
+        payload = messages.encode(message)
+        for rank, connection in self.connections.items():
+            try:
+                connection.send_bytes(payload)
+            except OSError as exc:
+                self._fail(f"rank {rank} is gone: its connection failed ({exc})")
+
+    def _await_output(self) -> messages.StepResult:
+        """The output rank's result, watching every rank (and every local process) meanwhile."""
+        by_connection = {id(c): rank for rank, c in self.connections.items()}
+        sentinels = {p.sentinel: rank for rank, p in self.processes.items()}
+        while True:
+            for event in wait(list(self.connections.values()) + list(sentinels)):
+                if event in sentinels:
+                    self._check_local_processes()
+                    continue
+                rank = by_connection[id(event)]
+                message = self._receive(rank, event)
+                if isinstance(message, messages.StepResult) and event is self._output:
+                    return message
+                self._fail(f"rank {rank} sent an unexpected {type(message).__name__}")
+
+    def _receive(self, rank: int, connection):
+        try:
+            message = messages.decode(connection.recv_bytes())
+        except (EOFError, OSError):
+            self._check_local_processes()
+            self._fail(f"rank {rank} closed its connection (the process or its machine is gone)")
+        if isinstance(message, messages.RankFailed):
+            logger.error("rank %d failed:\n%s", rank, message.details)
+            self._fail(f"rank {rank} failed: {message.error}")
+        return message
+
+    def _check_local_processes(self) -> None:
+        for rank, process in self.processes.items():
+            if process.exitcode is not None:
+                self._fail(f"rank {rank} (pid {process.pid}) exited with status {process.exitcode}")
+
+    def _fail(self, why: str):
+        if self.failure is None:
+            self.failure = RankFailedError(f"the parallel group lost a rank: {why}", code="rank_failed")
+            logger.error("%s; stopping the other ranks", self.failure.message)
+            self._terminate()
+        raise self.failure
+
+    # ---- stop ----------------------------------------------------------------------------------
+    def watch(self, on_failure) -> None:
+        """Call on_failure(RankFailedError) from a thread when a local rank exits while no step is
+        running (between steps nobody else would notice until the next request)."""
+        sentinels = [p.sentinel for p in self.processes.values()]
+
+        def watcher():
+            wait(sentinels)
+            if self._closed:
+                return
+            try:
+                self._check_local_processes()
+            except RankFailedError as error:
+                on_failure(error)
+
+        threading.Thread(target=watcher, name="tokios-rank-watch", daemon=True).start()
+
+    def close(self) -> None:
+        """Ask every rank to exit, wait a little, then end the stragglers."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.failure is None:
+            payload = messages.encode(messages.Shutdown())
+            for connection in self.connections.values():
+                try:
+                    connection.send_bytes(payload)
+                except OSError:
+                    pass
+            for process in self.processes.values():
+                process.join(10)
+        self._terminate()
+
+    def _terminate(self) -> None:
+        self._closed = True
+        for process in self.processes.values():
+            if process.exitcode is None:
+                process.kill()
+        for process in self.processes.values():
+            process.join(5)
+        for connection in getattr(self, "connections", {}).values():
+            connection.close()
+        self._listener.close()

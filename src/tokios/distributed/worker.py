@@ -1,0 +1,185 @@
+"""One rank: joins the process group, builds its part of the model and its share of the KV cache,
+then runs one forward per Step message until Shutdown (or until the front is gone).
+
+A pipeline stage after the first receives its input hidden states from the previous stage's rank
+of the same tensor-parallel index, and every stage but the last sends its output on; tensor
+parallel ranks of a stage sum o_proj's and down's partial products with one all-reduce each.
+Any exception is reported to the front as RankFailed (one line plus the traceback for its log),
+then the rank exits non-zero; a collective whose peer died raises within the group's timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Client
+
+import torch
+
+from tokios.distributed import messages
+from tokios.distributed.plan import ParallelPlan, map_tensors
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a rank needs, picklable: it travels to a spawned process."""
+
+    rank: int
+    plan: ParallelPlan
+    model_path: str
+    weight_format: str
+    device: str  # "cpu" or "cuda"
+    num_threads: int
+    num_slots: int
+    block_size: int
+    kv_dtype: torch.dtype
+    init_method: str  # tcp://HOST:PORT, the group's rendezvous
+    front_address: tuple[str, int]
+    authkey: bytes
+    timeout_s: float = 60.0
+
+
+class AllReducedLinear:
+    """A row-parallel linear: this rank's input features times its weight columns, summed over
+    the tensor-parallel group."""
+
+    def __init__(self, linear, group):
+        self.linear_shard = linear
+        self.group = group
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        out = self.linear_shard(x).contiguous()
+        dist.all_reduce(out, group=self.group)
+        return out
+
+    def num_bytes(self) -> int:
+        return self.linear_shard.num_bytes()
+
+    @property
+    def tensor_types(self):
+        return getattr(self.linear_shard, "tensor_types", None)
+
+    @property
+    def weight(self):
+        return self.linear_shard.weight
+
+
+def run_worker(spec: WorkerSpec) -> None:
+    """A rank's process from start to exit (multiprocessing's target, and `tokios worker`'s)."""
+    connection = Client(spec.front_address, authkey=spec.authkey)
+    connection.send_bytes(messages.encode(messages.Hello(spec.rank, os.getpid(), socket.gethostname())))
+    try:
+        Rank(spec, connection).serve()
+    except (EOFError, ConnectionError, BrokenPipeError):
+        os._exit(1)  # the front is gone: nothing to report to
+    except BaseException as exc:  # noqa: BLE001 - reported, then this rank exits
+        try:
+            connection.send_bytes(messages.encode(messages.RankFailed(
+                spec.rank, f"{type(exc).__name__}: {exc}".splitlines()[0], traceback.format_exc())))
+        except OSError:
+            pass
+        os._exit(1)
+    os._exit(0)  # skip interpreter teardown: a process group torn down at exit can hang on a dead peer
+
+
+class Rank:
+    def __init__(self, spec: WorkerSpec, connection):
+        import torch.distributed as dist
+
+        from tokios.model.attention import allocate_kv_caches
+        from tokios.model.loader import build_model, read_model_file
+
+        self.spec = spec
+        self.connection = connection
+        plan = spec.plan
+        torch.set_num_threads(spec.num_threads)
+        if spec.device == "cuda":
+            local_rank = spec.rank % max(1, torch.cuda.device_count())
+            torch.cuda.set_device(local_rank)
+            self.device = torch.device("cuda", local_rank)
+        else:
+            self.device = torch.device("cpu")
+        dist.init_process_group("nccl" if spec.device == "cuda" else "gloo", init_method=spec.init_method,
+                                world_size=plan.world_size, rank=spec.rank, timeout=timedelta(seconds=spec.timeout_s))
+        tp = plan.tensor_parallel_size
+        # Every rank creates every group, in the same order (torch.distributed's rule).
+        groups = [dist.new_group([plan.rank_of(stage, t) for t in range(tp)]) if tp > 1 else None
+                  for stage in range(plan.pipeline_parallel_size)]
+        self.stage = plan.stage_of(spec.rank)
+        config, weights, _ = read_model_file(spec.model_path)
+        plan.check(config)
+        self.part = plan.part_of(spec.rank, config.num_layers)
+        weights = plan.shard_weights(weights, config, spec.rank)
+        self.local_config = plan.local_config(config)
+        self.model = build_model(spec.model_path, self.local_config, weights, spec.weight_format, self.device, self.part)
+        del weights
+        if tp > 1:
+            for layer in self.model.layers:
+                layer.o_proj = AllReducedLinear(layer.o_proj, groups[self.stage])
+                layer.down = AllReducedLinear(layer.down, groups[self.stage])
+            self.model.can_fuse_decode = False  # the fused C++ step has no place for the all-reduces
+        self.kv_caches = allocate_kv_caches(self.local_config, spec.num_slots, spec.kv_dtype, self.device,
+                                            layers=self.part.layers)
+        kv_bytes = sum(t.numel() * t.element_size() for pair in {id(p[0]): p for p in self.kv_caches}.values()
+                       for t in pair)
+        self.previous_rank = (plan.rank_of(self.stage - 1, plan.tp_rank_of(spec.rank)) if self.stage > 0 else None)
+        self.next_rank = (plan.rank_of(self.stage + 1, plan.tp_rank_of(spec.rank))
+                          if self.stage < plan.pipeline_parallel_size - 1 else None)
+        self.is_output_rank = spec.rank == plan.output_rank
+        connection.send_bytes(messages.encode(messages.Ready(
+            spec.rank, self.model.weight_bytes(), self.model.weight_summary(),
+            bool(self.model.has_decode_attention_kernel), kv_bytes)))
+
+    def serve(self) -> None:
+        import torch.distributed as dist
+
+        try:
+            while True:
+                message = messages.decode(self.connection.recv_bytes())
+                if isinstance(message, messages.Shutdown):
+                    return
+                if isinstance(message, messages.CopyBlocks):
+                    from tokios.runner.model_runner import copy_cache_blocks
+
+                    copy_cache_blocks(self.kv_caches, message.copies, self.spec.block_size, self.device)
+                elif isinstance(message, messages.Step):
+                    self.step(message)
+                else:
+                    raise TypeError(f"rank {self.spec.rank} got an unknown message {type(message).__name__}")
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    def step(self, message: messages.Step) -> None:
+        import torch.distributed as dist
+
+        to_device = (lambda tensor: tensor.to(self.device)) if self.device.type != "cpu" else (lambda tensor: tensor)
+        input_ids = to_device(message.input_ids)
+        positions = to_device(message.positions)
+        metadata = map_tensors(message.metadata, to_device) if self.device.type != "cpu" else message.metadata
+        model = self.model
+        if self.previous_rank is None:
+            hidden = model.embed(input_ids)
+        else:
+            hidden = torch.empty((input_ids.shape[0], self.local_config.hidden_size), dtype=model.dtype,
+                                 device=self.device)
+            dist.recv(hidden, src=self.previous_rank)
+        hidden = model.run_layers(hidden, positions, metadata, self.kv_caches, message.num_layers).contiguous()
+        if self.next_rank is not None:
+            dist.send(hidden, dst=self.next_rank)
+            return
+        if self.is_output_rank:
+            hidden = model.ops.rms_norm(hidden, model.norm)
+            self.connection.send_bytes(messages.encode(messages.StepResult(hidden.cpu())))
+
+
+if __name__ == "__main__":
+    import pickle
+    import sys
+
+    run_worker(pickle.loads(sys.stdin.buffer.read()))

@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "roofline": ("tokios.tools.roofline.cli", "measured utilization against the machine's roofs"),
     "simulate": ("tokios.tools.simulate.cli", "discrete-event simulation of a fleet: routing policies, SLO fleet size"),
     "soak": ("tokios.tools.soak", "thousands of mixed requests against a server, then leak checks"),
+    "worker": ("tokios.distributed.cli", "run this machine's ranks of a server's tensor/pipeline parallel group"),
     "gateway": ("tokios.gateway.cli", "run the gateway (stable authenticated endpoint)"),
     "connect": ("tokios.gateway.connector_cli", "connect a local backend to a gateway"),
     "keys": ("tokios.gateway.keys_cli", "manage gateway API keys and connector tokens"),

@@ -205,8 +205,6 @@ class ParallelConfig:
                  f"must be in 1..65534 (the front listens one above), got {self.master_port}")
         _require(self.nnodes == 1 or self.master_port is not None, "master_port",
                  "is needed when the group spans machines (they must all meet at the same port)")
-        _require(self.nnodes == 1 or self.master_addr not in ("127.0.0.1", "localhost"), "master_addr",
-                 "must be an address the other machines reach when the group spans machines")
         _require(self.timeout_s > 0, "timeout_s", f"must be positive, got {self.timeout_s}")
 
     @property

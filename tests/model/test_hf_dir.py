@@ -14,10 +14,10 @@ import json
 
 import pytest
 
+from hf_directory import write_hf_directory
 from reference import default_gguf
 from tokios.gguf_file import GGUFFile
 from tokios.model.loader import model_config_from_gguf, weights_from_gguf
-from tokios.model.quant import as_dense
 from tokios.sampling_params import SamplingParams
 
 PROMPTS = [
@@ -27,51 +27,15 @@ PROMPTS = [
 ]
 
 
-def write_hf_directory(directory, tokenizer) -> None:
-    path = default_gguf()
-    gguf = GGUFFile(path)
-    config = model_config_from_gguf(gguf.metadata, str(path), "output.weight" in gguf.tensors)
-    weights = weights_from_gguf(gguf, config)
-    from safetensors.torch import save_file
-
-    dense = {name: as_dense(weight).contiguous() for name, weight in weights.items()}
-    save_file(dense, str(directory / "model.safetensors"))
-    hf_config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads,
-        "num_hidden_layers": config.num_layers,
-        "head_dim": config.head_dim,
-        "vocab_size": config.vocab_size,
-        "max_position_embeddings": config.max_model_len,
-        "rope_theta": config.rope_theta,
-        "rms_norm_eps": config.rms_norm_eps,
-        "tie_word_embeddings": config.tie_word_embeddings,
-        "bos_token_id": tokenizer.bos_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-        "torch_dtype": "float32",
-    }
-    (directory / "config.json").write_text(json.dumps(hf_config, indent=2))
-    tokenizer.backend.save(str(directory / "tokenizer.json"))
-    tokenizer_config = {
-        "chat_template": tokenizer.chat_template,
-        "bos_token": tokenizer.bos_token,
-        "eos_token": tokenizer.eos_token,
-        "add_bos_token": False,
-        "add_eos_token": False,
-    }
-    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, ensure_ascii=False, indent=2))
-
-
 @pytest.fixture(scope="module")
 def hf_dir_engine(tmp_path_factory, engine_float32):
     from tokios.engine import LLM
 
     directory = tmp_path_factory.mktemp("smollm2-hf")
-    write_hf_directory(directory, engine_float32.tokenizer)
+    path = default_gguf()
+    gguf = GGUFFile(path)
+    config = model_config_from_gguf(gguf.metadata, str(path), "output.weight" in gguf.tensors)
+    write_hf_directory(directory, engine_float32.tokenizer, config, weights_from_gguf(gguf, config))
     return LLM(model=str(directory), dtype="float32", kv_cache_memory="64MiB")
 
 

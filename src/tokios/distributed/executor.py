@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from multiprocessing.connection import Listener, wait
 
@@ -27,7 +28,7 @@ import torch
 
 from tokios.distributed import messages
 from tokios.distributed.plan import ParallelPlan, map_tensors
-from tokios.distributed.worker import WorkerSpec
+from tokios.distributed.worker import RankLaunch, WorkerSpec
 from tokios.errors import TokiosError
 
 logger = logging.getLogger("tokios.distributed")
@@ -62,7 +63,7 @@ def group_key(nnodes: int) -> bytes:
     return secrets.token_bytes(32)
 
 
-def _free_port_pair(host: str) -> int:
+def free_port_pair(host: str) -> int:
     """A port p with p and p + 1 both free here (rendezvous, listener)."""
     for _ in range(50):
         with socket.socket() as probe:
@@ -79,7 +80,7 @@ def _free_port_pair(host: str) -> int:
 
 
 class RankProcess:
-    """A rank of this machine: `python -m tokios.distributed.worker`, its WorkerSpec on stdin.
+    """A rank of this machine: `python -m tokios.distributed.worker`, its RankLaunch on stdin.
     A process of its own, not a multiprocessing child: spawning would re-import the caller's
     main module, which a script without a main guard cannot survive. `sentinel` (a pidfd) turns
     readable when the process exits, so waits can watch it next to the ranks' connections."""
@@ -90,10 +91,10 @@ class RankProcess:
         self.sentinel = os.pidfd_open(popen.pid)
 
     @classmethod
-    def start(cls, spec: WorkerSpec) -> "RankProcess":
+    def start(cls, launch: RankLaunch) -> "RankProcess":
         popen = subprocess.Popen([sys.executable, "-m", "tokios.distributed.worker"], stdin=subprocess.PIPE,
                                  close_fds=True)
-        popen.stdin.write(pickle.dumps(spec))
+        popen.stdin.write(pickle.dumps(launch))
         popen.stdin.close()
         return cls(popen)
 
@@ -131,18 +132,17 @@ class DistributedModel:
         if remainder:
             raise TokiosError(f"{plan.world_size} ranks do not split evenly over {address.nnodes} machines",
                               code="bad_parallel_layout")
-        port = address.master_port or _free_port_pair(address.master_addr)
+        port = address.master_port or free_port_pair(address.master_addr)
         key = group_key(address.nnodes)
         self._listener = Listener((address.master_addr, port + 1), authkey=key)
         local_ranks = range(address.node_rank * ranks_per_node, (address.node_rank + 1) * ranks_per_node)
         threads = num_threads or max(1, (os.cpu_count() or 1) // ranks_per_node)
-        self.processes: dict[int, RankProcess] = {}
-        for rank in local_ranks:
-            spec = WorkerSpec(rank=rank, plan=plan, model_path=model_path, weight_format=weight_format,
-                              device=device.type, num_threads=threads, num_slots=num_slots, block_size=block_size,
-                              kv_dtype=kv_dtype, init_method=f"tcp://{address.master_addr}:{port}",
-                              front_address=(address.master_addr, port + 1), authkey=key, timeout_s=timeout_s)
-            self.processes[rank] = RankProcess.start(spec)
+        self.processes: dict[int, RankProcess] = {
+            rank: RankProcess.start(RankLaunch(rank, plan, (address.master_addr, port + 1), key, threads))
+            for rank in local_ranks}
+        self._spec = WorkerSpec(model_path=model_path, weight_format=weight_format, device=device.type,
+                                num_slots=num_slots, block_size=block_size, kv_dtype=kv_dtype,
+                                init_method=f"tcp://{address.master_addr}:{port}", timeout_s=timeout_s)
         logger.info("parallel group: tensor %d x pipeline %d = %d ranks, %d here (pids %s); rendezvous %s:%d",
                     plan.tensor_parallel_size, plan.pipeline_parallel_size, plan.world_size, len(local_ranks),
                     ", ".join(str(p.pid) for p in self.processes.values()), address.master_addr, port)
@@ -174,10 +174,17 @@ class DistributedModel:
 
         acceptor = threading.Thread(target=accept_all, daemon=True)
         acceptor.start()
-        acceptor.join(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while acceptor.is_alive() and time.monotonic() < deadline:
+            self._check_local_processes()  # a rank that failed to start ends the wait at once
+            acceptor.join(0.2)
         for connection in accepted:
             hello = messages.decode(connection.recv_bytes())
+            if hello.plan != self.plan or hello.rank in connections or not 0 <= hello.rank < self.plan.world_size:
+                raise RankFailedError(f"a rank from {hello.host} (pid {hello.pid}) joined as rank {hello.rank} of "
+                                      f"{hello.plan}, but this group is {self.plan}", code="rank_failed")
             connections[hello.rank] = connection
+            connection.send_bytes(messages.encode(self._spec))
         if len(connections) < self.plan.world_size:
             missing = sorted(set(range(self.plan.world_size)) - set(connections))
             self._check_local_processes()

@@ -1,6 +1,6 @@
 """What travels between the front process and the ranks, one typed message at a time.
 
-Front -> every rank: Step (once per model forward), CopyBlocks (copy-on-write of KV blocks),
+Front -> every rank: WorkerSpec (worker.py; once, after Hello), Step (once per model forward), CopyBlocks (copy-on-write of KV blocks),
 Shutdown. Rank -> front: Hello (on connecting), Ready (model loaded), StepResult (the output
 rank only: the last stage's final-normed hidden states), RankFailed (any rank, on an exception,
 before it exits). Tensors travel on the CPU; a rank moves them to its device.
@@ -20,6 +20,7 @@ class Hello:
     rank: int
     pid: int
     host: str
+    plan: Any  # the ParallelPlan the rank was started for
 
 
 @dataclass

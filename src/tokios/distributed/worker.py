@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from multiprocessing.connection import Client
 
@@ -24,21 +25,30 @@ from tokios.distributed.plan import ParallelPlan, map_tensors
 
 
 @dataclass(frozen=True)
-class WorkerSpec:
-    """Everything a rank needs, picklable: it travels to a spawned process."""
+class RankLaunch:
+    """How a rank reaches its front: what a rank process is started with (on stdin, or from
+    `tokios worker`'s flags). Everything else comes from the front as a WorkerSpec."""
 
     rank: int
-    plan: ParallelPlan
+    plan: ParallelPlan  # checked against the front's: both sides must mean the same group
+    front_address: tuple[str, int]
+    authkey: bytes
+    num_threads: int
+    model_path: str | None = None  # this machine's copy of the model, when not at the front's path
+    connect_timeout_s: float = 300.0
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What the front tells every rank after it connects."""
+
     model_path: str
     weight_format: str
     device: str  # "cpu" or "cuda"
-    num_threads: int
     num_slots: int
     block_size: int
     kv_dtype: torch.dtype
     init_method: str  # tcp://HOST:PORT, the group's rendezvous
-    front_address: tuple[str, int]
-    authkey: bytes
     timeout_s: float = 60.0
 
 
@@ -69,18 +79,35 @@ class AllReducedLinear:
         return self.linear_shard.weight
 
 
-def run_worker(spec: WorkerSpec) -> None:
-    """A rank's process from start to exit (multiprocessing's target, and `tokios worker`'s)."""
-    connection = Client(spec.front_address, authkey=spec.authkey)
-    connection.send_bytes(messages.encode(messages.Hello(spec.rank, os.getpid(), socket.gethostname())))
+def connect_to_front(launch: RankLaunch):
+    """The rank's connection to the front, retried while the front is not listening yet (a
+    worker machine may start before the server)."""
+    deadline = time.monotonic() + launch.connect_timeout_s
+    while True:
+        try:
+            return Client(launch.front_address, authkey=launch.authkey)
+        except (ConnectionRefusedError, FileNotFoundError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def run_worker(launch: RankLaunch) -> None:
+    """A rank's process from start to exit (`python -m tokios.distributed.worker`)."""
+    connection = connect_to_front(launch)
     try:
-        Rank(spec, connection).serve()
+        connection.send_bytes(messages.encode(messages.Hello(launch.rank, os.getpid(), socket.gethostname(),
+                                                             launch.plan)))
+        spec = messages.decode(connection.recv_bytes())
+        if launch.model_path is not None:
+            spec = replace(spec, model_path=launch.model_path)
+        Rank(launch, spec, connection).serve()
     except (EOFError, ConnectionError, BrokenPipeError):
         os._exit(1)  # the front is gone: nothing to report to
     except BaseException as exc:  # noqa: BLE001 - reported, then this rank exits
         try:
             connection.send_bytes(messages.encode(messages.RankFailed(
-                spec.rank, f"{type(exc).__name__}: {exc}".splitlines()[0], traceback.format_exc())))
+                launch.rank, f"{type(exc).__name__}: {exc}".splitlines()[0], traceback.format_exc())))
         except OSError:
             pass
         os._exit(1)
@@ -88,33 +115,34 @@ def run_worker(spec: WorkerSpec) -> None:
 
 
 class Rank:
-    def __init__(self, spec: WorkerSpec, connection):
+    def __init__(self, launch: RankLaunch, spec: WorkerSpec, connection):
         import torch.distributed as dist
 
         from tokios.model.attention import allocate_kv_caches
         from tokios.model.loader import build_model, read_model_file
 
+        self.rank = rank = launch.rank
         self.spec = spec
         self.connection = connection
-        plan = spec.plan
-        torch.set_num_threads(spec.num_threads)
+        plan = launch.plan
+        torch.set_num_threads(launch.num_threads)
         if spec.device == "cuda":
-            local_rank = spec.rank % max(1, torch.cuda.device_count())
+            local_rank = rank % max(1, torch.cuda.device_count())  # ranks are placed node-major
             torch.cuda.set_device(local_rank)
             self.device = torch.device("cuda", local_rank)
         else:
             self.device = torch.device("cpu")
         dist.init_process_group("nccl" if spec.device == "cuda" else "gloo", init_method=spec.init_method,
-                                world_size=plan.world_size, rank=spec.rank, timeout=timedelta(seconds=spec.timeout_s))
+                                world_size=plan.world_size, rank=rank, timeout=timedelta(seconds=spec.timeout_s))
         tp = plan.tensor_parallel_size
         # Every rank creates every group, in the same order (torch.distributed's rule).
         groups = [dist.new_group([plan.rank_of(stage, t) for t in range(tp)]) if tp > 1 else None
                   for stage in range(plan.pipeline_parallel_size)]
-        self.stage = plan.stage_of(spec.rank)
+        self.stage = plan.stage_of(rank)
         config, weights, _ = read_model_file(spec.model_path)
         plan.check(config)
-        self.part = plan.part_of(spec.rank, config.num_layers)
-        weights = plan.shard_weights(weights, config, spec.rank)
+        self.part = plan.part_of(rank, config.num_layers)
+        weights = plan.shard_weights(weights, config, rank)
         self.local_config = plan.local_config(config)
         self.model = build_model(spec.model_path, self.local_config, weights, spec.weight_format, self.device, self.part)
         del weights
@@ -127,12 +155,12 @@ class Rank:
                                             layers=self.part.layers)
         kv_bytes = sum(t.numel() * t.element_size() for pair in {id(p[0]): p for p in self.kv_caches}.values()
                        for t in pair)
-        self.previous_rank = (plan.rank_of(self.stage - 1, plan.tp_rank_of(spec.rank)) if self.stage > 0 else None)
-        self.next_rank = (plan.rank_of(self.stage + 1, plan.tp_rank_of(spec.rank))
+        self.previous_rank = (plan.rank_of(self.stage - 1, plan.tp_rank_of(rank)) if self.stage > 0 else None)
+        self.next_rank = (plan.rank_of(self.stage + 1, plan.tp_rank_of(rank))
                           if self.stage < plan.pipeline_parallel_size - 1 else None)
-        self.is_output_rank = spec.rank == plan.output_rank
+        self.is_output_rank = rank == plan.output_rank
         connection.send_bytes(messages.encode(messages.Ready(
-            spec.rank, self.model.weight_bytes(), self.model.weight_summary(),
+            rank, self.model.weight_bytes(), self.model.weight_summary(),
             bool(self.model.has_decode_attention_kernel), kv_bytes)))
 
     def serve(self) -> None:
@@ -150,7 +178,7 @@ class Rank:
                 elif isinstance(message, messages.Step):
                     self.step(message)
                 else:
-                    raise TypeError(f"rank {self.spec.rank} got an unknown message {type(message).__name__}")
+                    raise TypeError(f"rank {self.rank} got an unknown message {type(message).__name__}")
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()

@@ -22,6 +22,7 @@ import uvicorn
 
 from tokios.commands.generate import add_chat_template_argument
 from tokios.config import DEFAULT_MAX_STEP_MS, SUPPORTED_KV_CACHE_DTYPES
+from tokios.distributed.cli import add_parallel_arguments, parallel_config
 from tokios.errors import InvalidRequestError
 from tokios.server.connection_limits import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
                                              DEFAULT_MAX_CONNECTIONS, header_timeout_protocol, raise_open_file_limit)
@@ -72,6 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     engine.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     engine.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    add_parallel_arguments(parser)
     models = parser.add_argument_group("several models (docs/apis.md)")
     models.add_argument("--keep-alive", default=None,
                         help="unload a model idle this long, e.g. 5m, 1h, 30s, 0 (at once), -1 (never); "
@@ -161,6 +163,7 @@ def _engine_config(args: argparse.Namespace, model: str | None):
                                       num_speculative_tokens=args.num_speculative_tokens,
                                       draft_model=args.draft_model, draft_dtype=args.dtype,
                                       self_draft_num_layers=args.self_draft_layers),
+        parallel=parallel_config(args),
     )
 
 
@@ -207,6 +210,9 @@ def build_registry(args: argparse.Namespace):
     if args.served_model_name and len(models) > 1:
         raise InvalidRequestError("served_model_name names a single model; with several, name each as "
                                   "--model PATH=NAME", param="served_model_name")
+    if args.tensor_parallel_size * args.pipeline_parallel_size > 1 and len(models) > 1:
+        raise InvalidRequestError("a tensor/pipeline parallel group serves one model; run one server per model "
+                                  "(behind a gateway)", param="tensor_parallel_size")
     kv_cache_bytes = parse_size(args.kv_cache_memory, field_name="kv_cache_memory")
     specs = []
     name_to_path: dict[str, str] = {}

@@ -1,0 +1,94 @@
+"""The parallel group's flags (`tokios serve` and `tokios worker` share them) and `tokios worker`:
+the ranks of one more machine, joining a server's group.
+
+    # machine A (node 0): the server, ranks 0-1
+    TOKIOS_DIST_KEY=secret tokios serve --model M.gguf --tensor-parallel-size 2 --pipeline-parallel-size 2 \\
+        --nnodes 2 --master-addr 10.0.0.1 --master-port 29500
+    # machine B (node 1): ranks 2-3
+    TOKIOS_DIST_KEY=secret tokios worker --tensor-parallel-size 2 --pipeline-parallel-size 2 \\
+        --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+def add_parallel_arguments(parser: argparse.ArgumentParser, *, worker: bool = False) -> None:
+    group = parser.add_argument_group("parallel (docs/scale-out.md)")
+    group.add_argument("--tensor-parallel-size", "--tp", type=int, default=1,
+                       help="ranks that split each layer: heads and feed-forward features (default 1)")
+    group.add_argument("--pipeline-parallel-size", "--pp", type=int, default=1,
+                       help="stages that split the layers (default 1)")
+    group.add_argument("--master-addr", default="127.0.0.1",
+                       help="address of node 0, where the group meets (default 127.0.0.1)")
+    group.add_argument("--master-port", type=int, default=None,
+                       help="rendezvous port on node 0; the server also listens one above it for its ranks "
+                            "(default: a free port; needed with --nnodes > 1)")
+    group.add_argument("--nnodes", type=int, default=1, help="machines the ranks are spread over (default 1)")
+    if worker:
+        group.add_argument("--node-rank", type=int, required=True, help="this machine's number, 1..NNODES-1")
+    group.add_argument("--dist-timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                       help="seconds a rank waits on a silent peer before it fails (default "
+                            f"{DEFAULT_TIMEOUT_S:g})")
+
+
+def parallel_config(args: argparse.Namespace):
+    from tokios.config import ParallelConfig
+
+    return ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
+                          pipeline_parallel_size=args.pipeline_parallel_size, master_addr=args.master_addr,
+                          master_port=args.master_port, nnodes=args.nnodes,
+                          node_rank=getattr(args, "node_rank", 0), timeout_s=args.dist_timeout)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_parallel_arguments(parser, worker=True)
+    parser.add_argument("--model", default=None,
+                        help="this machine's copy of the model, when its path is not the server's")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads of each rank here (default: the cores shared among this machine's ranks)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start this machine's ranks; exit when they do (with the first failure's status)."""
+    from tokios.distributed.executor import RankProcess, group_key
+    from tokios.distributed.plan import ParallelPlan
+    from tokios.distributed.worker import RankLaunch
+    from tokios.errors import InvalidRequestError
+
+    config = parallel_config(args)
+    if config.node_rank == 0:
+        raise InvalidRequestError("node_rank 0 is the server's machine (`tokios serve`); workers are 1..NNODES-1",
+                                  param="node_rank")
+    plan = ParallelPlan(config.tensor_parallel_size, config.pipeline_parallel_size)
+    ranks_per_node, remainder = divmod(plan.world_size, config.nnodes)
+    if remainder:
+        raise InvalidRequestError(f"{plan.world_size} ranks do not split evenly over {config.nnodes} machines",
+                                  param="nnodes")
+    key = group_key(config.nnodes)
+    threads = args.threads or max(1, (os.cpu_count() or 1) // ranks_per_node)
+    ranks = range(config.node_rank * ranks_per_node, (config.node_rank + 1) * ranks_per_node)
+    processes = [RankProcess.start(RankLaunch(rank, plan, (config.master_addr, config.master_port + 1), key,
+                                              threads, model_path=args.model))
+                 for rank in ranks]
+    print(f"tokios worker: ranks {ranks.start}-{ranks.stop - 1} of {plan.world_size} started, joining "
+          f"{config.master_addr}:{config.master_port}", flush=True)
+    try:
+        while True:
+            codes = [process.exitcode for process in processes]
+            if any(code not in (None, 0) for code in codes) or all(code is not None for code in codes):
+                break
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        pass
+    for process in processes:
+        if process.exitcode is None:
+            process.kill()
+        process.join(5)
+    failed = [code for code in (process.exitcode for process in processes) if code]
+    return failed[0] if failed else 0

@@ -1,0 +1,137 @@
+"""Tensor and pipeline parallel (tokios.distributed) give what one process gives.
+
+Ranks are real processes on this machine meeting over Gloo, as a user's would. In float32 a
+pipeline split changes no arithmetic and a tensor split only the order of o_proj's and down's
+sums, so greedy tokens must equal the single process's. Two models: a small Llama written here
+from random weights, whose 4 query and 2 KV heads split every way (TP 2 splits KV heads, TP 4
+replicates them, TP 2 x PP 2 uses four ranks), and the default model, whose 9 heads and 30
+layers allow PP 2 and TP 3 but not TP 2 (a clear error). The quantized default file runs PP 2
+as stored (the fused decode step per stage) with the same tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_directory import write_hf_directory
+from tokios.config import ModelConfig
+from tokios.errors import InvalidRequestError
+from tokios.sampling_params import SamplingParams
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a village by the sea,"]
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+def greedy_tokens(llm, prompts=PROMPTS, params=GREEDY) -> list[list[int]]:
+    return [output.outputs[0].token_ids for output in llm.generate(prompts, params)]
+
+
+def random_llama_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Weights scaled so that each layer changes the residual stream noticeably and the logits
+    spread (near ties would make greedy comparisons depend on rounding)."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def normal(*shape, std):
+        return torch.randn(*shape, generator=generator) * std
+
+    hidden, inner, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
+    weights = {"model.embed_tokens.weight": normal(config.vocab_size, hidden, std=1.0),
+               "model.norm.weight": 1 + normal(hidden, std=0.1)}
+    for i in range(config.num_layers):
+        prefix = f"model.layers.{i}"
+        weights.update({
+            f"{prefix}.input_layernorm.weight": 1 + normal(hidden, std=0.1),
+            f"{prefix}.post_attention_layernorm.weight": 1 + normal(hidden, std=0.1),
+            f"{prefix}.self_attn.q_proj.weight": normal(config.num_heads * head_dim, hidden, std=hidden ** -0.5),
+            f"{prefix}.self_attn.k_proj.weight": normal(config.num_kv_heads * head_dim, hidden, std=hidden ** -0.5),
+            f"{prefix}.self_attn.v_proj.weight": normal(config.num_kv_heads * head_dim, hidden, std=hidden ** -0.5),
+            f"{prefix}.self_attn.o_proj.weight": normal(hidden, config.num_heads * head_dim, std=hidden ** -0.5),
+            f"{prefix}.mlp.gate_proj.weight": normal(inner, hidden, std=hidden ** -0.5),
+            f"{prefix}.mlp.up_proj.weight": normal(inner, hidden, std=hidden ** -0.5),
+            f"{prefix}.mlp.down_proj.weight": normal(hidden, inner, std=inner ** -0.5),
+        })
+    return weights
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory, engine_float32):
+    tokenizer = engine_float32.tokenizer
+    config = ModelConfig(architecture="llama", num_layers=4, hidden_size=128, intermediate_size=256, num_heads=4,
+                         num_kv_heads=2, head_dim=32, vocab_size=engine_float32.model_config.vocab_size,
+                         max_model_len=512, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
+    directory = tmp_path_factory.mktemp("small-llama")
+    write_hf_directory(directory, tokenizer, config, random_llama_weights(config))
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def small_model_tokens(small_model):
+    from tokios.engine import LLM
+
+    llm = LLM(model=small_model, dtype="float32", kv_cache_memory="8MiB", num_threads=1)
+    try:
+        return greedy_tokens(llm)
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (4, 1), (1, 2), (2, 2)],
+                         ids=["tp2-kv-split", "tp4-kv-replicated", "pp2", "tp2xpp2"])
+def test_small_model_parallel_greedy_equals_one_process(small_model, small_model_tokens, tp, pp):
+    from tokios.engine import LLM
+
+    llm = LLM(model=small_model, dtype="float32", kv_cache_memory="8MiB", num_threads=1,
+              tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    try:
+        assert greedy_tokens(llm) == small_model_tokens
+        assert len(set(map(tuple, small_model_tokens))) == len(PROMPTS)  # the prompts lead somewhere different
+    finally:
+        llm.close()
+
+
+def test_default_model_pipeline_and_tensor_parallel_in_float32(engine_float32):
+    from tokios.engine import LLM
+
+    expected = greedy_tokens(engine_float32)
+    for tp, pp in [(1, 2), (3, 1)]:
+        llm = LLM(dtype="float32", kv_cache_memory="32MiB", num_threads=1, tensor_parallel_size=tp,
+                  pipeline_parallel_size=pp)
+        try:
+            assert greedy_tokens(llm) == expected, (tp, pp)
+        finally:
+            llm.close()
+
+
+def test_default_model_stored_pipeline_parallel_and_sampling_with_copies():
+    """The Q4_1 file as stored: each stage runs the fused C++ decode step over its own layers.
+    n=3 seeded samples share the prompt's last partial block, so the ranks copy it on write."""
+    from tokios.engine import LLM
+
+    sampled = SamplingParams(temperature=0.8, max_tokens=12, n=3, seed=7, ignore_eos=True)
+    single = LLM(kv_cache_memory="32MiB", num_threads=1)
+    try:
+        expected = greedy_tokens(single), [c.token_ids for c in single.generate([PROMPTS[0]], sampled)[0].outputs]
+    finally:
+        single.close()
+    llm = LLM(kv_cache_memory="32MiB", num_threads=1, pipeline_parallel_size=2)
+    copies = []
+    send_copies = llm.core.model.copy_blocks
+    llm.core.model.copy_blocks = lambda pairs: (copies.extend(pairs), send_copies(pairs))
+    try:
+        got = greedy_tokens(llm), [c.token_ids for c in llm.generate([PROMPTS[0]], sampled)[0].outputs]
+        assert got == expected
+        assert copies, "the n=3 request was meant to copy its shared partial block on write"
+    finally:
+        llm.close()
+
+
+def test_sizes_that_do_not_split_the_model_are_refused_before_any_rank_starts():
+    from tokios.engine import LLM
+
+    with pytest.raises(InvalidRequestError, match="tensor_parallel_size 2 does not divide .*9 attention heads"):
+        LLM(dtype="float32", kv_cache_memory="32MiB", tensor_parallel_size=2)
+    with pytest.raises(InvalidRequestError, match="pipeline_parallel_size 31 is more than the model's 30 layers"):
+        LLM(dtype="float32", kv_cache_memory="32MiB", pipeline_parallel_size=31)
+    with pytest.raises(InvalidRequestError, match="kv_cache_disk"):
+        LLM(kv_cache_memory="32MiB", pipeline_parallel_size=2, kv_cache_disk="/tmp/never-made")

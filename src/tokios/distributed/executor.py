@@ -125,9 +125,12 @@ class DistributedModel:
         self.plan = plan
         self.device = device
         self.dtype = head_model.dtype
-        self._lock = threading.Lock()
         self._closed = False
         self.failure: RankFailedError | None = None
+        # Cumulative: forwards run, their wall time here, and the part spent encoding and sending.
+        self.num_forwards = 0
+        self.forward_s = 0.0
+        self.send_s = 0.0
         ranks_per_node, remainder = divmod(plan.world_size, address.nnodes)
         if remainder:
             raise TokiosError(f"{plan.world_size} ranks do not split evenly over {address.nnodes} machines",
@@ -168,7 +171,9 @@ class DistributedModel:
         def accept_all():
             while len(accepted) < self.plan.world_size:
                 try:
-                    accepted.append(self._listener.accept())
+                    connection = self._listener.accept()
+                    messages.no_delay(connection)
+                    accepted.append(connection)
                 except OSError:
                     return
 
@@ -218,12 +223,27 @@ class DistributedModel:
         to_cpu = (lambda tensor: tensor.cpu()) if self.device.type != "cpu" else (lambda tensor: tensor)
         step = messages.Step(to_cpu(input_ids), to_cpu(positions),
                              map_tensors(metadata, to_cpu) if self.device.type != "cpu" else metadata, num_layers)
+        started = time.perf_counter()
         self._broadcast(step)
+        self.send_s += time.perf_counter() - started
         result = self._await_output()
+        self.forward_s += time.perf_counter() - started
+        self.num_forwards += 1
         return result.hidden.to(self.device)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head.compute_logits(hidden)
+
+    def rank_timings(self) -> list[messages.RankTimings]:
+        """Every rank's cumulative timings (call between steps)."""
+        self._broadcast(messages.GetTimings())
+        timings = []
+        for rank, connection in sorted(self.connections.items()):
+            message = self._receive(rank, connection)
+            if not isinstance(message, messages.RankTimings):
+                self._fail(f"rank {rank} answered GetTimings with {type(message).__name__}")
+            timings.append(message)
+        return timings
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         self._broadcast(messages.CopyBlocks(copies))

@@ -56,15 +56,19 @@ class AllReducedLinear:
     """A row-parallel linear: this rank's input features times its weight columns, summed over
     the tensor-parallel group."""
 
-    def __init__(self, linear, group):
+    def __init__(self, linear, group, timings: messages.RankTimings):
         self.linear_shard = linear
         self.group = group
+        self.timings = timings
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
 
         out = self.linear_shard(x).contiguous()
+        started = time.perf_counter()
         dist.all_reduce(out, group=self.group)
+        self.timings.all_reduce_s += time.perf_counter() - started
+        self.timings.num_all_reduces += 1
         return out
 
     def num_bytes(self) -> int:
@@ -85,7 +89,9 @@ def connect_to_front(launch: RankLaunch):
     deadline = time.monotonic() + launch.connect_timeout_s
     while True:
         try:
-            return Client(launch.front_address, authkey=launch.authkey)
+            connection = Client(launch.front_address, authkey=launch.authkey)
+            messages.no_delay(connection)
+            return connection
         except (ConnectionRefusedError, FileNotFoundError):
             if time.monotonic() > deadline:
                 raise
@@ -139,6 +145,7 @@ class Rank:
         groups = [dist.new_group([plan.rank_of(stage, t) for t in range(tp)]) if tp > 1 else None
                   for stage in range(plan.pipeline_parallel_size)]
         self.stage = plan.stage_of(rank)
+        self.timings = messages.RankTimings(rank)
         config, weights, _ = read_model_file(spec.model_path)
         plan.check(config)
         self.part = plan.part_of(rank, config.num_layers)
@@ -148,8 +155,8 @@ class Rank:
         del weights
         if tp > 1:
             for layer in self.model.layers:
-                layer.o_proj = AllReducedLinear(layer.o_proj, groups[self.stage])
-                layer.down = AllReducedLinear(layer.down, groups[self.stage])
+                layer.o_proj = AllReducedLinear(layer.o_proj, groups[self.stage], self.timings)
+                layer.down = AllReducedLinear(layer.down, groups[self.stage], self.timings)
             self.model.can_fuse_decode = False  # the fused C++ step has no place for the all-reduces
         self.kv_caches = allocate_kv_caches(self.local_config, spec.num_slots, spec.kv_dtype, self.device,
                                             layers=self.part.layers)
@@ -176,7 +183,12 @@ class Rank:
 
                     copy_cache_blocks(self.kv_caches, message.copies, self.spec.block_size, self.device)
                 elif isinstance(message, messages.Step):
+                    started = time.perf_counter()
                     self.step(message)
+                    self.timings.step_s += time.perf_counter() - started
+                    self.timings.num_steps += 1
+                elif isinstance(message, messages.GetTimings):
+                    self.connection.send_bytes(messages.encode(self.timings))
                 else:
                     raise TypeError(f"rank {self.rank} got an unknown message {type(message).__name__}")
         finally:
@@ -196,14 +208,17 @@ class Rank:
         else:
             hidden = torch.empty((input_ids.shape[0], self.local_config.hidden_size), dtype=model.dtype,
                                  device=self.device)
+            started = time.perf_counter()
             dist.recv(hidden, src=self.previous_rank)
+            self.timings.receive_s += time.perf_counter() - started
         hidden = model.run_layers(hidden, positions, metadata, self.kv_caches, message.num_layers).contiguous()
+        started = time.perf_counter()
         if self.next_rank is not None:
             dist.send(hidden, dst=self.next_rank)
-            return
-        if self.is_output_rank:
+        elif self.is_output_rank:
             hidden = model.ops.rms_norm(hidden, model.norm)
             self.connection.send_bytes(messages.encode(messages.StepResult(hidden.cpu())))
+        self.timings.send_s += time.perf_counter() - started
 
 
 if __name__ == "__main__":

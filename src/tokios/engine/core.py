@@ -104,7 +104,11 @@ class EngineCore:
         self.config = config
         self.device = resolve_device(config.load.device)
         if self.device.type == "cpu":
-            torch.set_num_threads(config.load.num_threads or physical_core_count())
+            # In a parallel group the ranks take the cores (--threads is theirs); this process only
+            # runs the output head and the sampler, and idle OpenMP workers of its own spinning
+            # between steps would take time from the ranks.
+            torch.set_num_threads(1 if config.parallel.world_size > 1
+                                  else config.load.num_threads or physical_core_count())
         self.weight_format = config.load.dtype
         if self.weight_format == "auto":
             self.weight_format = AUTO_DTYPE_BY_DEVICE[self.device.type]

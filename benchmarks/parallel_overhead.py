@@ -11,6 +11,7 @@ What the ranks do not account for is transit: pickling, the socket, waking the p
 
     python benchmarks/parallel_overhead.py --runs 5 --batch 1 8 --parallel 1,2 3,1
     python benchmarks/parallel_overhead.py --runs 5 --batch 1 8 --model GEMMA_3_FILE --parallel 1,2 2,1
+    python benchmarks/parallel_overhead.py --all-reduce --runs 3
 """
 
 from __future__ import annotations
@@ -47,6 +48,35 @@ class ForwardTimer:
             self.count += 1
 
 
+def _all_reduce_rank(rank: int, port: int, sizes: list[int], repeats: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=rank)
+    for size in sizes:
+        values = torch.randn(size)
+        for _ in range(repeats // 10):
+            dist.all_reduce(values)
+        started = time.perf_counter()
+        for _ in range(repeats):
+            dist.all_reduce(values)
+        if rank == 0:
+            print(f"| {size:,} float32 | {(time.perf_counter() - started) / repeats * 1e6:.0f} |", flush=True)
+    dist.destroy_process_group()
+
+
+def all_reduce_latency(runs: int) -> None:
+    """Gloo all-reduce between two processes alone on this machine, 1 thread each."""
+    import torch.multiprocessing as mp
+
+    from tokios.distributed.executor import free_port_pair
+
+    print("| tensor | microseconds per all-reduce (2 processes, Gloo) |\n|---|---|")
+    for _ in range(runs):
+        mp.spawn(_all_reduce_rank, args=(free_port_pair("127.0.0.1"), [640, 8 * 640, 64 * 640], 500), nprocs=2)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=5)
@@ -56,7 +86,12 @@ def main() -> int:
     parser.add_argument("--model", default=None, help="model file (default: the default model)")
     parser.add_argument("--parallel", type=parse_group, nargs="+", default=[(1, 2), (3, 1)], metavar="TP,PP",
                         help="parallel groups to measure, 1 thread per rank (default: 1,2 3,1)")
+    parser.add_argument("--all-reduce", action="store_true",
+                        help="only time Gloo all-reduces between two processes (--runs times)")
     args = parser.parse_args()
+    if args.all_reduce:
+        all_reduce_latency(args.runs)
+        return 0
     from tokios import LLM, SamplingParams
 
     CONFIGS = dict(BASELINES)

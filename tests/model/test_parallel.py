@@ -135,3 +135,23 @@ def test_sizes_that_do_not_split_the_model_are_refused_before_any_rank_starts():
         LLM(dtype="float32", kv_cache_memory="32MiB", pipeline_parallel_size=31)
     with pytest.raises(InvalidRequestError, match="kv_cache_disk"):
         LLM(kv_cache_memory="32MiB", pipeline_parallel_size=2, kv_cache_disk="/tmp/never-made")
+
+
+def test_speculative_self_draft_runs_the_first_layers_across_stages():
+    """The self-draft asks for the model's first 20 layers: stage 0 runs its 15, stage 1 five of
+    its own, and the verified tokens are plain greedy decoding's."""
+    from tokios.engine import LLM
+    from tokios.speculative.config import SpeculativeConfig
+
+    single = LLM(kv_cache_memory="32MiB", num_threads=1)
+    try:
+        expected = greedy_tokens(single)
+    finally:
+        single.close()
+    llm = LLM(kv_cache_memory="32MiB", num_threads=1, pipeline_parallel_size=2,
+              speculative_config=SpeculativeConfig(method="self_draft", self_draft_num_layers=20))
+    try:
+        assert greedy_tokens(llm) == expected
+        assert llm.stats().spec_num_draft_tokens > 0 and llm.stats().spec_num_accepted_tokens > 0
+    finally:
+        llm.close()

@@ -10,8 +10,6 @@ same weights, so greedy tokens (and where they stop) must be identical.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from hf_directory import write_hf_directory

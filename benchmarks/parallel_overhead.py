@@ -6,7 +6,7 @@ step is a decode step of B rows. For each, the median over runs of the forward's
 step (timed around the runner's model.forward) and its ratio to one process with the same
 total threads. For the parallel ones, where that time went, per step: the front encoding and
 sending the Step message, each rank's own step time, the all-reduces inside it (tensor
-parallel: two per layer), the wait for the previous stage and the send to the next (pipeline).
+parallel: two per layer; through shared memory, and again through Gloo for comparison), the wait for the previous stage and the send to the next (pipeline).
 What the ranks do not account for is transit: pickling, the socket, waking the process.
 
     python benchmarks/parallel_overhead.py --runs 5 --batch 1 8 --parallel 1,2 3,1
@@ -17,8 +17,11 @@ What the ranks do not account for is transit: pickling, the socket, waking the p
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
+
+from tokios.distributed.worker import GLOO_ONLY_ENVIRONMENT_VARIABLE
 
 BASELINES = {  # name -> (tensor parallel, pipeline parallel, threads per process)
     "1 process, 2 threads": (1, 1, 2),
@@ -95,12 +98,17 @@ def main() -> int:
     from tokios import LLM, SamplingParams
 
     CONFIGS = dict(BASELINES)
+    gloo_only = set()
     for tp, pp in args.parallel:
-        CONFIGS[" x ".join(part for part, size in ((f"TP {tp}", tp), (f"PP {pp}", pp)) if size > 1)
-                + " (1 thread each)"] = (tp, pp, 1)
+        name = " x ".join(part for part, size in ((f"TP {tp}", tp), (f"PP {pp}", pp)) if size > 1)
+        CONFIGS[name + " (1 thread each)"] = (tp, pp, 1)
+        if tp > 1:  # the same group with its all-reduces through Gloo instead of shared memory
+            CONFIGS[name + ", Gloo all-reduce"] = (tp, pp, 1)
+            gloo_only.add(name + ", Gloo all-reduce")
 
     engines = {}
     for name, (tp, pp, threads) in CONFIGS.items():
+        os.environ[GLOO_ONLY_ENVIRONMENT_VARIABLE] = "1" if name in gloo_only else "0"  # read by the ranks
         llm = LLM(model=args.model, dtype=args.dtype, kv_cache_memory="64MiB", num_threads=threads, tensor_parallel_size=tp,
                   pipeline_parallel_size=pp)
         engines[name] = (llm, ForwardTimer(llm.core.runner.model))

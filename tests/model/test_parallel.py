@@ -4,7 +4,8 @@ Ranks are real processes on this machine meeting over Gloo, as a user's would. I
 pipeline split changes no arithmetic and a tensor split only the order of o_proj's and down's
 sums, so greedy tokens must equal the single process's. Two models: a small Llama written here
 from random weights, whose 4 query and 2 KV heads split every way (TP 2 splits KV heads, TP 4
-replicates them, TP 2 x PP 2 uses four ranks), and the default model, whose 9 heads and 30
+replicates them, TP 2 x PP 2 uses four ranks; all-reduces through shared memory, and once
+through Gloo), and the default model, whose 9 heads and 30
 layers allow PP 2 and TP 3 but not TP 2 (a clear error). The quantized default file runs PP 2
 as stored (the fused decode step per stage) with the same tokens.
 """
@@ -76,11 +77,17 @@ def small_model_tokens(small_model):
         llm.close()
 
 
-@pytest.mark.parametrize("tp, pp", [(2, 1), (4, 1), (1, 2), (2, 2)],
-                         ids=["tp2-kv-split", "tp4-kv-replicated", "pp2", "tp2xpp2"])
-def test_small_model_parallel_greedy_equals_one_process(small_model, small_model_tokens, tp, pp):
+@pytest.mark.parametrize("tp, pp, gloo_only", [(2, 1, False), (2, 1, True), (4, 1, False), (1, 2, False),
+                                                (2, 2, False)],
+                         ids=["tp2-kv-split", "tp2-gloo-all-reduce", "tp4-kv-replicated", "pp2", "tp2xpp2"])
+def test_small_model_parallel_greedy_equals_one_process(small_model, small_model_tokens, tp, pp, gloo_only,
+                                                        monkeypatch):
+    from tokios.distributed.worker import GLOO_ONLY_ENVIRONMENT_VARIABLE
     from tokios.engine import LLM
 
+    # Ranks of one machine sum through shared memory; the Gloo path (other machines, big
+    # tensors) is checked on its own.
+    monkeypatch.setenv(GLOO_ONLY_ENVIRONMENT_VARIABLE, "1" if gloo_only else "0")
     llm = LLM(model=small_model, dtype="float32", kv_cache_memory="8MiB", num_threads=1,
               tensor_parallel_size=tp, pipeline_parallel_size=pp)
     try:

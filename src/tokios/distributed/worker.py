@@ -22,6 +22,10 @@ import torch
 
 from tokios.distributed import messages
 from tokios.distributed.plan import ParallelPlan, map_tensors
+from tokios.distributed.shm_all_reduce import SharedMemoryAllReduce
+
+# "1": tensor-parallel ranks of one machine sum through Gloo too (benchmarks compare the two).
+GLOO_ONLY_ENVIRONMENT_VARIABLE = "TOKIOS_TP_GLOO_ONLY"
 
 
 @dataclass(frozen=True)
@@ -56,17 +60,19 @@ class AllReducedLinear:
     """A row-parallel linear: this rank's input features times its weight columns, summed over
     the tensor-parallel group."""
 
-    def __init__(self, linear, group, timings: messages.RankTimings):
+    def __init__(self, linear, group, timings: messages.RankTimings, shared_memory=None):
         self.linear_shard = linear
         self.group = group
         self.timings = timings
+        self.shared_memory = shared_memory  # a SharedMemoryAllReduce when the group shares a machine
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
 
         out = self.linear_shard(x).contiguous()
         started = time.perf_counter()
-        dist.all_reduce(out, group=self.group)
+        if self.shared_memory is None or not self.shared_memory(out):
+            dist.all_reduce(out, group=self.group)
         self.timings.all_reduce_s += time.perf_counter() - started
         self.timings.num_all_reduces += 1
         return out
@@ -154,9 +160,15 @@ class Rank:
         self.model = build_model(spec.model_path, self.local_config, weights, spec.weight_format, self.device, self.part)
         del weights
         if tp > 1:
+            group = groups[self.stage]
+            group_ranks = [plan.rank_of(self.stage, t) for t in range(tp)]
+            shared_memory = None
+            if os.environ.get(GLOO_ONLY_ENVIRONMENT_VARIABLE) != "1" and \
+                    SharedMemoryAllReduce.usable(group, group_ranks, self.device):
+                shared_memory = SharedMemoryAllReduce(group, group_ranks, plan.tp_rank_of(rank), spec.timeout_s)
             for layer in self.model.layers:
-                layer.o_proj = AllReducedLinear(layer.o_proj, groups[self.stage], self.timings)
-                layer.down = AllReducedLinear(layer.down, groups[self.stage], self.timings)
+                layer.o_proj = AllReducedLinear(layer.o_proj, group, self.timings, shared_memory)
+                layer.down = AllReducedLinear(layer.down, group, self.timings, shared_memory)
             self.model.can_fuse_decode = False  # the fused C++ step has no place for the all-reduces
         self.kv_caches = allocate_kv_caches(self.local_config, spec.num_slots, spec.kv_dtype, self.device,
                                             layers=self.part.layers)

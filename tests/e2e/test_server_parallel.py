@@ -4,7 +4,8 @@
   the text is the single-process server's (the default Q4_1 file as stored: a pipeline split
   changes no arithmetic).
 - The ranks of a second "machine" (`tokios worker --node-rank 1` here, over TCP with the group
-  key) serve the same text; when the server stops, the worker's ranks exit cleanly.
+  key) serve the same text; when the server stops, the worker starts its ranks again for the
+  server's next load, and leaves cleanly on Ctrl-C.
 - A rank killed in the middle of a stream ends every request with an error (an error event,
   then [DONE]), the server exits non-zero within seconds, and no rank process is left behind.
 """
@@ -87,7 +88,14 @@ def test_ranks_on_a_second_machine_join_with_tokios_worker(tokios_server):
         with serve(*group, env={"TOKIOS_DIST_KEY": "e2e-group-key"}) as server:
             assert streamed_text(server) == expected
             assert "rank 1: layers range(15, 30)" in server.log_text()
-        assert worker.wait(30) == 0, worker.stdout.read()
+        # The worker outlives the server: its ranks start again and wait for the next load.
+        deadline = time.monotonic() + 30
+        lines = []
+        while time.monotonic() < deadline and not any("starting the ranks again" in line for line in lines):
+            lines.append(worker.stdout.readline())
+        assert any("starting the ranks again" in line for line in lines), lines
+        worker.send_signal(signal.SIGINT)
+        assert worker.wait(30) == 0
     finally:
         if worker.poll() is None:
             worker.kill()

@@ -162,3 +162,48 @@ def test_speculative_self_draft_runs_the_first_layers_across_stages():
         assert llm.stats().spec_num_draft_tokens > 0 and llm.stats().spec_num_accepted_tokens > 0
     finally:
         llm.close()
+
+
+def test_gemma3_tensor_and_pipeline_parallel():
+    """Gemma 3: sliding-window KV groups (each layer reads its group's metadata by its model layer
+    number, and its own RoPE table), per-head norms, and 1 KV head, which TP 2 replicates. In
+    float32 at TP 2 and as stored at PP 2 (each stage's fused step over its own layers and KV
+    groups), the single process's greedy tokens."""
+    from tokios.engine import LLM
+    from tokios.model_files import gemma3_model_path
+
+    path = str(gemma3_model_path())
+    for dtype, tp, pp in [("float32", 2, 1), ("auto", 1, 2)]:
+        single = LLM(model=path, dtype=dtype, kv_cache_memory="32MiB", num_threads=1)
+        try:
+            expected = greedy_tokens(single)
+        finally:
+            single.close()
+        llm = LLM(model=path, dtype=dtype, kv_cache_memory="32MiB", num_threads=1, tensor_parallel_size=tp,
+                  pipeline_parallel_size=pp)
+        try:
+            assert greedy_tokens(llm) == expected, (dtype, tp, pp)
+        finally:
+            llm.close()
+
+
+def test_a_rank_that_dies_between_steps_fails_the_next_step_at_once():
+    import os
+    import signal
+    import time
+
+    from tokios.distributed.executor import RankFailedError
+    from tokios.engine import LLM
+
+    llm = LLM(kv_cache_memory="32MiB", num_threads=1, pipeline_parallel_size=2)
+    try:
+        greedy_tokens(llm, PROMPTS[:1])
+        first_stage = llm.core.model.processes[0]
+        os.kill(first_stage.pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(RankFailedError, match="rank 0 .* exited with status -9"):
+            greedy_tokens(llm, PROMPTS[:1])
+        assert time.monotonic() - started < 10
+        assert all(process.exitcode is not None for process in llm.core.model.processes.values())
+    finally:
+        llm.close()

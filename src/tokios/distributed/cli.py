@@ -12,7 +12,6 @@ the ranks of one more machine, joining a server's group.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -32,9 +31,10 @@ def add_parallel_arguments(parser: argparse.ArgumentParser, *, worker: bool = Fa
     group.add_argument("--nnodes", type=int, default=1, help="machines the ranks are spread over (default 1)")
     if worker:
         group.add_argument("--node-rank", type=int, required=True, help="this machine's number, 1..NNODES-1")
-    group.add_argument("--dist-timeout", type=float, default=DEFAULT_TIMEOUT_S,
-                       help="seconds a rank waits on a silent peer before it fails (default "
-                            f"{DEFAULT_TIMEOUT_S:g})")
+    if not worker:  # the workers' ranks take the server's
+        group.add_argument("--dist-timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                           help="seconds a rank waits on a silent peer before it fails; more than the slowest "
+                                f"stage's step (default {DEFAULT_TIMEOUT_S:g})")
 
 
 def parallel_config(args: argparse.Namespace):
@@ -43,7 +43,8 @@ def parallel_config(args: argparse.Namespace):
     return ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
                           pipeline_parallel_size=args.pipeline_parallel_size, master_addr=args.master_addr,
                           master_port=args.master_port, nnodes=args.nnodes,
-                          node_rank=getattr(args, "node_rank", 0), timeout_s=args.dist_timeout)
+                          node_rank=getattr(args, "node_rank", 0),
+                          timeout_s=getattr(args, "dist_timeout", DEFAULT_TIMEOUT_S))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,10 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Start this machine's ranks; exit when they do (with the first failure's status)."""
-    from tokios.distributed.executor import RankProcess, group_key
+    """Run this machine's ranks; when the server stops them cleanly (it unloaded the model, or
+    it is restarting) start them again, waiting for it; exit on a rank's failure or Ctrl-C."""
+    from tokios.distributed.executor import RankProcess, group_key, rank_threads
     from tokios.distributed.plan import ParallelPlan
-    from tokios.distributed.worker import RankLaunch
+    from tokios.distributed.worker import FRONT_GONE_STATUS, RankLaunch
     from tokios.errors import InvalidRequestError
 
     config = parallel_config(args)
@@ -71,24 +73,34 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidRequestError(f"{plan.world_size} ranks do not split evenly over {config.nnodes} machines",
                                   param="nnodes")
     key = group_key(config.nnodes)
-    threads = args.threads or max(1, (os.cpu_count() or 1) // ranks_per_node)
+    threads = args.threads or rank_threads(ranks_per_node)
     ranks = range(config.node_rank * ranks_per_node, (config.node_rank + 1) * ranks_per_node)
-    processes = [RankProcess.start(RankLaunch(rank, plan, (config.master_addr, config.master_port + 1), key,
-                                              threads, model_path=args.model))
-                 for rank in ranks]
-    print(f"tokios worker: ranks {ranks.start}-{ranks.stop - 1} of {plan.world_size} started, joining "
-          f"{config.master_addr}:{config.master_port}", flush=True)
+    processes: list = []
     try:
         while True:
-            codes = [process.exitcode for process in processes]
-            if any(code not in (None, 0) for code in codes) or all(code is not None for code in codes):
-                break
-            time.sleep(0.2)
+            processes = [RankProcess.start(RankLaunch(rank, plan, (config.master_addr, config.master_port + 1), key,
+                                                      threads, model_path=args.model, local_index=index))
+                         for index, rank in enumerate(ranks)]
+            print(f"tokios worker: ranks {ranks.start}-{ranks.stop - 1} of {plan.world_size} started, joining "
+                  f"{config.master_addr}:{config.master_port}", flush=True)
+            restartable = (0, FRONT_GONE_STATUS)
+            while not any(process.exitcode not in (None, *restartable) for process in processes) and \
+                    not all(process.exitcode in restartable for process in processes):
+                time.sleep(0.2)
+            failed = [process.exitcode for process in processes if process.exitcode not in (None, *restartable)]
+            for process in processes:
+                if process.exitcode is None:
+                    process.kill()
+                process.join(5)
+                process.close()
+            if failed:
+                return failed[0]
+            print("tokios worker: the server stopped or left; starting the ranks again for its next load", flush=True)
     except KeyboardInterrupt:
-        pass
-    for process in processes:
-        if process.exitcode is None:
-            process.kill()
-        process.join(5)
-    failed = [code for code in (process.exitcode for process in processes) if code]
-    return failed[0] if failed else 0
+        return 0
+    finally:
+        for process in processes:
+            if process.exitcode is None:
+                process.kill()
+            process.join(5)
+            process.close()

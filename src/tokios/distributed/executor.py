@@ -16,18 +16,21 @@ import logging
 import os
 import pickle
 import secrets
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Listener, wait
 
 import torch
 
 from tokios.distributed import messages
-from tokios.distributed.plan import ParallelPlan, map_tensors
+from tokios.distributed.plan import ParallelPlan
 from tokios.distributed.worker import RankLaunch, WorkerSpec
 from tokios.errors import TokiosError
 
@@ -79,6 +82,13 @@ def free_port_pair(host: str) -> int:
     raise TokiosError("no free pair of ports for the parallel group's rendezvous", code="no_free_port")
 
 
+def rank_threads(ranks_here: int) -> int:
+    """CPU threads of each of this machine's ranks: its physical cores, shared."""
+    from tokios.engine.core import physical_core_count
+
+    return max(1, physical_core_count() // ranks_here)
+
+
 class RankProcess:
     """A rank of this machine: `python -m tokios.distributed.worker`, its RankLaunch on stdin.
     A process of its own, not a multiprocessing child: spawning would re-import the caller's
@@ -91,12 +101,20 @@ class RankProcess:
         self.sentinel = os.pidfd_open(popen.pid)
 
     @classmethod
-    def start(cls, launch: RankLaunch) -> "RankProcess":
+    def start(cls, launch: RankLaunch, loopback_only: bool = False) -> "RankProcess":
+        environment = dict(os.environ)
+        if loopback_only and os.path.exists("/sys/class/net/lo"):
+            environment["GLOO_SOCKET_IFNAME"] = "lo"
         popen = subprocess.Popen([sys.executable, "-m", "tokios.distributed.worker"], stdin=subprocess.PIPE,
-                                 close_fds=True)
-        popen.stdin.write(pickle.dumps(launch))
-        popen.stdin.close()
-        return cls(popen)
+                                 close_fds=True, env=environment)
+        try:
+            popen.stdin.write(pickle.dumps(launch))
+            popen.stdin.close()
+            return cls(popen)
+        except BaseException:
+            popen.kill()
+            popen.wait()
+            raise
 
     @property
     def exitcode(self) -> int | None:
@@ -104,6 +122,12 @@ class RankProcess:
 
     def kill(self) -> None:
         self.popen.kill()
+
+    def close(self) -> None:
+        """Release the pidfd (after the process has exited and nobody waits on it)."""
+        if self.sentinel is not None:
+            os.close(self.sentinel)
+            self.sentinel = None
 
     def join(self, timeout: float) -> None:
         try:
@@ -126,6 +150,8 @@ class DistributedModel:
         self.device = device
         self.dtype = head_model.dtype
         self._closed = False
+        self._watcher: threading.Thread | None = None
+        self._stop_watch = os.pipe()  # written at the end, so the watcher thread leaves
         self.failure: RankFailedError | None = None
         # Cumulative: forwards run, their wall time here, and the part spent encoding and sending.
         self.num_forwards = 0
@@ -137,20 +163,36 @@ class DistributedModel:
                               code="bad_parallel_layout")
         port = address.master_port or free_port_pair(address.master_addr)
         key = group_key(address.nnodes)
-        self._listener = Listener((address.master_addr, port + 1), authkey=key)
+        try:
+            self._listener = Listener((address.master_addr, port + 1), authkey=key)
+        except OSError as exc:
+            raise TokiosError(f"the parallel group's front cannot listen on {address.master_addr}:{port + 1} "
+                              f"(--master-port + 1): {exc.strerror}", code="bad_parallel_layout") from None
+        self._store_directory = None
+        if address.nnodes == 1:
+            # One machine: the rendezvous is a file only this user can reach (torch's TCP store
+            # would listen on every interface), and the ranks' Gloo sockets stay on loopback.
+            self._store_directory = tempfile.mkdtemp(prefix="tokios-group-")
+            init_method = f"file://{self._store_directory}/store"
+        else:
+            init_method = f"tcp://{address.master_addr}:{port}"
         local_ranks = range(address.node_rank * ranks_per_node, (address.node_rank + 1) * ranks_per_node)
-        threads = num_threads or max(1, (os.cpu_count() or 1) // ranks_per_node)
-        self.processes: dict[int, RankProcess] = {
-            rank: RankProcess.start(RankLaunch(rank, plan, (address.master_addr, port + 1), key, threads))
-            for rank in local_ranks}
+        threads = num_threads or rank_threads(ranks_per_node)
+        self.processes: dict[int, RankProcess] = {}
         self._spec = WorkerSpec(model_path=model_path, weight_format=weight_format, device=device.type,
                                 num_slots=num_slots, block_size=block_size, kv_dtype=kv_dtype,
-                                init_method=f"tcp://{address.master_addr}:{port}", timeout_s=timeout_s)
-        logger.info("parallel group: tensor %d x pipeline %d = %d ranks, %d here (pids %s); rendezvous %s:%d",
-                    plan.tensor_parallel_size, plan.pipeline_parallel_size, plan.world_size, len(local_ranks),
-                    ", ".join(str(p.pid) for p in self.processes.values()), address.master_addr, port)
+                                init_method=init_method, timeout_s=timeout_s, model_config=config)
         try:
+            for index, rank in enumerate(local_ranks):
+                self.processes[rank] = RankProcess.start(
+                    RankLaunch(rank, plan, (address.master_addr, port + 1), key, threads, local_index=index),
+                    loopback_only=address.nnodes == 1)
+            logger.info("parallel group: tensor %d x pipeline %d = %d ranks, %d here (pids %s); rendezvous %s",
+                        plan.tensor_parallel_size, plan.pipeline_parallel_size, plan.world_size, len(local_ranks),
+                        ", ".join(str(p.pid) for p in self.processes.values()), init_method)
+            self.connections = {}
             self.connections = self._accept_ranks(start_timeout_s)
+            self._listener.close()  # every rank is in; nobody else may connect
             ready = self._await_ready(start_timeout_s)
         except BaseException:
             self._terminate()
@@ -172,10 +214,15 @@ class DistributedModel:
             while len(accepted) < self.plan.world_size:
                 try:
                     connection = self._listener.accept()
-                    messages.no_delay(connection)
-                    accepted.append(connection)
+                except (AuthenticationError, EOFError) as exc:
+                    # A stray or misconfigured client must not end the wait for the real ranks.
+                    logger.warning("a connection to the parallel group's front failed to authenticate (%s); "
+                                   "check that every machine has the same $%s", exc, KEY_ENVIRONMENT_VARIABLE)
+                    continue
                 except OSError:
                     return
+                messages.no_delay(connection)
+                accepted.append(connection)
 
         acceptor = threading.Thread(target=accept_all, daemon=True)
         acceptor.start()
@@ -185,9 +232,17 @@ class DistributedModel:
             acceptor.join(0.2)
         for connection in accepted:
             hello = messages.decode(connection.recv_bytes())
-            if hello.plan != self.plan or hello.rank in connections or not 0 <= hello.rank < self.plan.world_size:
+            problem = ("it was started for another group" if hello.plan != self.plan
+                       else "another rank already has that number" if hello.rank in connections
+                       else "" if 0 <= hello.rank < self.plan.world_size else "the group has no such rank")
+            if problem:
+                connection.close()
                 raise RankFailedError(f"a rank from {hello.host} (pid {hello.pid}) joined as rank {hello.rank} of "
-                                      f"{hello.plan}, but this group is {self.plan}", code="rank_failed")
+                                      f"tensor {hello.plan.tensor_parallel_size} x pipeline "
+                                      f"{hello.plan.pipeline_parallel_size}, but {problem} (this group: tensor "
+                                      f"{self.plan.tensor_parallel_size} x pipeline "
+                                      f"{self.plan.pipeline_parallel_size}; check --nnodes and --node-rank)",
+                                      code="rank_failed")
             connections[hello.rank] = connection
             connection.send_bytes(messages.encode(self._spec))
         if len(connections) < self.plan.world_size:
@@ -220,9 +275,7 @@ class DistributedModel:
     # ---- the model interface -------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata, kv_caches,
                 num_layers: int | None = None) -> torch.Tensor:
-        to_cpu = (lambda tensor: tensor.cpu()) if self.device.type != "cpu" else (lambda tensor: tensor)
-        step = messages.Step(to_cpu(input_ids), to_cpu(positions),
-                             map_tensors(metadata, to_cpu) if self.device.type != "cpu" else metadata, num_layers)
+        step = messages.Step(input_ids, positions, metadata, num_layers).on(torch.device("cpu"))
         started = time.perf_counter()
         self._broadcast(step)
         self.send_s += time.perf_counter() - started
@@ -264,6 +317,7 @@ class DistributedModel:
             try:
                 connection.send_bytes(payload)
             except OSError as exc:
+                self._check_local_processes()  # a local rank's exit status says more than the socket
                 self._fail(f"rank {rank} is gone: its connection failed ({exc})")
 
     def _await_output(self) -> messages.StepResult:
@@ -292,10 +346,18 @@ class DistributedModel:
             self._fail(f"rank {rank} failed: {message.error}")
         return message
 
-    def _check_local_processes(self) -> None:
+    def _lost_local_rank(self) -> str | None:
+        """Why the group is broken, if a rank of this machine has exited (any exit: ranks only
+        leave when told to)."""
         for rank, process in self.processes.items():
             if process.exitcode is not None:
-                self._fail(f"rank {rank} (pid {process.pid}) exited with status {process.exitcode}")
+                return f"rank {rank} (pid {process.pid}) exited with status {process.exitcode}"
+        return None
+
+    def _check_local_processes(self) -> None:
+        why = self._lost_local_rank()
+        if why is not None and not self._closed:
+            self._fail(why)
 
     def _fail(self, why: str):
         if self.failure is None:
@@ -311,15 +373,14 @@ class DistributedModel:
         sentinels = [p.sentinel for p in self.processes.values()]
 
         def watcher():
-            wait(sentinels)
-            if self._closed:
-                return
-            try:
-                self._check_local_processes()
-            except RankFailedError as error:
-                on_failure(error)
+            wait(sentinels + [self._stop_watch[0]])
+            why = self._lost_local_rank()
+            # Only report: the engine thread may be using the connections; it stops the group.
+            if why is not None and not self._closed and self.failure is None:
+                on_failure(RankFailedError(f"the parallel group lost a rank: {why}", code="rank_failed"))
 
-        threading.Thread(target=watcher, name="tokios-rank-watch", daemon=True).start()
+        self._watcher = threading.Thread(target=watcher, name="tokios-rank-watch", daemon=True)
+        self._watcher.start()
 
     def close(self) -> None:
         """Ask every rank to exit, wait a little, then end the stragglers."""
@@ -338,12 +399,23 @@ class DistributedModel:
         self._terminate()
 
     def _terminate(self) -> None:
-        self._closed = True
+        if getattr(self, "_terminated", False):
+            return
+        self._terminated = self._closed = True
         for process in self.processes.values():
             if process.exitcode is None:
                 process.kill()
         for process in self.processes.values():
             process.join(5)
+        os.write(self._stop_watch[1], b"x")
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(5)
+        for process in self.processes.values():
+            process.close()
+        for descriptor in self._stop_watch:
+            os.close(descriptor)
         for connection in getattr(self, "connections", {}).values():
             connection.close()
         self._listener.close()
+        if self._store_directory is not None:
+            shutil.rmtree(self._store_directory, ignore_errors=True)

@@ -8,6 +8,7 @@ before it exits), RankTimings (every rank, answering GetTimings). Tensors travel
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pickle
@@ -38,8 +39,15 @@ class Ready:
 class Step:
     input_ids: torch.Tensor
     positions: torch.Tensor
-    metadata: Any  # AttentionMetadata, its tensors on the CPU
+    metadata: Any  # AttentionMetadata
     num_layers: int | None  # run only the model's first layers (speculative self-draft)
+
+    def on(self, device: torch.device) -> "Step":
+        """This step with every tensor on `device` (itself when they are all on the CPU already
+        and the device is the CPU: the front builds them there)."""
+        if device.type == "cpu" and self.input_ids.device.type == "cpu":
+            return self
+        return map_tensors(self, lambda tensor: tensor.to(device))
 
 
 @dataclass
@@ -119,3 +127,29 @@ def no_delay(connection) -> None:
 
 def decode(payload: bytes):
     return pickle.loads(payload)
+
+
+def map_tensors(value, convert, _memo: dict | None = None):
+    """`value` with every tensor inside (dataclasses, lists, tuples, dicts) replaced by
+    convert(tensor); shared objects stay shared (AttentionMetadata lists itself among its groups)."""
+    memo = {} if _memo is None else _memo
+    if isinstance(value, torch.Tensor):
+        return convert(value)
+    if id(value) in memo:
+        return memo[id(value)]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        copy = dataclasses.replace(value)  # shallow, registered before its fields so cycles close
+        memo[id(value)] = copy
+        for field in dataclasses.fields(value):
+            setattr(copy, field.name, map_tensors(getattr(value, field.name), convert, memo))
+        return copy
+    if isinstance(value, list):
+        copy_list: list = []
+        memo[id(value)] = copy_list
+        copy_list.extend(map_tensors(item, convert, memo) for item in value)
+        return copy_list
+    if isinstance(value, tuple):
+        return tuple(map_tensors(item, convert, memo) for item in value)
+    if isinstance(value, dict):
+        return {key: map_tensors(item, convert, memo) for key, item in value.items()}
+    return value

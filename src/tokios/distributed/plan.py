@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import torch
 from gguf import GGML_QUANT_SIZES
 
 from tokios.config import ModelConfig
@@ -81,10 +80,12 @@ class ParallelPlan:
         tp = self.tensor_parallel_size
         return replace(config, num_heads=config.num_heads // tp, num_kv_heads=max(1, config.num_kv_heads // tp))
 
-    def shard_weights(self, weights: dict, config: ModelConfig, rank: int) -> dict:
+    def shard_weights(self, weights: dict, config: ModelConfig, rank: int, weight_format: str = "stored") -> dict:
         """The weights (Hugging Face names, as the loader gives them) rank `rank` keeps: its
         stage's layers, each split for its tensor-parallel rank; embedding, final norm and head
-        as they are (the model part decides which it builds)."""
+        as they are (the model part decides which it builds). A packed tensor whose split would
+        cut its blocks is dequantized first when the weights are converted anyway (weight_format
+        other than "stored"); run as stored, that is an error naming it."""
         part = self.part_of(rank, config.num_layers)
         tp, tp_rank = self.tensor_parallel_size, self.tp_rank_of(rank)
         head_dim = config.head_dim
@@ -111,7 +112,7 @@ class ParallelPlan:
                 if module in split_rows:
                     weight = _rows(weight, split_rows[module])
                 elif local in split_columns:
-                    weight = _columns(weight, split_columns[local], name)
+                    weight = _columns(weight, split_columns[local], name, weight_format)
             kept[name] = weight
         return kept
 
@@ -126,42 +127,17 @@ def _rows(weight, rows: slice):
     return weight[rows].contiguous()
 
 
-def _columns(weight, columns: slice, name: str):
+def _columns(weight, columns: slice, name: str, weight_format: str):
     if not isinstance(weight, PackedWeight):
         return weight[:, columns].contiguous()
     block, block_bytes = GGML_QUANT_SIZES[weight.ggml_type]
     if columns.start % block or columns.stop % block:
-        raise UnsupportedError(f"{name} ({weight.ggml_type.name}) cannot be split at input feature {columns.start}: "
-                               f"its blocks hold {block} weights; choose a tensor_parallel_size that keeps each "
-                               "share whole blocks, or convert with --dtype")
+        if weight_format != "stored":
+            return weight.dequantize()[:, columns].contiguous()
+        raise UnsupportedError(f"{name} ({weight.ggml_type.name}) cannot be split at input feature {columns.start} "
+                               f"as stored: its blocks hold {block} weights; choose a tensor_parallel_size that keeps "
+                               "each share whole blocks, or convert the weights with --dtype int8, int4, bfloat16 "
+                               "or float32")
     raw = weight.raw[:, columns.start // block * block_bytes:columns.stop // block * block_bytes].contiguous()
     return PackedWeight(raw, weight.ggml_type, (weight.shape[0], columns.stop - columns.start), weight.name,
                         weight.num_tensors)
-
-
-def map_tensors(value, convert, _memo: dict | None = None):
-    """`value` with every tensor inside (dataclasses, lists, tuples, dicts) replaced by
-    convert(tensor); shared objects stay shared (AttentionMetadata lists itself among its groups)."""
-    import dataclasses
-
-    memo = {} if _memo is None else _memo
-    if isinstance(value, torch.Tensor):
-        return convert(value)
-    if id(value) in memo:
-        return memo[id(value)]
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        copy = dataclasses.replace(value)  # shallow, registered before its fields so cycles close
-        memo[id(value)] = copy
-        for field in dataclasses.fields(value):
-            setattr(copy, field.name, map_tensors(getattr(value, field.name), convert, memo))
-        return copy
-    if isinstance(value, list):
-        copy_list: list = []
-        memo[id(value)] = copy_list
-        copy_list.extend(map_tensors(item, convert, memo) for item in value)
-        return copy_list
-    if isinstance(value, tuple):
-        return tuple(map_tensors(item, convert, memo) for item in value)
-    if isinstance(value, dict):
-        return {key: map_tensors(item, convert, memo) for key, item in value.items()}
-    return value

@@ -7,8 +7,8 @@ partial product into its own slot, raises its sequence flag, waits (spinning, yi
 until every rank's flag has reached the same call, and sums the slots itself in rank order, so
 every rank computes the same bits. Two buffers alternate between calls: a rank can only write a
 buffer again after every rank has raised its flag for the call in between, which each does only
-after it has read that buffer. The flag is stored after the copy; x86's store order makes the
-copy visible first (the CPU ranks of this engine run on x86 and, in CI, nowhere else).
+after it has read that buffer. The flag is stored after the copy; x86's store order (TSO) makes
+the copy visible first, so the mapping is used on x86 only; other CPUs sum through Gloo.
 
 The mapping is a file in /dev/shm that the first rank creates and unlinks once every rank has it
 open, so nothing is left behind whatever happens to the processes. Tensors larger than a slot
@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import mmap
 import os
+import platform
 import socket
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -28,46 +30,68 @@ import torch
 
 FLAG_STRIDE_BYTES = 64  # one flag per cache line
 DEFAULT_SLOT_BYTES = 4 << 20
+# The flag protocol relies on x86's store order (TSO); elsewhere the ranks sum through Gloo.
+X86_MACHINES = ("x86_64", "AMD64", "amd64")
 
 
 class SharedMemoryAllReduce:
-    def __init__(self, group, group_ranks: list[int], index: int, timeout_s: float,
-                 slot_bytes: int = DEFAULT_SLOT_BYTES):
-        import torch.distributed as dist
-
-        self.num_ranks = len(group_ranks)
+    def __init__(self, mapping: mmap.mmap, num_ranks: int, index: int, timeout_s: float, slot_bytes: int):
+        self._mapping = mapping
+        self.num_ranks = num_ranks
         self.index = index
         self.timeout_s = timeout_s
         self.slot_bytes = slot_bytes
-        flags_bytes = self.num_ranks * FLAG_STRIDE_BYTES
-        size = flags_bytes + 2 * self.num_ranks * slot_bytes
-        path = [None]
-        if index == 0:
-            descriptor, path[0] = tempfile.mkstemp(prefix="tokios-allreduce-", dir="/dev/shm")
-            os.ftruncate(descriptor, size)
-            os.close(descriptor)
-        dist.broadcast_object_list(path, src=group_ranks[0], group=group)
-        descriptor = os.open(path[0], os.O_RDWR)
-        try:
-            self._mapping = mmap.mmap(descriptor, size)
-        finally:
-            os.close(descriptor)
-        dist.barrier(group=group)
-        if index == 0:
-            os.unlink(path[0])
-        self.flags = np.frombuffer(self._mapping, dtype=np.int64, count=flags_bytes // 8)[::FLAG_STRIDE_BYTES // 8]
-        self.data = torch.frombuffer(self._mapping, dtype=torch.uint8, offset=flags_bytes,
-                                     count=2 * self.num_ranks * slot_bytes)
+        flags_bytes = num_ranks * FLAG_STRIDE_BYTES
+        self.flags = np.frombuffer(mapping, dtype=np.int64, count=flags_bytes // 8)[::FLAG_STRIDE_BYTES // 8]
+        self.data = torch.frombuffer(mapping, dtype=torch.uint8, offset=flags_bytes, count=2 * num_ranks * slot_bytes)
         self.sequence = 0
+        self._fence = threading.Lock()
 
-    @staticmethod
-    def usable(group, group_ranks: list[int], device: torch.device) -> bool:
-        """Whether every rank of the group is on this machine's CPU and /dev/shm is there."""
+    @classmethod
+    def create(cls, group, group_ranks: list[int], index: int, device: torch.device, timeout_s: float,
+               slot_bytes: int = DEFAULT_SLOT_BYTES) -> "SharedMemoryAllReduce | None":
+        """The group's shared mapping, or None (then Gloo sums) unless every rank is on this
+        machine's x86 CPU and could map it. Collective: every rank of the group calls it."""
         import torch.distributed as dist
 
-        hosts: list = [None] * len(group_ranks)
-        dist.all_gather_object(hosts, (socket.gethostname(), device.type, os.path.isdir("/dev/shm")), group=group)
-        return all(host == hosts[0] for host in hosts) and hosts[0][1] == "cpu" and hosts[0][2]
+        num_ranks = len(group_ranks)
+        here = (socket.gethostname(), device.type, platform.machine())
+        hosts: list = [None] * num_ranks
+        dist.all_gather_object(hosts, here, group=group)
+        if any(host != hosts[0] for host in hosts) or device.type != "cpu" or here[2] not in X86_MACHINES:
+            return None
+        size = num_ranks * FLAG_STRIDE_BYTES + 2 * num_ranks * slot_bytes
+        path = [None]
+        if index == 0:
+            try:
+                descriptor, path[0] = tempfile.mkstemp(prefix="tokios-allreduce-", dir="/dev/shm")
+                try:
+                    os.posix_fallocate(descriptor, 0, size)  # a full /dev/shm fails here, not as SIGBUS later
+                finally:
+                    os.close(descriptor)
+            except OSError:
+                if path[0] is not None:
+                    os.unlink(path[0])
+                path[0] = None
+        dist.broadcast_object_list(path, src=group_ranks[0], group=group)
+        mapping = None
+        try:
+            if path[0] is not None:
+                descriptor = os.open(path[0], os.O_RDWR)
+                try:
+                    mapping = mmap.mmap(descriptor, size)
+                finally:
+                    os.close(descriptor)
+        except OSError:
+            mapping = None  # another IPC namespace under the same host name: Gloo it is
+        finally:
+            mapped: list = [None] * num_ranks
+            dist.all_gather_object(mapped, mapping is not None, group=group)
+            if index == 0 and path[0] is not None:
+                os.unlink(path[0])  # every rank has it mapped (or gave up): nothing is left behind
+        if not all(mapped):
+            return None
+        return cls(mapping, num_ranks, index, timeout_s, slot_bytes)
 
     def _slot(self, buffer: int, rank: int, like: torch.Tensor) -> torch.Tensor:
         start = (buffer * self.num_ranks + rank) * self.slot_bytes
@@ -83,6 +107,10 @@ class SharedMemoryAllReduce:
         sequence = self.sequence
         buffer = sequence & 1
         self._slot(buffer, self.index, tensor).copy_(tensor)
+        # A locked instruction (an uncontended lock's atomics) orders the copy's stores before
+        # the flag's, non-temporal ones included (a large copy may use them).
+        with self._fence:
+            pass
         self.flags[self.index] = sequence
         self._wait_for(sequence)
         tensor.copy_(self._slot(buffer, 0, tensor))

@@ -15,17 +15,20 @@ import socket
 import time
 import traceback
 from dataclasses import dataclass, replace
+from typing import Any
 from datetime import timedelta
 from multiprocessing.connection import Client
 
 import torch
 
 from tokios.distributed import messages
-from tokios.distributed.plan import ParallelPlan, map_tensors
+from tokios.distributed.plan import ParallelPlan
 from tokios.distributed.shm_all_reduce import SharedMemoryAllReduce
 
 # "1": tensor-parallel ranks of one machine sum through Gloo too (benchmarks compare the two).
 GLOO_ONLY_ENVIRONMENT_VARIABLE = "TOKIOS_TP_GLOO_ONLY"
+# A rank's exit status when its front went away without a word (the server was stopped or died).
+FRONT_GONE_STATUS = 3
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class RankLaunch:
     num_threads: int
     model_path: str | None = None  # this machine's copy of the model, when not at the front's path
     connect_timeout_s: float = 300.0
+    local_index: int = 0  # among this machine's ranks: its CUDA device
 
 
 @dataclass(frozen=True)
@@ -52,8 +56,9 @@ class WorkerSpec:
     num_slots: int
     block_size: int
     kv_dtype: torch.dtype
-    init_method: str  # tcp://HOST:PORT, the group's rendezvous
+    init_method: str  # tcp://HOST:PORT or file://PATH, the group's rendezvous
     timeout_s: float = 60.0
+    model_config: Any = None  # the front's ModelConfig: every rank's file must describe the same model
 
 
 class AllReducedLinear:
@@ -69,13 +74,15 @@ class AllReducedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
 
-        out = self.linear_shard(x).contiguous()
+        out = self.linear_shard(x)
+        # bfloat16 partial sums are summed in float32: one rounding, as one process would have.
+        partial = out.float().contiguous() if out.dtype == torch.bfloat16 else out.contiguous()
         started = time.perf_counter()
-        if self.shared_memory is None or not self.shared_memory(out):
-            dist.all_reduce(out, group=self.group)
+        if self.shared_memory is None or not self.shared_memory(partial):
+            dist.all_reduce(partial, group=self.group)
         self.timings.all_reduce_s += time.perf_counter() - started
         self.timings.num_all_reduces += 1
-        return out
+        return partial.to(out.dtype)
 
     def num_bytes(self) -> int:
         return self.linear_shard.num_bytes()
@@ -98,10 +105,10 @@ def connect_to_front(launch: RankLaunch):
             connection = Client(launch.front_address, authkey=launch.authkey)
             messages.no_delay(connection)
             return connection
-        except (ConnectionRefusedError, FileNotFoundError):
+        except OSError:  # refused, unreachable for a moment: the server may not be up yet
             if time.monotonic() > deadline:
                 raise
-            time.sleep(0.2)
+            time.sleep(0.5)
 
 
 def run_worker(launch: RankLaunch) -> None:
@@ -115,7 +122,7 @@ def run_worker(launch: RankLaunch) -> None:
             spec = replace(spec, model_path=launch.model_path)
         Rank(launch, spec, connection).serve()
     except (EOFError, ConnectionError, BrokenPipeError):
-        os._exit(1)  # the front is gone: nothing to report to
+        os._exit(FRONT_GONE_STATUS)  # nothing to report to
     except BaseException as exc:  # noqa: BLE001 - reported, then this rank exits
         try:
             connection.send_bytes(messages.encode(messages.RankFailed(
@@ -124,6 +131,13 @@ def run_worker(launch: RankLaunch) -> None:
             pass
         os._exit(1)
     os._exit(0)  # skip interpreter teardown: a process group torn down at exit can hang on a dead peer
+
+
+def _shapes(config) -> dict:
+    """What must agree between the front's model file and a rank's."""
+    return {name: getattr(config, name) for name in
+            ("architecture", "num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
+             "head_dim", "vocab_size", "tie_word_embeddings", "layer_windows")}
 
 
 class Rank:
@@ -139,9 +153,11 @@ class Rank:
         plan = launch.plan
         torch.set_num_threads(launch.num_threads)
         if spec.device == "cuda":
-            local_rank = rank % max(1, torch.cuda.device_count())  # ranks are placed node-major
-            torch.cuda.set_device(local_rank)
-            self.device = torch.device("cuda", local_rank)
+            if launch.local_index >= torch.cuda.device_count():
+                raise RuntimeError(f"rank {rank} is this machine's rank {launch.local_index}, but it has "
+                                   f"{torch.cuda.device_count()} CUDA devices (one per rank)")
+            torch.cuda.set_device(launch.local_index)
+            self.device = torch.device("cuda", launch.local_index)
         else:
             self.device = torch.device("cpu")
         dist.init_process_group("nccl" if spec.device == "cuda" else "gloo", init_method=spec.init_method,
@@ -151,24 +167,26 @@ class Rank:
         groups = [dist.new_group([plan.rank_of(stage, t) for t in range(tp)]) if tp > 1 else None
                   for stage in range(plan.pipeline_parallel_size)]
         self.stage = plan.stage_of(rank)
+        shared_memory = None
+        if tp > 1 and os.environ.get(GLOO_ONLY_ENVIRONMENT_VARIABLE) != "1":
+            # Before loading: its collectives must not wait out another rank's slower load.
+            shared_memory = SharedMemoryAllReduce.create(groups[self.stage], [plan.rank_of(self.stage, t)
+                                                                              for t in range(tp)],
+                                                         plan.tp_rank_of(rank), self.device, spec.timeout_s)
         self.timings = messages.RankTimings(rank)
-        config, weights, _ = read_model_file(spec.model_path)
-        plan.check(config)
+        config, weights, _ = read_model_file(spec.model_path, lambda config: plan.part_of(rank, config.num_layers))
+        if spec.model_config is not None and _shapes(config) != _shapes(spec.model_config):
+            raise RuntimeError(f"rank {rank}'s model file {spec.model_path} is not the server's model: "
+                               f"{_shapes(config)} here, {_shapes(spec.model_config)} there")
         self.part = plan.part_of(rank, config.num_layers)
-        weights = plan.shard_weights(weights, config, rank)
+        weights = plan.shard_weights(weights, config, rank, spec.weight_format)
         self.local_config = plan.local_config(config)
         self.model = build_model(spec.model_path, self.local_config, weights, spec.weight_format, self.device, self.part)
         del weights
         if tp > 1:
-            group = groups[self.stage]
-            group_ranks = [plan.rank_of(self.stage, t) for t in range(tp)]
-            shared_memory = None
-            if os.environ.get(GLOO_ONLY_ENVIRONMENT_VARIABLE) != "1" and \
-                    SharedMemoryAllReduce.usable(group, group_ranks, self.device):
-                shared_memory = SharedMemoryAllReduce(group, group_ranks, plan.tp_rank_of(rank), spec.timeout_s)
             for layer in self.model.layers:
-                layer.o_proj = AllReducedLinear(layer.o_proj, group, self.timings, shared_memory)
-                layer.down = AllReducedLinear(layer.down, group, self.timings, shared_memory)
+                layer.o_proj = AllReducedLinear(layer.o_proj, groups[self.stage], self.timings, shared_memory)
+                layer.down = AllReducedLinear(layer.down, groups[self.stage], self.timings, shared_memory)
             self.model.can_fuse_decode = False  # the fused C++ step has no place for the all-reduces
         self.kv_caches = allocate_kv_caches(self.local_config, spec.num_slots, spec.kv_dtype, self.device,
                                             layers=self.part.layers)
@@ -183,37 +201,31 @@ class Rank:
             bool(self.model.has_decode_attention_kernel), kv_bytes)))
 
     def serve(self) -> None:
-        import torch.distributed as dist
+        # No destroy_process_group() on the way out: after a peer's failure it can hang, and
+        # the process ends with os._exit, which releases everything.
+        while True:
+            message = messages.decode(self.connection.recv_bytes())
+            if isinstance(message, messages.Shutdown):
+                return
+            if isinstance(message, messages.CopyBlocks):
+                from tokios.runner.model_runner import copy_cache_blocks
 
-        try:
-            while True:
-                message = messages.decode(self.connection.recv_bytes())
-                if isinstance(message, messages.Shutdown):
-                    return
-                if isinstance(message, messages.CopyBlocks):
-                    from tokios.runner.model_runner import copy_cache_blocks
-
-                    copy_cache_blocks(self.kv_caches, message.copies, self.spec.block_size, self.device)
-                elif isinstance(message, messages.Step):
-                    started = time.perf_counter()
-                    self.step(message)
-                    self.timings.step_s += time.perf_counter() - started
-                    self.timings.num_steps += 1
-                elif isinstance(message, messages.GetTimings):
-                    self.connection.send_bytes(messages.encode(self.timings))
-                else:
-                    raise TypeError(f"rank {self.rank} got an unknown message {type(message).__name__}")
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+                copy_cache_blocks(self.kv_caches, message.copies, self.spec.block_size, self.device)
+            elif isinstance(message, messages.Step):
+                started = time.perf_counter()
+                self.step(message)
+                self.timings.step_s += time.perf_counter() - started
+                self.timings.num_steps += 1
+            elif isinstance(message, messages.GetTimings):
+                self.connection.send_bytes(messages.encode(self.timings))
+            else:
+                raise TypeError(f"rank {self.rank} got an unknown message {type(message).__name__}")
 
     def step(self, message: messages.Step) -> None:
         import torch.distributed as dist
 
-        to_device = (lambda tensor: tensor.to(self.device)) if self.device.type != "cpu" else (lambda tensor: tensor)
-        input_ids = to_device(message.input_ids)
-        positions = to_device(message.positions)
-        metadata = map_tensors(message.metadata, to_device) if self.device.type != "cpu" else message.metadata
+        message = message.on(self.device)
+        input_ids, positions, metadata = message.input_ids, message.positions, message.metadata
         model = self.model
         if self.previous_rank is None:
             hidden = model.embed(input_ids)

@@ -112,6 +112,9 @@ class AsyncEngine:
             raise self.failure
         if self._thread is not None and self._thread.is_alive():
             return
+        if self.core.closed:
+            raise EngineDeadError("this engine was shut down and its parallel group stopped; load it again",
+                                  code="engine_closed")
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="tokios-engine", daemon=True)
         self._thread.start()

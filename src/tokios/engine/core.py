@@ -105,10 +105,11 @@ class EngineCore:
         self.device = resolve_device(config.load.device)
         if self.device.type == "cpu":
             # In a parallel group the ranks take the cores (--threads is theirs); this process only
-            # runs the output head and the sampler, and idle OpenMP workers of its own spinning
-            # between steps would take time from the ranks.
-            torch.set_num_threads(1 if config.parallel.world_size > 1
-                                  else config.load.num_threads or physical_core_count())
+            # runs the output head and the sampler (and a draft model, if any, which keeps the
+            # threads), and idle OpenMP workers of its own spinning between steps would take time
+            # from the ranks.
+            front_only = config.parallel.world_size > 1 and not config.speculative.draft_model
+            torch.set_num_threads(1 if front_only else config.load.num_threads or physical_core_count())
         self.weight_format = config.load.dtype
         if self.weight_format == "auto":
             self.weight_format = AUTO_DTYPE_BY_DEVICE[self.device.type]
@@ -173,6 +174,14 @@ class EngineCore:
                 block_size=block_size, kv_dtype=kv_dtype, timeout_s=group.timeout_s,
                 address=GroupAddress(group.master_addr, group.master_port, group.nnodes, group.node_rank))
             self.load_seconds = time.perf_counter() - started
+        self.closed = False
+        try:
+            self._finish_setup(config, num_blocks, block_size, kv_dtype)
+        except BaseException:
+            self.close()  # a parallel group's ranks must not outlive a failed start
+            raise
+
+    def _finish_setup(self, config: EngineConfig, num_blocks: int, block_size: int, kv_dtype) -> None:
         if hasattr(self.model, "weight_summary"):
             logger.info("weights (--dtype %s): %s", self.weight_format, self.model.weight_summary())
         max_step_ms = config.scheduler.max_step_ms
@@ -208,9 +217,11 @@ class EngineCore:
         return disk
 
     def close(self) -> None:
-        """Stop what the engine started outside this process (a parallel group's ranks)."""
+        """Stop what the engine started outside this process (a parallel group's ranks); such
+        an engine cannot step after this (`closed`)."""
         close = getattr(self.model, "close", None)
         if close is not None:
+            self.closed = True
             close()
 
     def save_prefix_cache(self) -> int:

@@ -34,6 +34,12 @@ class LLM:
                  kv_cache_disk: str | None = None, kv_cache_disk_size: str | int = "4GiB",
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                  parallel_config: ParallelConfig | None = None):
+        if parallel_config is not None and (tensor_parallel_size, pipeline_parallel_size) != (1, 1) and \
+                (tensor_parallel_size, pipeline_parallel_size) != (parallel_config.tensor_parallel_size,
+                                                                   parallel_config.pipeline_parallel_size):
+            raise InvalidRequestError("give the parallel sizes either as tensor_parallel_size / "
+                                      "pipeline_parallel_size or in parallel_config, not both differently",
+                                      param="parallel_config")
         # max_step_ms defaults to None here, unlike the server: a batch run has no one waiting
         # on a stream, so prefill chunks are cut by the token budget alone (SchedulerConfig).
         self.engine_config = EngineConfig(

@@ -35,6 +35,17 @@ class ModelPart:
     def whole(cls, num_layers: int) -> "ModelPart":
         return cls(range(num_layers))
 
+    def needs(self, name: str, tied_head: bool) -> bool:
+        """Whether this part reads the weight `name` (Hugging Face names) from the file;
+        tied_head: the output head is the embedding table."""
+        if name.startswith("model.layers."):
+            return int(name.split(".", 3)[2]) in self.layers
+        if name == "model.embed_tokens.weight":
+            return self.embed or (self.head and tied_head)
+        if name == "lm_head.weight":
+            return self.head
+        return True  # the final norm, RoPE factors
+
 
 class DecoderModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,

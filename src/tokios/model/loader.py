@@ -11,7 +11,7 @@ import json
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from gguf import GGMLQuantizationType
@@ -124,7 +124,10 @@ def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, out_features // num_heads // 2, 2, *rest).transpose(1, 2).reshape(weight.shape)
 
 
-def weights_from_gguf(gguf: GGUFFile, config: ModelConfig) -> dict[str, "torch.Tensor | PackedWeight"]:
+def weights_from_gguf(gguf: GGUFFile, config: ModelConfig,
+                      keep: Callable[[str], bool] | None = None) -> dict[str, "torch.Tensor | PackedWeight"]:
+    """The file's tensors in Hugging Face names; with `keep`, only those whose name it accepts
+    are read at all (a parallel rank reads its own layers, not the whole file)."""
     weights: dict[str, torch.Tensor | PackedWeight] = {}
     layer_names = _GGUF_LAYER_NAMES_BY_ARCHITECTURE.get(config.architecture, _GGUF_LAYER_NAMES)
     unpermute = config.architecture not in _UNPERMUTED_ROPE_ARCHITECTURES
@@ -141,6 +144,8 @@ def weights_from_gguf(gguf: GGUFFile, config: ModelConfig) -> dict[str, "torch.T
             hf_name = "rope_freqs"
         else:
             raise UnsupportedError(f"{gguf.path}: unexpected tensor {name}")
+        if keep is not None and not keep(hf_name):
+            continue
         if info.ggml_type in PACKABLE_TYPES and len(info.shape) == 2:
             weight = PackedWeight.from_file(gguf.raw_bytes(name), info.ggml_type, info.shape, name)
             rows = weight.raw
@@ -188,35 +193,49 @@ def model_config_from_hf(directory: str) -> ModelConfig:
     )
 
 
-def weights_from_hf(directory: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+def weights_from_hf(directory: str, keep: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
 
     files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
     if not files:
         raise ModelLoadError(f"{directory}: no *.safetensors weight files")
     weights: dict[str, torch.Tensor] = {}
     for file_name in files:
-        for name, tensor in load_file(os.path.join(directory, file_name)).items():
-            weights[name] = tensor  # its own dtype: --dtype auto multiplies bfloat16 weights in bfloat16
+        with safe_open(os.path.join(directory, file_name), framework="pt") as handle:
+            for name in handle.keys():
+                if keep is None or keep(name):
+                    # its own dtype: --dtype auto multiplies bfloat16 weights in bfloat16
+                    weights[name] = handle.get_tensor(name)
     return weights
 
 
-def read_model_file(path: str) -> tuple[ModelConfig, dict, Any]:
-    """A GGUF file or HF directory -> (config, weights in Hugging Face names, tokenizer source)."""
+def read_model_file(path: str, part_of: Callable[[ModelConfig], ModelPart] | None = None
+                    ) -> tuple[ModelConfig, dict, Any]:
+    """A GGUF file or HF directory -> (config, weights in Hugging Face names, tokenizer source).
+    part_of: the part of the model (given its config) whose weights to read; None: all."""
     if os.path.isdir(path):
         config = model_config_from_hf(path)
-        weights = weights_from_hf(path)
+        keep = _weights_to_read(part_of, config)
+        weights = weights_from_hf(path, keep)
         tokenizer_source: Any = path
     else:
         gguf = GGUFFile(path)
         config = model_config_from_gguf(gguf.metadata, path, "output.weight" in gguf.tensors)
-        weights = weights_from_gguf(gguf, config)
+        keep = _weights_to_read(part_of, config)
+        weights = weights_from_gguf(gguf, config, keep)
         tokenizer_source = gguf.metadata
     if "rope_freqs" in weights:
         config = _with_rope_factors(config, weights.pop("rope_freqs"))
     if "lm_head.weight" in weights and config.tie_word_embeddings:
         weights.pop("lm_head.weight")
     return config, weights, tokenizer_source
+
+
+def _weights_to_read(part_of, config: ModelConfig) -> Callable[[str], bool] | None:
+    if part_of is None:
+        return None
+    part = part_of(config)
+    return lambda name: part.needs(name, config.tie_word_embeddings)
 
 
 def build_model(path: str, config: ModelConfig, weights: dict, weight_format: str, device: torch.device,
@@ -233,7 +252,7 @@ def load_model(path: str, weight_format: str, device: torch.device, part: ModelP
     """Load a GGUF file or HF directory into the model class of its architecture (all of it, or
     `part` of it: the front of a parallel group builds only the output head)."""
     started = time.perf_counter()
-    config, weights, tokenizer_source = read_model_file(path)
+    config, weights, tokenizer_source = read_model_file(path, None if part is None else (lambda _: part))
     model = build_model(path, config, weights, weight_format, device, part)
     return LoadedModel(config, model, tokenizer_source, time.perf_counter() - started, path)
 

@@ -13,7 +13,7 @@ tensors and each request's sampling state.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -72,6 +72,29 @@ def copy_cache_blocks(kv_caches: list, copies: list[tuple[int, int]], block_size
     for key_cache, value_cache in unique_pairs:
         key_cache.index_copy_(0, dst, key_cache.index_select(0, src))
         value_cache.index_copy_(0, dst, value_cache.index_select(0, src))
+
+
+def split_at_decode_rows(metadata: AttentionMetadata) -> tuple[AttentionMetadata, AttentionMetadata]:
+    """A mixed batch's metadata as two: its decode rows [0, num_decode_tokens), and its spans
+    renumbered from row 0 (every KV group's metadata split the same way)."""
+    num_decode = metadata.num_decode_tokens
+
+    def split(group: AttentionMetadata) -> tuple[AttentionMetadata, AttentionMetadata]:
+        decodes = AttentionMetadata(slot_mapping=group.slot_mapping[:num_decode], num_decode_tokens=num_decode,
+                                    decode_slot_indices=group.decode_slot_indices,
+                                    decode_context_lens=group.decode_context_lens)
+        spans = AttentionMetadata(slot_mapping=group.slot_mapping[num_decode:], num_decode_tokens=0,
+                                  spans=[replace(span, query_start=span.query_start - num_decode)
+                                         for span in group.spans])
+        return decodes, spans
+
+    if not metadata.groups:
+        return split(metadata)
+    pairs = [split(group) for group in metadata.groups]
+    decodes, spans = pairs[0]
+    decodes.groups, spans.groups = [d for d, _ in pairs], [s for _, s in pairs]
+    decodes.layer_to_group = spans.layer_to_group = metadata.layer_to_group
+    return decodes, spans
 
 
 @dataclass
@@ -179,7 +202,7 @@ class ModelRunner:
         grammar_jobs = [(s.request.grammar, list(s.request.spec_token_ids)) for s, _ in (*plain, *verify)
                         if s.request.grammar is not None]
         pending_masks = self.grammar_bitmask.start(grammar_jobs) if grammar_jobs else None
-        hidden = self.model.forward(batch.input_ids, batch.positions, batch.metadata, self.kv_caches)
+        hidden = self._forward(batch)
         bitmask = pending_masks.result() if pending_masks is not None else None
         output = RunnerOutput()
         num_plain_mask_rows = sum(s.request.grammar is not None for s, _ in plain)
@@ -204,6 +227,24 @@ class ModelRunner:
             if request.sampling_params.pooling is not None and start < request.num_prompt_tokens:
                 self._pool(request, hidden[rows[:min(s.num_new_tokens, request.num_prompt_tokens - start)]], output)
         return output
+
+    def _forward(self, batch: Batch) -> torch.Tensor:
+        """The batch's final hidden states. A step with both decode rows and multi-token spans
+        runs as two forwards when the model has the fused all-layer decode step: the decode rows
+        through it, the spans through the per-op path. In one forward every decode row would
+        take the per-op path, about 5x the fused step's time for 8 streams, so while a long
+        prompt was prefilled every stream's inter-token latency was 5x its own whatever chunk
+        size the step budget chose (docs/benchmarks.md, Fairness). Rows belong to different
+        requests, so the two forwards compute exactly what one would (each writes its own
+        requests' cache slots; no row attends to another request's)."""
+        metadata = batch.metadata
+        num_decode = metadata.num_decode_tokens
+        if not (getattr(self.model, "can_fuse_decode", False) and 0 < num_decode < batch.input_ids.shape[0]):
+            return self.model.forward(batch.input_ids, batch.positions, metadata, self.kv_caches)
+        decodes, spans = split_at_decode_rows(metadata)
+        return torch.cat([
+            self.model.forward(batch.input_ids[:num_decode], batch.positions[:num_decode], decodes, self.kv_caches),
+            self.model.forward(batch.input_ids[num_decode:], batch.positions[num_decode:], spans, self.kv_caches)])
 
     def _pool(self, request, hidden: torch.Tensor, output: RunnerOutput) -> None:
         """Adds one chunk's prompt rows ([rows, hidden] final-normed states) to the request's pool;

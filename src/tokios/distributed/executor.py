@@ -221,7 +221,7 @@ class DistributedModel:
                     continue
                 except OSError:
                     return
-                messages.no_delay(connection)
+                messages.tune_connection(connection)
                 accepted.append(connection)
 
         acceptor = threading.Thread(target=accept_all, daemon=True)

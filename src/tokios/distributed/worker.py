@@ -103,7 +103,7 @@ def connect_to_front(launch: RankLaunch):
     while True:
         try:
             connection = Client(launch.front_address, authkey=launch.authkey)
-            messages.no_delay(connection)
+            messages.tune_connection(connection)
             return connection
         except OSError:  # refused, unreachable for a moment: the server may not be up yet
             if time.monotonic() > deadline:

@@ -2,10 +2,10 @@
 the ranks of one more machine, joining a server's group.
 
     # machine A (node 0): the server, ranks 0-1
-    TOKIOS_DIST_KEY=secret tokios serve --model M.gguf --tensor-parallel-size 2 --pipeline-parallel-size 2 \\
+    TOKIOS_DIST_KEY=$KEY tokios serve --model M.gguf --tensor-parallel-size 2 --pipeline-parallel-size 2 \\
         --nnodes 2 --master-addr 10.0.0.1 --master-port 29500
     # machine B (node 1): ranks 2-3
-    TOKIOS_DIST_KEY=secret tokios worker --tensor-parallel-size 2 --pipeline-parallel-size 2 \\
+    TOKIOS_DIST_KEY=$KEY tokios worker --tensor-parallel-size 2 --pipeline-parallel-size 2 \\
         --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500
 """
 

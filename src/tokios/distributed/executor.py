@@ -62,7 +62,8 @@ def group_key(nnodes: int) -> bytes:
         return value.encode()
     if nnodes > 1:
         raise TokiosError(f"a parallel group over {nnodes} machines needs the same ${KEY_ENVIRONMENT_VARIABLE} on "
-                          "each (a long random string, e.g. from `openssl rand -hex 32`): ranks authenticate to the front with it", code="no_group_key")
+                          "each (a long random string, e.g. from `openssl rand -hex 32`): ranks authenticate to "
+                          "the front with it", code="no_group_key")
     return secrets.token_bytes(32)
 
 

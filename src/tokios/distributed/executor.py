@@ -259,7 +259,8 @@ class DistributedModel:
             sentinels = {p.sentinel: rank for rank, p in self.processes.items()}
             events = wait(list(pending.values()) + list(sentinels), timeout=timeout_s)
             if not events:
-                raise RankFailedError(f"ranks {sorted(pending)} did not load within {timeout_s:g} s", code="rank_failed")
+                raise RankFailedError(f"ranks {sorted(pending)} did not load within {timeout_s:g} s",
+                                      code="rank_failed")
             for event in events:
                 if event in sentinels:
                     self._check_local_processes()

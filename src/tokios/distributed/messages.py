@@ -1,9 +1,11 @@
 """What travels between the front process and the ranks, one typed message at a time.
 
-Front -> every rank: WorkerSpec (worker.py; once, after Hello), Step (once per model forward), CopyBlocks (copy-on-write of KV blocks),
-Shutdown. Rank -> front: Hello (on connecting), Ready (model loaded), StepResult (the output
-rank only: the last stage's final-normed hidden states), RankFailed (any rank, on an exception,
-before it exits), RankTimings (every rank, answering GetTimings). Tensors travel on the CPU; a rank moves them to its device.
+Front -> every rank: WorkerSpec (worker.py; once, after Hello), Step (once per model forward),
+CopyBlocks (copy-on-write of KV blocks), GetTimings, Shutdown. Rank -> front: Hello (on
+connecting), Ready (model loaded), StepResult (the output rank only: the last stage's
+final-normed hidden states), RankFailed (any rank, on an exception, before it exits),
+RankTimings (every rank, answering GetTimings). Tensors travel on the CPU as numpy arrays; a rank
+moves them to its device.
 """
 
 from __future__ import annotations

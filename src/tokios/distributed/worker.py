@@ -181,7 +181,8 @@ class Rank:
         self.part = plan.part_of(rank, config.num_layers)
         weights = plan.shard_weights(weights, config, rank, spec.weight_format)
         self.local_config = plan.local_config(config)
-        self.model = build_model(spec.model_path, self.local_config, weights, spec.weight_format, self.device, self.part)
+        self.model = build_model(spec.model_path, self.local_config, weights, spec.weight_format, self.device,
+                                 self.part)
         del weights
         if tp > 1:
             for layer in self.model.layers:

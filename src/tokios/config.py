@@ -206,10 +206,18 @@ class ParallelConfig:
         _require(self.nnodes == 1 or self.master_port is not None, "master_port",
                  "is needed when the group spans machines (they must all meet at the same port)")
         _require(self.timeout_s > 0, "timeout_s", f"must be positive, got {self.timeout_s}")
+        _require(self.world_size % self.nnodes == 0, "nnodes",
+                 f"must divide the {self.world_size} ranks evenly, got {self.nnodes}")
 
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def local_ranks(self) -> range:
+        """The ranks of this machine (node_rank): machines hold consecutive ranks."""
+        per_node = self.world_size // self.nnodes
+        return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
 
 
 @dataclass(frozen=True)

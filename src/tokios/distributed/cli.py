@@ -31,7 +31,7 @@ def add_parallel_arguments(parser: argparse.ArgumentParser, *, worker: bool = Fa
     group.add_argument("--nnodes", type=int, default=1, help="machines the ranks are spread over (default 1)")
     if worker:
         group.add_argument("--node-rank", type=int, required=True, help="this machine's number, 1..NNODES-1")
-    if not worker:  # the workers' ranks take the server's
+    else:  # the workers' ranks take the server's
         group.add_argument("--dist-timeout", type=float, default=DEFAULT_TIMEOUT_S,
                            help="seconds a rank waits on a silent peer before it fails; more than the slowest "
                                 f"stage's step (default {DEFAULT_TIMEOUT_S:g})")
@@ -67,14 +67,10 @@ def run(args: argparse.Namespace) -> int:
     if config.node_rank == 0:
         raise InvalidRequestError("node_rank 0 is the server's machine (`tokios serve`); workers are 1..NNODES-1",
                                   param="node_rank")
-    plan = ParallelPlan(config.tensor_parallel_size, config.pipeline_parallel_size)
-    ranks_per_node, remainder = divmod(plan.world_size, config.nnodes)
-    if remainder:
-        raise InvalidRequestError(f"{plan.world_size} ranks do not split evenly over {config.nnodes} machines",
-                                  param="nnodes")
+    plan = ParallelPlan.of(config)
     key = group_key(config.nnodes)
-    threads = args.threads or rank_threads(ranks_per_node)
-    ranks = range(config.node_rank * ranks_per_node, (config.node_rank + 1) * ranks_per_node)
+    ranks = config.local_ranks
+    threads = args.threads or rank_threads(len(ranks))
     processes: list = []
     try:
         while True:

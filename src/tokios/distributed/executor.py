@@ -23,12 +23,12 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Listener, wait
 
 import torch
 
+from tokios.config import ParallelConfig
 from tokios.distributed import messages
 from tokios.distributed.plan import ParallelPlan
 from tokios.distributed.worker import RankLaunch, WorkerSpec
@@ -43,15 +43,8 @@ class RankFailedError(TokiosError):
     """A rank of the parallel group died or raised: the group's state is gone."""
 
 
-@dataclass(frozen=True)
-class GroupAddress:
-    """Where the group meets: the rendezvous at master_addr:master_port, the front's listener
-    one port above. nnodes machines take world_size / nnodes ranks each; this is node_rank."""
-
-    master_addr: str = "127.0.0.1"
-    master_port: int | None = None  # None: a free port (one machine only)
-    nnodes: int = 1
-    node_rank: int = 0
+def lost_rank_error(why: str) -> RankFailedError:
+    return RankFailedError(f"the parallel group lost a rank: {why}", code="rank_failed")
 
 
 def group_key(nnodes: int) -> bytes:
@@ -140,58 +133,50 @@ class RankProcess:
 class DistributedModel:
     holds_kv_cache = True  # the runner allocates no cache: the ranks hold it
 
-    def __init__(self, head_model, config, plan: ParallelPlan, *, model_path: str, weight_format: str,
+    def __init__(self, head_model, config, *, model_path: str, weight_format: str,
                  device: torch.device, num_threads: int | None, num_slots: int, block_size: int,
-                 kv_dtype: torch.dtype, address: GroupAddress = GroupAddress(), timeout_s: float = 60.0,
-                 start_timeout_s: float = 600.0):
+                 kv_dtype: torch.dtype, group: ParallelConfig, start_timeout_s: float = 600.0):
+        """group: the sizes, where the group meets (the rendezvous at master_addr:master_port, this
+        front's listener one port above) and this machine's place in it."""
+        self.plan = plan = ParallelPlan.of(group)
         plan.check(config)
         self.head = head_model
-        self.config = config
-        self.plan = plan
         self.device = device
-        self.dtype = head_model.dtype
-        self._closed = False
+        self._closed = self._terminated = False
         self._watcher: threading.Thread | None = None
         self._stop_watch = os.pipe()  # written at the end, so the watcher thread leaves
         self.failure: RankFailedError | None = None
-        # Cumulative: forwards run, their wall time here, and the part spent encoding and sending.
-        self.num_forwards = 0
-        self.forward_s = 0.0
-        self.send_s = 0.0
-        ranks_per_node, remainder = divmod(plan.world_size, address.nnodes)
-        if remainder:
-            raise TokiosError(f"{plan.world_size} ranks do not split evenly over {address.nnodes} machines",
-                              code="bad_parallel_layout")
-        port = address.master_port or free_port_pair(address.master_addr)
-        key = group_key(address.nnodes)
+        self.send_s = 0.0  # cumulative: encoding and sending Step messages (benchmarks)
+        port = group.master_port or free_port_pair(group.master_addr)
+        key = group_key(group.nnodes)
         try:
-            self._listener = Listener((address.master_addr, port + 1), authkey=key)
+            self._listener = Listener((group.master_addr, port + 1), authkey=key)
         except OSError as exc:
-            raise TokiosError(f"the parallel group's front cannot listen on {address.master_addr}:{port + 1} "
+            raise TokiosError(f"the parallel group's front cannot listen on {group.master_addr}:{port + 1} "
                               f"(--master-port + 1): {exc.strerror}", code="bad_parallel_layout") from None
         self._store_directory = None
-        if address.nnodes == 1:
+        if group.nnodes == 1:
             # One machine: the rendezvous is a file only this user can reach (torch's TCP store
             # would listen on every interface), and the ranks' Gloo sockets stay on loopback.
             self._store_directory = tempfile.mkdtemp(prefix="tokios-group-")
             init_method = f"file://{self._store_directory}/store"
         else:
-            init_method = f"tcp://{address.master_addr}:{port}"
-        local_ranks = range(address.node_rank * ranks_per_node, (address.node_rank + 1) * ranks_per_node)
-        threads = num_threads or rank_threads(ranks_per_node)
+            init_method = f"tcp://{group.master_addr}:{port}"
+        local_ranks = group.local_ranks
+        threads = num_threads or rank_threads(len(local_ranks))
         self.processes: dict[int, RankProcess] = {}
+        self.connections: dict[int, object] = {}
         self._spec = WorkerSpec(model_path=model_path, weight_format=weight_format, device=device.type,
                                 num_slots=num_slots, block_size=block_size, kv_dtype=kv_dtype,
-                                init_method=init_method, timeout_s=timeout_s, model_config=config)
+                                init_method=init_method, timeout_s=group.timeout_s, model_config=config)
         try:
             for index, rank in enumerate(local_ranks):
                 self.processes[rank] = RankProcess.start(
-                    RankLaunch(rank, plan, (address.master_addr, port + 1), key, threads, local_index=index),
-                    loopback_only=address.nnodes == 1)
+                    RankLaunch(rank, plan, (group.master_addr, port + 1), key, threads, local_index=index),
+                    loopback_only=group.nnodes == 1)
             logger.info("parallel group: tensor %d x pipeline %d = %d ranks, %d here (pids %s); rendezvous %s",
                         plan.tensor_parallel_size, plan.pipeline_parallel_size, plan.world_size, len(local_ranks),
                         ", ".join(str(p.pid) for p in self.processes.values()), init_method)
-            self.connections = {}
             self.connections = self._accept_ranks(start_timeout_s)
             self._listener.close()  # every rank is in; nobody else may connect
             ready = self._await_ready(start_timeout_s)
@@ -281,10 +266,7 @@ class DistributedModel:
         started = time.perf_counter()
         self._broadcast(step)
         self.send_s += time.perf_counter() - started
-        result = self._await_output()
-        self.forward_s += time.perf_counter() - started
-        self.num_forwards += 1
-        return result.hidden.to(self.device)
+        return self._await_output().hidden.to(self.device)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head.compute_logits(hidden)
@@ -363,7 +345,7 @@ class DistributedModel:
 
     def _fail(self, why: str):
         if self.failure is None:
-            self.failure = RankFailedError(f"the parallel group lost a rank: {why}", code="rank_failed")
+            self.failure = lost_rank_error(why)
             logger.error("%s; stopping the other ranks", self.failure.message)
             self._terminate()
         raise self.failure
@@ -379,7 +361,7 @@ class DistributedModel:
             why = self._lost_local_rank()
             # Only report: the engine thread may be using the connections; it stops the group.
             if why is not None and not self._closed and self.failure is None:
-                on_failure(RankFailedError(f"the parallel group lost a rank: {why}", code="rank_failed"))
+                on_failure(lost_rank_error(why))
 
         self._watcher = threading.Thread(target=watcher, name="tokios-rank-watch", daemon=True)
         self._watcher.start()
@@ -401,7 +383,7 @@ class DistributedModel:
         self._terminate()
 
     def _terminate(self) -> None:
-        if getattr(self, "_terminated", False):
+        if self._terminated:
             return
         self._terminated = self._closed = True
         for process in self.processes.values():
@@ -416,7 +398,7 @@ class DistributedModel:
             process.close()
         for descriptor in self._stop_watch:
             os.close(descriptor)
-        for connection in getattr(self, "connections", {}).values():
+        for connection in self.connections.values():
             connection.close()
         self._listener.close()
         if self._store_directory is not None:

@@ -14,6 +14,7 @@ import dataclasses
 import io
 import os
 import pickle
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,8 +119,6 @@ def tune_connection(connection) -> None:
     16 KiB as header then body, and Nagle holding the body for the peer's delayed ACK cost 40 ms
     a step (measured: a batch-8 hidden state is 18 KiB). Keepalives on: a peer whose machine
     vanishes without a reset is noticed within about 25 s instead of never."""
-    import socket
-
     sock = socket.socket(fileno=os.dup(connection.fileno()))
     try:
         if sock.family in (socket.AF_INET, socket.AF_INET6):

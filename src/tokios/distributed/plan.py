@@ -18,7 +18,7 @@ from gguf import GGML_QUANT_SIZES
 
 from tokios.config import ModelConfig
 from tokios.errors import InvalidRequestError, UnsupportedError
-from tokios.model.decoder import ModelPart
+from tokios.model.decoder import ModelPart, layer_number
 from tokios.model.quant import PackedWeight
 
 
@@ -26,6 +26,11 @@ from tokios.model.quant import PackedWeight
 class ParallelPlan:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+
+    @classmethod
+    def of(cls, group) -> "ParallelPlan":
+        """The plan of a ParallelConfig (config.py)."""
+        return cls(group.tensor_parallel_size, group.pipeline_parallel_size)
 
     @property
     def world_size(self) -> int:
@@ -101,12 +106,13 @@ class ParallelPlan:
         split_columns = {"self_attn.o_proj.weight": q_rows, "mlp.down_proj.weight": ffn_rows}
         kept = {}
         for name, weight in weights.items():
-            if not name.startswith("model.layers."):
+            layer = layer_number(name)
+            if layer is None:
                 kept[name] = weight
                 continue
-            _, _, index, local = name.split(".", 3)
-            if int(index) not in part.layers:
+            if layer not in part.layers:
                 continue
+            local = name.split(".", 3)[3]
             if tp > 1:
                 module = local.rsplit(".", 1)[0]
                 if module in split_rows:

@@ -15,9 +15,9 @@ import socket
 import time
 import traceback
 from dataclasses import dataclass, replace
-from typing import Any
 from datetime import timedelta
 from multiprocessing.connection import Client
+from typing import Any
 
 import torch
 
@@ -144,7 +144,7 @@ class Rank:
     def __init__(self, launch: RankLaunch, spec: WorkerSpec, connection):
         import torch.distributed as dist
 
-        from tokios.model.attention import allocate_kv_caches
+        from tokios.model.attention import allocate_kv_caches, distinct_cache_pairs
         from tokios.model.loader import build_model, read_model_file
 
         self.rank = rank = launch.rank
@@ -191,8 +191,7 @@ class Rank:
             self.model.can_fuse_decode = False  # the fused C++ step has no place for the all-reduces
         self.kv_caches = allocate_kv_caches(self.local_config, spec.num_slots, spec.kv_dtype, self.device,
                                             layers=self.part.layers)
-        kv_bytes = sum(t.numel() * t.element_size() for pair in {id(p[0]): p for p in self.kv_caches}.values()
-                       for t in pair)
+        kv_bytes = sum(t.numel() * t.element_size() for pair in distinct_cache_pairs(self.kv_caches) for t in pair)
         self.previous_rank = (plan.rank_of(self.stage - 1, plan.tp_rank_of(rank)) if self.stage > 0 else None)
         self.next_rank = (plan.rank_of(self.stage + 1, plan.tp_rank_of(rank))
                           if self.stage < plan.pipeline_parallel_size - 1 else None)

@@ -116,12 +116,10 @@ class EngineCore:
         path = resolve_model_path(config.load.model)
         # A bad --chat-template fails before the model is read.
         chat_template = None if config.load.chat_template is None else resolve_chat_template(config.load.chat_template)
-        parallel = ParallelPlan(config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size)
+        parallel = ParallelPlan.of(config.parallel)
         # In a parallel group the ranks hold the layers; this process keeps the output head.
         loaded = load_model(path, self.weight_format, self.device,
                             ModelPart(range(0), embed=False, head=True) if parallel.is_parallel else None)
-        if parallel.is_parallel:
-            parallel.check(loaded.config)
         self.model_path = path
         self.model = loaded.model
         self.model_config = loaded.config
@@ -165,14 +163,12 @@ class EngineCore:
                         str(kv_dtype).removeprefix("torch."), self.kv_bytes_per_token, num_blocks, block_size,
                         num_blocks * block_size)
         if parallel.is_parallel:
-            from tokios.distributed.executor import DistributedModel, GroupAddress
+            from tokios.distributed.executor import DistributedModel
 
-            group = config.parallel
             self.model = DistributedModel(
-                self.model, self.model_config, parallel, model_path=path, weight_format=self.weight_format,
+                self.model, self.model_config, model_path=path, weight_format=self.weight_format,
                 device=self.device, num_threads=config.load.num_threads, num_slots=num_blocks * block_size,
-                block_size=block_size, kv_dtype=kv_dtype, timeout_s=group.timeout_s,
-                address=GroupAddress(group.master_addr, group.master_port, group.nnodes, group.node_rank))
+                block_size=block_size, kv_dtype=kv_dtype, group=config.parallel)
             self.load_seconds = time.perf_counter() - started
         self.closed = False
         try:

@@ -71,6 +71,12 @@ def allocate_kv_caches(config, num_slots: int, dtype: torch.dtype, device: torch
     return [tensors[layout.layer_to_tensor[layer]] for layer in layers]
 
 
+def distinct_cache_pairs(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+                         ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each (key, value) tensor pair once: layers of different KV groups share pairs."""
+    return list({id(pair[0]): pair for pair in kv_caches}.values())
+
+
 def quantize_kv(values: torch.Tensor) -> torch.Tensor:
     """[..., head_dim] float -> [..., head_dim + 4] int8: round(x / scale) with scale = absmax / 127
     per head, then the float32 scale (kv_cache/dtypes.py). The C++ kernels' store_head does the

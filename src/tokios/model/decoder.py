@@ -21,6 +21,12 @@ from tokios.model.linear import summarize_linears
 from tokios.model.ops import CpuKernelOps, TorchOps, fused_decode_inputs
 
 
+def layer_number(name: str) -> int | None:
+    """The layer of a weight in Hugging Face names ("model.layers.7.mlp.up_proj.weight": 7), or
+    None for the model-wide ones."""
+    return int(name.split(".", 3)[2]) if name.startswith("model.layers.") else None
+
+
 @dataclass(frozen=True)
 class ModelPart:
     """Which pieces of a model one process builds: `layers` (the model's layer numbers, a
@@ -38,8 +44,9 @@ class ModelPart:
     def needs(self, name: str, tied_head: bool) -> bool:
         """Whether this part reads the weight `name` (Hugging Face names) from the file;
         tied_head: the output head is the embedding table."""
-        if name.startswith("model.layers."):
-            return int(name.split(".", 3)[2]) in self.layers
+        layer = layer_number(name)
+        if layer is not None:
+            return layer in self.layers
         if name == "model.embed_tokens.weight":
             return self.embed or (self.head and tied_head)
         if name == "lm_head.weight":

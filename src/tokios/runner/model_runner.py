@@ -22,7 +22,7 @@ from tokios.config import ModelConfig
 from tokios.errors import InvalidRequestError, TokiosError
 from tokios.kv_cache.layout import KVCacheLayout
 from tokios.kv_cache.manager import split_cache_key
-from tokios.model.attention import AttentionMetadata, MultiTokenSpan, allocate_kv_caches
+from tokios.model.attention import AttentionMetadata, MultiTokenSpan, allocate_kv_caches, distinct_cache_pairs
 from tokios.request import Request
 from tokios.sampler import ops
 from tokios.sampler.metadata import SamplingMetadata
@@ -68,8 +68,7 @@ def copy_cache_blocks(kv_caches: list, copies: list[tuple[int, int]], block_size
     bs = block_size
     src = torch.tensor([s * bs + i for s, _ in copies for i in range(bs)], device=device)
     dst = torch.tensor([d * bs + i for _, d in copies for i in range(bs)], device=device)
-    unique_pairs = {id(pair[0]): pair for pair in kv_caches}.values()  # groups share tensor pairs
-    for key_cache, value_cache in unique_pairs:
+    for key_cache, value_cache in distinct_cache_pairs(kv_caches):
         key_cache.index_copy_(0, dst, key_cache.index_select(0, src))
         value_cache.index_copy_(0, dst, value_cache.index_select(0, src))
 

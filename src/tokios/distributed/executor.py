@@ -83,6 +83,11 @@ def rank_threads(ranks_here: int) -> int:
     return max(1, physical_core_count() // ranks_here)
 
 
+# How long a broken connection or a failed rank waits for a local rank's exit to show: a death is
+# seen first as closed sockets and as its peers' failed collectives, the exit status a moment later.
+RANK_EXIT_SETTLE_SECONDS = 2.0
+
+
 class RankProcess:
     """A rank of this machine: `python -m tokios.distributed.worker`, its RankLaunch on stdin.
     A process of its own, not a multiprocessing child: spawning would re-import the caller's
@@ -301,7 +306,7 @@ class DistributedModel:
             try:
                 connection.send_bytes(payload)
             except OSError as exc:
-                self._check_local_processes()  # a local rank's exit status says more than the socket
+                self._check_local_processes(settle=rank)  # its exit status says more than the socket
                 self._fail(f"rank {rank} is gone: its connection failed ({exc})")
 
     def _await_output(self) -> messages.StepResult:
@@ -323,22 +328,36 @@ class DistributedModel:
         try:
             message = messages.decode(connection.recv_bytes())
         except (EOFError, OSError):
-            self._check_local_processes()
+            self._check_local_processes(settle=rank)
             self._fail(f"rank {rank} closed its connection (the process or its machine is gone)")
         if isinstance(message, messages.RankFailed):
             logger.error("rank %d failed:\n%s", rank, message.details)
-            self._fail(f"rank {rank} failed: {message.error}")
+            # A rank whose peer died fails in its collective (a reset connection), often before the
+            # dead rank's exit is visible here; the death is the cause to report.
+            self._fail(self._exit_of_another_rank(rank) or f"rank {rank} failed: {message.error}")
         return message
 
-    def _lost_local_rank(self) -> str | None:
-        """Why the group is broken, if a rank of this machine has exited (any exit: ranks only
-        leave when told to)."""
+    def _lost_local_rank(self, besides: int | None = None) -> str | None:
+        """Why the group is broken, if a rank of this machine (other than `besides`) has exited
+        (any exit: ranks only leave when told to)."""
         for rank, process in self.processes.items():
-            if process.exitcode is not None:
+            if rank != besides and process.exitcode is not None:
                 return f"rank {rank} (pid {process.pid}) exited with status {process.exitcode}"
         return None
 
-    def _check_local_processes(self) -> None:
+    def _exit_of_another_rank(self, reporter: int) -> str | None:
+        """The exit of a local rank other than `reporter`, waiting a moment for one to show."""
+        others = [p for r, p in self.processes.items() if r != reporter]
+        if others and all(p.exitcode is None for p in others):
+            wait([p.sentinel for p in others], timeout=RANK_EXIT_SETTLE_SECONDS)
+        return self._lost_local_rank(besides=reporter)
+
+    def _check_local_processes(self, settle: int | None = None) -> None:
+        """Fail if a local rank has exited. `settle` names a rank whose connection just broke: the
+        kernel closes a dying process's sockets before it becomes reapable, so give that process a
+        moment to finish exiting and report its status rather than a bare closed connection."""
+        if settle in self.processes:
+            self.processes[settle].join(RANK_EXIT_SETTLE_SECONDS)
         why = self._lost_local_rank()
         if why is not None and not self._closed:
             self._fail(why)

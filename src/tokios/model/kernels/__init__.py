@@ -75,7 +75,7 @@ def kernel_status() -> str:
     if extension is None:
         return f"torch fallback ({_extension_error})"
     if extension.has_vnni():
-        return "C++ kernel, AVX-512 VNNI (Q4_1, Q8_0) and AVX2 (other block types)"
+        return "C++ kernel, AVX-512 VNNI"
     return "C++ kernel, AVX2" if extension.has_avx2() else "C++ kernel, portable scalar path"
 
 

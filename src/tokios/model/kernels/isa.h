@@ -1,7 +1,6 @@
 // Which vector instructions this build of the kernels uses, chosen by the compiler's target
 // (-march=native at build): AVX-512 VNNI (vpdpbusd), else AVX2 with FMA and F16C (vpmaddubsw),
-// else portable scalar loops. An AVX-512 machine also runs the AVX2 code for the block types
-// that have no VNNI kernel yet.
+// else portable scalar loops. Every block type has a kernel on each.
 #pragma once
 
 #include <cstdint>

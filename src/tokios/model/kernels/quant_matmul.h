@@ -4,8 +4,8 @@
 // batch of decodes, or a prefill chunk, the same weights serve many rows and the product becomes
 // compute-bound, which the interleaved layout is built for.
 //
-// Three implementations, one chosen per format at build (isa.h): AVX-512 VNNI for Q4_1 and Q8_0,
-// AVX2 for every format (and for the rest on an AVX-512 machine), portable loops otherwise. Each
+// Three implementations, one chosen at build (isa.h): AVX-512 VNNI, else AVX2, else portable loops,
+// each for every format (on VNNI, Q4_1 and Q8_0 have their own tuned kernel). Each
 // output element is one dot product computed the same way whatever M is: every row keeps its own
 // accumulators and adds its blocks in the same order, so a row's result is the same alone or in
 // a batch, decode or prefill (R = 1 is the single-row case, not a separate kernel).
@@ -117,6 +117,154 @@ void dot_group_rows_vnni(const uint8_t* group_row, const GroupLayout& layout, co
   const __m512 b = bias ? _mm512_maskz_loadu_ps(lanes, bias) : _mm512_setzero_ps();
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * out_stride, lanes, _mm512_add_ps(acc[r], b));
 
+}
+#endif
+
+#if TOKIOS_VNNI
+// Bits 4 (and 5) of u from the high-bit bytes of a 5- or 6-bit block, 16 features at once (the
+// AVX2 helper below, on 512 bits).
+template <int FROM, int TO>
+inline __m512i move_bits_512(__m512i bytes, __m512i mask) {
+  if constexpr (FROM < TO) return _mm512_and_si512(_mm512_slli_epi16(bytes, TO - FROM), mask);
+  else if constexpr (FROM > TO) return _mm512_and_si512(_mm512_srli_epi16(bytes, FROM - TO), mask);
+  else return _mm512_and_si512(bytes, mask);
+}
+
+// The VNNI kernel for the other 4-, 5- and 6-bit formats (Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K):
+// the AVX2 kernel's integer sums and float steps on all 16 features at once, with vpdpbusd in
+// place of vpmaddubsw + vpmaddwd (no int16 stage, so nothing to widen or guard against
+// saturation). The float steps are the AVX2 kernel's, lane for lane, so both give the same bits.
+// The high-bit bytes of a 5-bit block are already in lane order (half 0's 32 bytes, then half
+// 1's); a 6-bit block's two 32-byte runs per half are joined into one vector per pair of t.
+template <int FORMAT, bool PRECISE, int R>
+void dot_group_rows_vnni_blocks(const uint8_t* group_row, const GroupLayout& layout, const QuantizedActivations& a,
+                                int64_t r0, const float* bias, int valid, float* out, int64_t out_stride) {
+  constexpr FormatTraits F = kTraits[FORMAT];
+  static_assert(F.bits >= 4 && F.bits <= 6, "Q8_0 has its own VNNI kernel");
+  constexpr int P = PRECISE ? 2 : 1;
+  constexpr bool kSplit = F.sub == 16;  // Q6_K: separate sums for weights 0..15 and 16..31
+  // Independent integer chains per row and half (see dot_group_rows_vnni): with one row the
+  // chain of dependent vpdpbusd would set the speed.
+  constexpr int C = R * P == 1 ? 4 : (R * P <= 3 ? 2 : 1);
+  const int64_t nb = layout.num_blocks, K = a.in_features, stride = a.row_stride;
+  const uint16_t* halves = layout.halves(group_row);
+  const int8_t* x0 = a.qs.data() + r0 * stride;
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0f), bit4 = _mm512_set1_epi8(0x10), bits45 = _mm512_set1_epi8(0x30);
+  const int64_t bytes_per_block = layout.row_bytes / nb;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 super_scale = _mm512_setzero_ps(), super_min = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* values = group_row + b * layout.value_bytes;
+    {
+      const uintptr_t ahead = reinterpret_cast<uintptr_t>(group_row) + kPrefetchDistance + b * bytes_per_block;
+      for (int64_t line = 0; line < bytes_per_block + 64; line += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T1);
+      }
+    }
+    const int8_t* xb = x0 + b * kBlock;
+    // dot[r][p][s * C + c]: s = 0 for weights 0..15 (low nibbles), 1 for 16..31 where split.
+    constexpr int S = kSplit ? 2 : 1;
+    __m512i dot[R][P][S * C];
+    for (int r = 0; r < R; ++r) {
+      for (int p = 0; p < P; ++p) {
+        for (int c = 0; c < S * C; ++c) dot[r][p][c] = _mm512_setzero_si512();
+      }
+    }
+    __m512i high_bits[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+    if constexpr (F.bits == 5) {
+      high_bits[0] = _mm512_loadu_si512(values + 256);
+    } else if constexpr (F.bits == 6) {
+      for (int v = 0; v < 2; ++v) {
+        const __m256i half0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + 256 + 32 * v));
+        const __m256i half1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + 256 + 64 + 32 * v));
+        high_bits[v] = _mm512_inserti64x4(_mm512_castsi256_si512(half0), half1, 1);
+      }
+    }
+    auto step = [&](auto t_constant) {
+      constexpr int t = decltype(t_constant)::value;
+      const __m512i packed = _mm512_loadu_si512(values + 64 * t);
+      __m512i low = _mm512_and_si512(packed, low_nibbles);
+      __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles);
+      if constexpr (F.bits == 5) {
+        low = _mm512_or_si512(low, move_bits_512<2 * t, 4>(high_bits[0], bit4));
+        high = _mm512_or_si512(high, move_bits_512<2 * t + 1, 4>(high_bits[0], bit4));
+      } else if constexpr (F.bits == 6) {
+        low = _mm512_or_si512(low, move_bits_512<4 * (t % 2), 4>(high_bits[t / 2], bits45));
+        high = _mm512_or_si512(high, move_bits_512<4 * (t % 2) + 2, 4>(high_bits[t / 2], bits45));
+      }
+      for (int r = 0; r < R; ++r) {
+        for (int p = 0; p < P; ++p) {
+          const int8_t* x = xb + r * stride + p * K;
+          __m512i& first = kSplit ? dot[r][p][t % C] : dot[r][p][(2 * t) % C];
+          __m512i& second = kSplit ? dot[r][p][C + t % C] : dot[r][p][(2 * t + 1) % C];
+          first = _mm512_dpbusd_epi32(first, low, _mm512_set1_epi32(load_i32(x + 4 * t)));
+          second = _mm512_dpbusd_epi32(second, high, _mm512_set1_epi32(load_i32(x + 16 + 4 * t)));
+        }
+      }
+    };
+    step(std::integral_constant<int, 0>());
+    step(std::integral_constant<int, 1>());
+    step(std::integral_constant<int, 2>());
+    step(std::integral_constant<int, 3>());
+    // The block's scales for the 16 features, as in the AVX2 kernel.
+    __m512 scale, minimum = _mm512_setzero_ps();
+    __m512i sub_first = _mm512_setzero_si512(), sub_second = _mm512_setzero_si512();
+    if constexpr (F.sub == 0) {
+      const uint16_t* d = halves + b * layout.halves_per_group;
+      scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d)));
+      if constexpr (F.has_min) minimum = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + kGroup)));
+    } else {
+      if (b % (kSuperBlock / kBlock) == 0) {
+        const uint16_t* d = halves + b / (kSuperBlock / kBlock) * layout.halves_per_group;
+        super_scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d)));
+        if constexpr (F.has_min) super_min = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + kGroup)));
+      }
+      const uint8_t* sub = layout.sub(group_row) + b * layout.sub_bytes;
+      const __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sub));
+      const __m128i second = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sub + kGroup));
+      if constexpr (F.sub == 32) {
+        scale = _mm512_mul_ps(super_scale, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(first)));
+        minimum = _mm512_mul_ps(super_min, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(second)));
+      } else {
+        scale = super_scale;
+        sub_first = _mm512_cvtepi8_epi32(first);
+        sub_second = _mm512_cvtepi8_epi32(second);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (r0 + r) * nb + b;
+      __m512i exact[S];
+      for (int s = 0; s < S; ++s) {
+        __m512i sum[P];
+        for (int p = 0; p < P; ++p) {
+          sum[p] = dot[r][p][s * C];
+          for (int c = 1; c < C; ++c) sum[p] = _mm512_add_epi32(sum[p], dot[r][p][s * C + c]);
+        }
+        exact[s] = PRECISE ? _mm512_add_epi32(_mm512_slli_epi32(sum[0], 7), sum[P - 1]) : sum[0];
+      }
+      const __m512 row_scale = _mm512_mul_ps(scale, _mm512_set1_ps(a.scales[at]));
+      __m512i total;
+      if constexpr (kSplit) {
+        const int32_t first_sum = a.half_sums[at], second_sum = a.sums[at] - first_sum;
+        const __m512i first = _mm512_sub_epi32(exact[0], _mm512_set1_epi32(F.zero * first_sum));
+        const __m512i second = _mm512_sub_epi32(exact[S - 1], _mm512_set1_epi32(F.zero * second_sum));
+        total = _mm512_add_epi32(_mm512_mullo_epi32(first, sub_first), _mm512_mullo_epi32(second, sub_second));
+      } else if constexpr (F.zero != 0) {
+        total = _mm512_sub_epi32(exact[0], _mm512_set1_epi32(F.zero * a.sums[at]));
+      } else {
+        total = exact[0];
+      }
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), row_scale, acc[r]);
+      if constexpr (F.has_min) {
+        const __m512 scaled_sum = _mm512_set1_ps(a.scaled_sums[at]);
+        acc[r] = F.sub ? _mm512_fnmadd_ps(minimum, scaled_sum, acc[r]) : _mm512_fmadd_ps(minimum, scaled_sum, acc[r]);
+      }
+    }
+  }
+  const __mmask16 lanes = static_cast<__mmask16>((1u << valid) - 1);
+  const __m512 b = bias ? _mm512_maskz_loadu_ps(lanes, bias) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * out_stride, lanes, _mm512_add_ps(acc[r], b));
 }
 #endif
 
@@ -348,9 +496,11 @@ DotKernel make_kernel(std::index_sequence<Rs...>) {
 #if TOKIOS_VNNI
   if constexpr (FORMAT == kQ4_1 || FORMAT == kQ8_0) {
     kernel.by_rows = {nullptr, &dot_group_rows_vnni<FORMAT, PRECISE, static_cast<int>(Rs) + 1>...};
-    kernel.max_rows = kTileRows;
-    return kernel;
+  } else {
+    kernel.by_rows = {nullptr, &dot_group_rows_vnni_blocks<FORMAT, PRECISE, static_cast<int>(Rs) + 1>...};
   }
+  kernel.max_rows = kTileRows;
+  return kernel;
 #endif
 #if TOKIOS_AVX2
   ((kernel.by_rows[Rs + 1] = Rs < kTileRowsAvx2 ? &dot_group_rows_avx2<FORMAT, PRECISE, std::min<int>(Rs + 1, kTileRowsAvx2)> : nullptr), ...);

@@ -297,18 +297,45 @@ def test_rope_write_and_decode_attention_match_torch_path(head_dim, cache_dtype)
     assert torch.equal(caches[1][1], caches[0][1])
 
 
+def kernels_for(march: str):
+    """The kernels built for an older instruction set (cached like the main build), or a skip."""
+    from tokios.model.kernels import compile_kernels
+
+    try:
+        return compile_kernels(f"tokios_cpu_kernels_{march.replace('-', '_')}", march=march)
+    except Exception as exc:  # an older compiler without this -march
+        pytest.skip(f"could not build the {march} kernels here: {str(exc).splitlines()[0]}")
+
+
+@needs_extension
+@pytest.mark.skipif(extension is None or not extension.has_vnni(), reason="this build is not the VNNI one")
+def test_avx2_path_gives_the_vnni_path_bits():
+    """A VNNI machine runs no AVX2 kernel, so build that path (x86-64-v3) and check it here: the
+    two dot kernels take the same exact integer sums and the same float steps per lane, so every
+    type, alone and in tiles of rows, must come out bit for bit the same."""
+    avx2 = kernels_for("x86-64-v3")
+    assert avx2.has_avx2() and not avx2.has_vnni()
+    for ggml_type in ALL_TYPES:
+        linear = QuantizedLinear(packed_weight(random_weight(200, 512, 11), ggml_type), torch.randn(200))
+        x = torch.randn(13, 512)
+        fmt = FORMAT_BY_TYPE[ggml_type]
+        for precise in (False, True) if ggml_type in (T.Q4_1, T.Q8_0) else (False,):
+            vnni = extension.PackedLinear(linear._packed, [fmt], [200], 512, precise, linear.bias)
+            older = avx2.PackedLinear(linear._packed, [fmt], [200], 512, precise, linear.bias)
+            assert torch.equal(older(x), vnni(x)), (ggml_type.name, precise)
+    # Its attention loops (8 lanes, their own sum order) against the float64 reference.
+    for num_heads, num_kv_heads, head_dim in ((9, 3, 64), (4, 1, 256)):
+        for cache_dtype in KV_CACHE_DTYPES:
+            check_chunk_rows_against_each_row_alone(avx2, num_heads, num_kv_heads, head_dim, cache_dtype)
+
+
 @needs_extension
 @pytest.mark.skipif(extension is not None and not (extension.has_vnni() or extension.has_avx2()),
                     reason="this build already is the portable one")
 def test_portable_scalar_path_matches_the_vector_path():
     """Machines without AVX2 compile the scalar loops; build them here (x86-64-v2, cached like
     the main build) and check the same packed weights give the same products, every type."""
-    from tokios.model.kernels import compile_kernels
-
-    try:
-        portable = compile_kernels("tokios_cpu_kernels_portable", march="x86-64-v2")
-    except Exception as exc:  # an older compiler without -march=x86-64-v2
-        pytest.skip(f"could not build the portable kernels here: {str(exc).splitlines()[0]}")
+    portable = kernels_for("x86-64-v2")
     assert not portable.has_vnni() and not portable.has_avx2()
     for ggml_type in ALL_TYPES:
         linear = QuantizedLinear(packed_weight(random_weight(200, 256, 9), ggml_type), torch.randn(200))
@@ -359,6 +386,10 @@ def test_decode_attention_over_a_prompt_chunk_equals_each_row_alone(num_heads, n
     """The rows of a causal prompt chunk share passes over their keys (decode_attention_rows); a
     row's result must not change with that (verify rows equal plain decodes bit for bit), and
     rows of other requests, even over the very same slots, are never merged into the chunk."""
+    check_chunk_rows_against_each_row_alone(extension, num_heads, num_kv_heads, head_dim, cache_dtype)
+
+
+def check_chunk_rows_against_each_row_alone(kernels, num_heads, num_kv_heads, head_dim, cache_dtype):
     torch.manual_seed(3)
     num_slots, prefix = 256, 37
     key_cache = random_kv_cache(num_slots, num_kv_heads, head_dim, cache_dtype)
@@ -377,7 +408,7 @@ def test_decode_attention_over_a_prompt_chunk_equals_each_row_alone(num_heads, n
     qkv = torch.randn(len(lens), (num_heads + 2 * num_kv_heads) * head_dim)
 
     def attend(rows):
-        return extension.decode_attention(qkv[rows].contiguous(), key_cache, value_cache, table[rows].contiguous(),
+        return kernels.decode_attention(qkv[rows].contiguous(), key_cache, value_cache, table[rows].contiguous(),
                                           context_lens[rows].contiguous(), num_heads, num_kv_heads, head_dim,
                                           head_dim ** -0.5)
 

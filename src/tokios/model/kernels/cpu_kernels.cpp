@@ -238,6 +238,31 @@ inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
 inline Vec vset1(float x) { return _mm512_set1_ps(x); }
 inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
+inline float vmax(Vec v) { return _mm512_reduce_max_ps(v); }
+// Lanes at and past `valid` set to -infinity.
+inline Vec vmask_tail(Vec v, int64_t valid) {
+  const __mmask16 keep = valid >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << valid) - 1);
+  return _mm512_mask_blend_ps(keep, _mm512_set1_ps(-INFINITY), v);
+}
+// The sums of 16 vectors, lane m = the sum of the vector in slot transposed_slot(m), in the tree
+// of _mm512_reduce_add_ps (lanes i + i+8, then i + i+4, i + i+2, 0 + 1), so a score comes out
+// as vsum gave it, for a fifth of the instructions.
+inline Vec vsum_transposed(const Vec* v) {
+  Vec halves[8], quarters[4], eighths[2];
+  for (int k = 0; k < 8; ++k) {
+    halves[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44),
+                              _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xee));
+  }
+  for (int k = 0; k < 4; ++k) {
+    quarters[k] = _mm512_add_ps(_mm512_shuffle_f32x4(halves[2 * k], halves[2 * k + 1], 0x88),
+                                _mm512_shuffle_f32x4(halves[2 * k], halves[2 * k + 1], 0xdd));
+  }
+  for (int k = 0; k < 2; ++k) {
+    const __m512d a = _mm512_castps_pd(quarters[2 * k]), b = _mm512_castps_pd(quarters[2 * k + 1]);
+    eighths[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  return _mm512_add_ps(_mm512_shuffle_ps(eighths[0], eighths[1], 0x88), _mm512_shuffle_ps(eighths[0], eighths[1], 0xdd));
+}
 #elif TOKIOS_AVX2
 using Vec = __m256;
 constexpr int kLanes = 8;
@@ -249,8 +274,35 @@ inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
 inline Vec vset1(float x) { return _mm256_set1_ps(x); }
 inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 inline float vsum(Vec v) { return horizontal_add(v); }
+inline float vmax(Vec v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+inline Vec vmask_tail(Vec v, int64_t valid) {
+  const __m256 lane = _mm256_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
+  const __m256 keep = _mm256_cmp_ps(lane, _mm256_set1_ps(static_cast<float>(std::min<int64_t>(valid, 8))), _CMP_LT_OQ);
+  return _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), v, keep);
+}
+// As on AVX-512, in horizontal_add's tree (lanes i + i+4, then i + i+2, 0 + 1).
+inline Vec vsum_transposed(const Vec* v) {
+  Vec halves[4], quarters[2];
+  for (int k = 0; k < 4; ++k) {
+    halves[k] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * k], v[2 * k + 1], 0x20),
+                              _mm256_permute2f128_ps(v[2 * k], v[2 * k + 1], 0x31));
+  }
+  for (int k = 0; k < 2; ++k) {
+    const __m256d a = _mm256_castps_pd(halves[2 * k]), b = _mm256_castps_pd(halves[2 * k + 1]);
+    quarters[k] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)), _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
+  }
+  return _mm256_add_ps(_mm256_shuffle_ps(quarters[0], quarters[1], 0x88), _mm256_shuffle_ps(quarters[0], quarters[1], 0xdd));
+}
 #else
 constexpr int kLanes = 0;
+#endif
+#if TOKIOS_VNNI || TOKIOS_AVX2
+// Where vsum_transposed reads the vector whose sum lands in lane m.
+constexpr int transposed_slot(int m) { return m / 4 + (kLanes / 4) * (m % 4); }
 #endif
 
 // The most queries one pass over a context serves (a GQA group's heads times consecutive rows
@@ -276,34 +328,66 @@ void attend_queries(const float* const* queries, const int64_t* lengths, int num
   for (int q = 0; q < num_queries; ++q) maxima[q] = -INFINITY;
 #if TOKIOS_VNNI || TOKIOS_AVX2
   if constexpr (VECS > 0) {
-    for (int64_t l = 0; l < longest; ++l) {
-      const KV* key = key_cache + slots[l] * kv_stride + kv_offset;
-      Vec k[VECS];
-      for (int c = 0; c < VECS; ++c) k[c] = vload(key + kLanes * c);
-      const float key_scale = head_scale(key, hd);
+    // Blocks of kLanes keys (then values), widened once into `block` for all the queries. A
+    // query's kLanes dot products are summed together by vsum_transposed, and its weighted sum
+    // of values stays in registers across a block: one horizontal sum per key and a load and
+    // store of the output per key made this loop bound by shuffles and stores (25-40 GFLOPS).
+    // Lanes past a query's length are -infinity in its scores, then 0 after the softmax, so a
+    // block a query ends inside adds exact zeros.
+    constexpr int64_t hd_vec = VECS * kLanes;
+    alignas(64) float block[kLanes * hd_vec];
+    alignas(64) float head_scales[kLanes];
+    auto widen = [&](const KV* cache, int64_t l0) {
+      const int64_t count = std::min<int64_t>(kLanes, longest - l0);
+      for (int64_t j = 0; j < kLanes; ++j) {
+        if (j < count) {
+          const KV* head = cache + slots[l0 + j] * kv_stride + kv_offset;
+          for (int c = 0; c < VECS; ++c) vstore(block + j * hd_vec + kLanes * c, vload(head + kLanes * c));
+          head_scales[j] = head_scale(head, hd);
+        } else {  // past every query's context: zeros, never weighted
+          for (int c = 0; c < VECS; ++c) vstore(block + j * hd_vec + kLanes * c, vset1(0.f));
+          head_scales[j] = 1.f;
+        }
+      }
+    };
+    for (int64_t l0 = 0; l0 < longest; l0 += kLanes) {
+      widen(key_cache, l0);
       for (int q = 0; q < num_queries; ++q) {
-        if (l >= lengths[q]) continue;
-        Vec dot = vmul(vload(queries[q]), k[0]);
-        for (int c = 1; c < VECS; ++c) dot = vfmadd(vload(queries[q] + kLanes * c), k[c], dot);
-        const float s = vsum(dot) * scale * key_scale;
-        scores[q * score_stride + l] = s;
-        maxima[q] = std::max(maxima[q], s);
+        if (l0 >= lengths[q]) continue;
+        Vec query[VECS];
+        for (int c = 0; c < VECS; ++c) query[c] = vload(queries[q] + kLanes * c);
+        Vec dots[kLanes];
+        for (int m = 0; m < kLanes; ++m) {
+          const float* key = block + m * hd_vec;
+          Vec dot = vmul(query[0], vload(key));
+          for (int c = 1; c < VECS; ++c) dot = vfmadd(query[c], vload(key + kLanes * c), dot);
+          dots[transposed_slot(m)] = dot;
+        }
+        const Vec s = vmask_tail(vmul(vmul(vsum_transposed(dots), vset1(scale)), vload(head_scales)), lengths[q] - l0);
+        vstore(scores + q * score_stride + l0, s);
+        maxima[q] = std::max(maxima[q], vmax(s));
       }
     }
     float inverses[kMaxQueries];
     for (int q = 0; q < num_queries; ++q) {
-      inverses[q] = 1.f / exponentiate(scores + q * score_stride, lengths[q], maxima[q]);
+      float* row = scores + q * score_stride;
+      inverses[q] = 1.f / exponentiate(row, lengths[q], maxima[q]);
+      for (int64_t l = lengths[q]; l % kLanes; ++l) row[l] = 0.f;
       std::memset(outs[q], 0, hd * sizeof(float));
     }
-    for (int64_t l = 0; l < longest; ++l) {
-      const KV* value = value_cache + slots[l] * kv_stride + kv_offset;
-      Vec v[VECS];
-      for (int c = 0; c < VECS; ++c) v[c] = vload(value + kLanes * c);
-      const float value_scale = head_scale(value, hd);
+    for (int64_t l0 = 0; l0 < longest; l0 += kLanes) {
+      widen(value_cache, l0);
       for (int q = 0; q < num_queries; ++q) {
-        if (l >= lengths[q]) continue;
-        const Vec p = vset1(scores[q * score_stride + l] * value_scale);
-        for (int c = 0; c < VECS; ++c) vstore(outs[q] + kLanes * c, vfmadd(p, v[c], vload(outs[q] + kLanes * c)));
+        if (l0 >= lengths[q]) continue;
+        alignas(64) float weights[kLanes];
+        vstore(weights, vmul(vload(scores + q * score_stride + l0), vload(head_scales)));
+        Vec acc[VECS];
+        for (int c = 0; c < VECS; ++c) acc[c] = vload(outs[q] + kLanes * c);
+        for (int m = 0; m < kLanes; ++m) {
+          const Vec p = vset1(weights[m]);
+          for (int c = 0; c < VECS; ++c) acc[c] = vfmadd(p, vload(block + m * hd_vec + kLanes * c), acc[c]);
+        }
+        for (int c = 0; c < VECS; ++c) vstore(outs[q] + kLanes * c, acc[c]);
       }
     }
     for (int q = 0; q < num_queries; ++q) {
@@ -381,9 +465,11 @@ void decode_attention_rows(const float* q, int64_t q_stride, const KV* key_cache
     first = end;
   }
   const int64_t items_per_pass = KVH * num_head_parts;
+  // Whole blocks of keys: the vector loops write scores up to the next multiple of 16.
+  const int64_t score_stride = (max_context + 15) / 16 * 16;
   at::parallel_for(0, static_cast<int64_t>(passes.size()) * items_per_pass, 1, [&](int64_t begin, int64_t end) {
     // Not zeroed: every score a pass reads it has written.
-    std::unique_ptr<float[]> scores(new float[kMaxQueries * max_context]);
+    std::unique_ptr<float[]> scores(new float[kMaxQueries * score_stride]);
     const float* queries[kMaxQueries];
     float* outs[kMaxQueries];
     int64_t lengths[kMaxQueries];
@@ -402,7 +488,7 @@ void decode_attention_rows(const float* q, int64_t q_stride, const KV* key_cache
         }
       }
       attend(queries, lengths, num_queries, key_cache, value_cache, slot_table + (first + rows - 1) * max_context,
-             KVH * head_stride<KV>(hd), kv_head * head_stride<KV>(hd), hd, scale, scores.get(), max_context, outs);
+             KVH * head_stride<KV>(hd), kv_head * head_stride<KV>(hd), hd, scale, scores.get(), score_stride, outs);
     }
   });
 }

@@ -1,5 +1,7 @@
 """The fused all-layer C++ decode step computes exactly what the per-op path computes."""
 
+import math
+
 import pytest
 
 from tokios.engine import LLM
@@ -36,10 +38,12 @@ def test_short_prompt_chunks_run_as_decode_rows_as_close_to_float32_as_spans(eng
     must be as close to it as int4 is (mean 0.05 nats here); a wrong context would be nats off."""
     llm = LLM(dtype="int4", enable_prefix_caching=False)
     runner = llm.core.runner
+    long_len = math.isqrt(runner.MAX_DECODE_ROW_PAIRS) + 1  # the shortest fresh prompt laid out as a span
     short, long = llm.core.make_requests("short", list(range(100, 140)), SamplingParams())[0], \
-        llm.core.make_requests("long", list(range(100, 400)), SamplingParams())[0]
-    batch = runner.build_batch([(short, 40, [[0, 1, 2]]), (long, 300, [list(range(3, 22))])])
-    assert batch.metadata.num_decode_tokens == 40 and [s.query_len for s in batch.metadata.spans] == [300]
+        llm.core.make_requests("long", [100 + i % 300 for i in range(long_len)], SamplingParams())[0]
+    long_blocks = list(range(3, 3 + -(-long_len // llm.core.config.cache.block_size)))
+    batch = runner.build_batch([(short, 40, [[0, 1, 2]]), (long, long_len, [long_blocks])])
+    assert batch.metadata.num_decode_tokens == 40 and [s.query_len for s in batch.metadata.spans] == [long_len]
     assert batch.entry_rows[0] == list(range(40))
 
     prompt = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)

@@ -15,15 +15,18 @@ from tokios.model.quant import PackedWeight, SegmentedWeight, as_dense
 
 
 class DenseLinear:
-    """y = x W^T + b with W held in `dtype` (float32 or bfloat16)."""
+    """y = x W^T + b with W held in `dtype` (float32 or bfloat16), y in `output_dtype` (default
+    `dtype`)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                 output_dtype: torch.dtype | None = None):
         self.weight = weight.to(dtype).contiguous()  # [out_features, in_features]
         self.bias = None if bias is None else bias.to(dtype)
         self.out_features, self.in_features = self.weight.shape
+        self.output_dtype = output_dtype or dtype
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
+        return F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(self.output_dtype)
 
     def num_bytes(self) -> int:
         return self.weight.numel() * self.weight.element_size()
@@ -43,8 +46,10 @@ def make_linear(weight: "torch.Tensor | PackedWeight | SegmentedWeight", bias: t
 
         return make_quantized_linear(weight, bias, weight_format, device, precise_activations)
     if weight_format == "stored":
+        # Activations stay float32 as for the quantized kernels (the C++ ops take them so, and
+        # a file mixes dense and packed tensors); a bfloat16 tensor multiplies in bfloat16.
         dtype = torch.bfloat16 if weight.dtype == torch.bfloat16 else torch.float32
-        return DenseLinear(weight.to(device), bias, dtype)
+        return DenseLinear(weight.to(device), bias, dtype, output_dtype=torch.float32)
     weight = as_dense(weight).to(device)
     if weight_format == "float32":
         return DenseLinear(weight, bias, torch.float32)

@@ -174,6 +174,7 @@ def model_config_from_hf(directory: str) -> ModelConfig:
     model_type = hf.get("model_type") or (HF_ARCHITECTURE_TO_TYPE.get(architectures[0]) if architectures else None)
     _architecture_class(model_type or str(architectures))
     num_heads = int(hf["num_attention_heads"])
+    rope_theta, rope_scaling = _rope_from_hf(hf, config_path)
     return ModelConfig(
         architecture=model_type,
         num_layers=int(hf["num_hidden_layers"]),
@@ -184,13 +185,27 @@ def model_config_from_hf(directory: str) -> ModelConfig:
         head_dim=int(hf.get("head_dim") or hf["hidden_size"] // num_heads),
         vocab_size=int(hf["vocab_size"]),
         max_model_len=int(hf.get("max_position_embeddings", 2048)),
-        rope_theta=float(hf.get("rope_theta", 10000.0)),
-        rope_scaling=hf.get("rope_scaling"),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
         name=os.path.basename(os.path.normpath(directory)),
     )
+
+
+def _rope_from_hf(hf: dict, config_path: str) -> tuple[float, dict | None]:
+    """RoPE base and scaling from a config.json: transformers before 5 writes `rope_theta` and
+    `rope_scaling`, 5 and later one `rope_parameters` holding both (read only the old keys, a
+    directory saved by today's transformers would silently run at the default base)."""
+    parameters = hf.get("rope_parameters")
+    if parameters is None:
+        return float(hf.get("rope_theta", 10000.0)), hf.get("rope_scaling")
+    if "rope_theta" not in parameters:
+        raise UnsupportedError(f"{config_path}: rope_parameters without rope_theta (per layer type: "
+                               f"{sorted(parameters)}) is not supported for this architecture")
+    scaling = {key: value for key, value in parameters.items() if key != "rope_theta"}
+    return float(parameters["rope_theta"]), (None if scaling.get("rope_type", "default") == "default" else scaling)
 
 
 def weights_from_hf(directory: str, keep: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:

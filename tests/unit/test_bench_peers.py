@@ -15,6 +15,10 @@ def test_default_model_is_found_and_bad_paths_are_named(tmp_path):
     assert peers.default_model_path().endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
     with pytest.raises(ModelLoadError, match="must be a GGUF file"):
         peers.resolve_model_path(str(tmp_path / "missing.gguf"))
+    # A Hugging Face directory: only where no llama.cpp peer has to read it (bench offline).
+    with pytest.raises(ModelLoadError, match="GGUF file for llama.cpp.*--systems tokios,transformers"):
+        peers.resolve_model_path(str(tmp_path))
+    assert peers.resolve_model_path(str(tmp_path), directory_ok=True) == str(tmp_path)
 
 
 def test_server_process_waits_for_health_reports_memory_and_tears_down(tmp_path):

@@ -131,8 +131,11 @@ class TransformersSystem:
         self.torch = torch
         started = time.perf_counter()
         path = Path(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                          dtype=getattr(torch, dtype))
+        if path.is_dir():  # a Hugging Face directory
+            self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype))
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                              dtype=getattr(torch, dtype))
         self.model.eval()
         self.load_s = time.perf_counter() - started
         import transformers

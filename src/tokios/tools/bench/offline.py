@@ -43,7 +43,8 @@ def noise_note() -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from tokios.tools.bench.peers import add_model_arguments
 
-    add_model_arguments(parser)
+    add_model_arguments(parser, model_help="GGUF file (default: the default model), or a Hugging Face directory "
+                                           "when llama.cpp is not among --systems")
     parser.add_argument("--systems", default="tokios,llama.cpp,transformers",
                         help=f"comma-separated subset of {', '.join(SYSTEM_NAMES)}")
     parser.add_argument("--dtype", default="auto", help="tokios --dtype values, comma-separated (one row each)")
@@ -219,8 +220,9 @@ def run(args: argparse.Namespace) -> int:
                           ("throughput_prompts", 0), ("throughput_input_len", 1), ("throughput_output_len", 1)):
         if getattr(args, name) < minimum:
             raise InvalidRequestError(f"{name} must be >= {minimum}, got {getattr(args, name)}", param=name)
-    require_peers(parse_systems(args.systems), args.transformers_reps)  # before loading anything
-    model_path = benchmark_model_path(args)
+    systems_named = parse_systems(args.systems)
+    require_peers(systems_named, args.transformers_reps)  # before loading anything
+    model_path = benchmark_model_path(args, directory_ok="llama.cpp" not in systems_named)
     codec = load_prompt_codec(model_path)
     if codec is None:
         raise InvalidRequestError("no tokenizer could read the model file for exact prompt lengths", param="model")

@@ -35,10 +35,16 @@ def default_model_path() -> str:
     return str(model_files.default_model_path())
 
 
-def resolve_model_path(model: str | None) -> str:
+def resolve_model_path(model: str | None, *, directory_ok: bool = False) -> str:
+    """--model as a path: a GGUF file, or (where no llama.cpp peer runs it) a Hugging Face directory."""
     from tokios import model_files
 
     model = model_files.resolve_model_path(model)
+    if Path(model).is_dir():
+        if directory_ok:
+            return model
+        raise ModelLoadError(f"model must be a GGUF file for llama.cpp and llama-quantize, got the directory {model!r} "
+                             "(bench offline runs one without --quantize and with --systems tokios,transformers)")
     if not Path(model).is_file():
         raise ModelLoadError(f"model must be a GGUF file for the peers, got {model!r} (not a file)")
     return model
@@ -136,16 +142,17 @@ def llama_tool(name: str, *, num_jobs: int = 2) -> str:
     return str(binary)
 
 
-def add_model_arguments(parser) -> None:
-    parser.add_argument("--model", default=None, help="GGUF file (default: the default model)")
+def add_model_arguments(parser, *, model_help: str = "GGUF file (default: the default model)") -> None:
+    parser.add_argument("--model", default=None, help=model_help)
     parser.add_argument("--quantize", default=None, metavar="TYPE",
                         help="first requantize --model with llama.cpp's llama-quantize into TYPE (Q4_0, Q4_K_M, "
                              "Q5_K_M, Q6_K, Q8_0, ...), made once into the peers cache, and benchmark that file")
 
 
-def benchmark_model_path(args) -> str:
-    """The file a benchmark runs: --model (or the default model), requantized if --quantize says so."""
-    model_path = resolve_model_path(args.model)
+def benchmark_model_path(args, *, directory_ok: bool = False) -> str:
+    """The model a benchmark runs: --model (or the default model), requantized if --quantize says
+    so; a Hugging Face directory only where `directory_ok` (no llama.cpp peer) and not requantized."""
+    model_path = resolve_model_path(args.model, directory_ok=directory_ok and not args.quantize)
     return requantized_model(model_path, args.quantize) if args.quantize else model_path
 
 
@@ -300,7 +307,7 @@ def load_prompt_codec(model_path: str | None = None):
     None (prompts counted in words) when there is no model file or no tokenizer at all.
     """
     try:
-        path = resolve_model_path(model_path)
+        path = resolve_model_path(model_path, directory_ok=True)
     except ModelLoadError:
         return None
     try:

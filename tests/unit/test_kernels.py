@@ -2,6 +2,9 @@
 the kernels run: each product against its dequantized weights times the activations the kernel
 quantized, at many row counts, odd output sizes, extreme block values and in a batch."""
 
+import functools
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 import torch
@@ -297,14 +300,31 @@ def test_rope_write_and_decode_attention_match_torch_path(head_dim, cache_dtype)
     assert torch.equal(caches[1][1], caches[0][1])
 
 
-def kernels_for(march: str):
-    """The kernels built for an older instruction set (cached like the main build), or a skip."""
+@functools.lru_cache(maxsize=1)
+def older_builds() -> dict[str, object]:
+    """The kernels for each older instruction set this machine's tests check (x86-64-v2: the
+    portable loops; x86-64-v3 on a VNNI machine: AVX2), built together on first use: each build
+    is one compiler process of about a minute, so two cores build both in the time of one.
+    A march that would not build maps to its error."""
     from tokios.model.kernels import compile_kernels
 
-    try:
-        return compile_kernels(f"tokios_cpu_kernels_{march.replace('-', '_')}", march=march)
-    except Exception as exc:  # an older compiler without this -march
-        pytest.skip(f"could not build the {march} kernels here: {str(exc).splitlines()[0]}")
+    marches = [march for march, wanted in (("x86-64-v2", extension.has_vnni() or extension.has_avx2()),
+                                           ("x86-64-v3", extension.has_vnni())) if wanted]
+    if not marches:
+        return {}
+    with ThreadPoolExecutor(len(marches)) as pool:
+        futures = {march: pool.submit(compile_kernels, f"tokios_cpu_kernels_{march.replace('-', '_')}", march)
+                   for march in marches}
+    return {march: future.exception() or future.result() for march, future in futures.items()}
+
+
+def kernels_for(march: str):
+    """The kernels built for an older instruction set (cached like the main build), or a skip."""
+    build = older_builds().get(march)
+    if isinstance(build, Exception):  # an older compiler without this -march
+        pytest.skip(f"could not build the {march} kernels here: {str(build).splitlines()[0]}")
+    assert build is not None, f"{march} is not one of this machine's older builds"
+    return build
 
 
 @needs_extension

@@ -21,11 +21,13 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <numeric>
 #include <utility>
 
 #include "blocks.h"
@@ -465,15 +467,30 @@ void decode_attention_rows(const float* q, int64_t q_stride, const KV* key_cache
     first = end;
   }
   const int64_t items_per_pass = KVH * num_head_parts;
+  const int64_t num_items = static_cast<int64_t>(passes.size()) * items_per_pass;
+  // Items differ in cost by 10x and more (in a mixed step, a prompt chunk's pass over 5,000 keys
+  // beside decode rows over 500), and at::parallel_for gives each thread an equal run of
+  // indices, which left one thread with the whole chunk. So the threads take items from a
+  // shared counter, costliest first. Which thread computes an item changes no bit.
+  std::vector<int64_t> order(num_items);
+  std::iota(order.begin(), order.end(), 0);
+  auto cost = [&](int64_t index) {
+    const auto [first, rows] = passes[index / items_per_pass];
+    return rows * context_lens[first + rows - 1];
+  };
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost(a) > cost(b); });
+  std::atomic<int64_t> next_item{0};
   // Whole blocks of keys: the vector loops write scores up to the next multiple of 16.
   const int64_t score_stride = (max_context + 15) / 16 * 16;
-  at::parallel_for(0, static_cast<int64_t>(passes.size()) * items_per_pass, 1, [&](int64_t begin, int64_t end) {
+  const int64_t num_workers = std::min<int64_t>(at::get_num_threads(), num_items);
+  at::parallel_for(0, num_workers, 1, [&](int64_t, int64_t) {
     // Not zeroed: every score a pass reads it has written.
     std::unique_ptr<float[]> scores(new float[kMaxQueries * score_stride]);
     const float* queries[kMaxQueries];
     float* outs[kMaxQueries];
     int64_t lengths[kMaxQueries];
-    for (int64_t index = begin; index < end; ++index) {
+    for (int64_t taken; (taken = next_item.fetch_add(1, std::memory_order_relaxed)) < num_items;) {
+      const int64_t index = order[taken];
       const auto [first, rows] = passes[index / items_per_pass];
       const int64_t kv_head = index % items_per_pass / num_head_parts;
       const int64_t first_head = index % num_head_parts * heads_per_part;

@@ -44,8 +44,16 @@ from tokios.kv_cache.manager import KVCacheManager
 from tokios.request import Request, RequestStatus
 from tokios.scheduler.step_cost import StepCostModel
 
-# The fewest prompt tokens a prefilling request gets in a step that has a time budget.
-MIN_PREFILL_CHUNK = 8
+# The fewest prompt tokens a prefilling request gets in a step that has a time budget: the floor
+# that keeps a long prompt moving when the budget holds fewer. Late in a long prompt the floor is
+# what a step carries, so it sets the other streams' p99: `tokios bench fairness` (8 streams, a
+# 5,500-token prompt, --max-step-ms auto), floors alternating, one round each: 8 tokens p99 during
+# 111, 111 ms (3.05x, 3.38x the p99 before), TTFT 40, 36 s; 4 tokens 68, 58, 78 ms (1.68x,
+# 1.42x, 2.54x), TTFT 41, 31, 40 s; 2 tokens 70, 76 ms (2.73x, 2.30x), TTFT 43, 50 s. A chunk's
+# cost late in the prompt is mostly reading its context's KV once per step (at 4,500 tokens one
+# token adds 16 ms to a 27 ms step, four 25 ms, eight 50 ms), so below 4 tokens the step barely
+# shrinks while the prompt slows.
+MIN_PREFILL_CHUNK = 4
 # A prefill chunk next to decodes while the cost model cannot predict yet: small enough not to
 # stall the streams, large enough to teach the model the per-row cost.
 CALIBRATION_CHUNK = 32

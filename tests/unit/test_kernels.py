@@ -346,7 +346,8 @@ def test_avx2_path_gives_the_vnni_path_bits():
     # Its attention loops (8 lanes, their own sum order) against the float64 reference.
     for num_heads, num_kv_heads, head_dim in ((9, 3, 64), (4, 1, 256)):
         for cache_dtype in KV_CACHE_DTYPES:
-            check_chunk_rows_against_each_row_alone(avx2, num_heads, num_kv_heads, head_dim, cache_dtype)
+            for prefix in (37, 1020):
+                check_chunk_rows_against_each_row_alone(avx2, num_heads, num_kv_heads, head_dim, cache_dtype, prefix)
 
 
 @needs_extension
@@ -397,31 +398,36 @@ def reference_attention(qkv, key_cache, value_cache, slot_table, context_lens, n
 
 @needs_extension
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"),
-                         [(9, 3, 64),  # SmolLM2: 3 heads a KV head, 4 rows a pass
-                          (16, 1, 16),  # a GQA group larger than one pass holds (12 queries)
+                         [(9, 3, 64),  # SmolLM2: 3 heads a KV head, 8 rows a pass
+                          (32, 1, 16),  # a GQA group larger than one pass holds (24 queries)
                           (4, 1, 256),  # Gemma 3 270M
                           (6, 2, 24)])  # the portable loops
 @pytest.mark.parametrize("cache_dtype", KV_CACHE_DTYPES)
-def test_decode_attention_over_a_prompt_chunk_equals_each_row_alone(num_heads, num_kv_heads, head_dim, cache_dtype):
-    """The rows of a causal prompt chunk share passes over their keys (decode_attention_rows); a
-    row's result must not change with that (verify rows equal plain decodes bit for bit), and
-    rows of other requests, even over the very same slots, are never merged into the chunk."""
-    check_chunk_rows_against_each_row_alone(extension, num_heads, num_kv_heads, head_dim, cache_dtype)
+@pytest.mark.parametrize("prefix", [37, 1020])  # 1020: rows cross the 512-key segments' boundary at 1,024
+def test_decode_attention_over_a_prompt_chunk_equals_each_row_alone(num_heads, num_kv_heads, head_dim, cache_dtype,
+                                                                   prefix):
+    """The rows of a causal prompt chunk share passes over their keys (decode_attention_rows), and
+    a long context is attended in segments spread over the threads; a row's result must not
+    change with either (verify rows equal plain decodes bit for bit), and rows of other requests,
+    even over the very same slots, are never merged into the chunk."""
+    check_chunk_rows_against_each_row_alone(extension, num_heads, num_kv_heads, head_dim, cache_dtype, prefix)
 
 
-def check_chunk_rows_against_each_row_alone(kernels, num_heads, num_kv_heads, head_dim, cache_dtype):
+def check_chunk_rows_against_each_row_alone(kernels, num_heads, num_kv_heads, head_dim, cache_dtype, prefix=37):
     torch.manual_seed(3)
-    num_slots, prefix = 256, 37
+    num_slots = max(256, 2 * prefix + 64)
+    # Past one 512-key segment, the other request's row ends one key into its second one.
+    other_len = 30 if prefix < 512 else 513
     key_cache = random_kv_cache(num_slots, num_kv_heads, head_dim, cache_dtype)
     value_cache = random_kv_cache(num_slots, num_kv_heads, head_dim, cache_dtype)
     chunk_slots = torch.randperm(num_slots)[:prefix + 20]
-    other_slots = torch.randperm(num_slots)[:30]
+    other_slots = torch.randperm(num_slots)[:other_len]
     # A decode over other slots, 20 rows of one chunk (contexts prefix+1 .. prefix+20), then a
     # decode of another request that shares the chunk's slots but not its length pattern.
-    lens = [30] + [prefix + 1 + i for i in range(20)] + [prefix + 5]
+    lens = [other_len] + [prefix + 1 + i for i in range(20)] + [prefix + 5]
     max_len = max(lens)
     table = torch.zeros(len(lens), max_len, dtype=torch.long)
-    table[0, :30] = other_slots
+    table[0, :other_len] = other_slots
     for row in range(1, len(lens)):
         table[row, :lens[row]] = chunk_slots[:lens[row]]
     context_lens = torch.tensor(lens)

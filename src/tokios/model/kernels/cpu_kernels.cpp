@@ -307,27 +307,47 @@ constexpr int kLanes = 0;
 constexpr int transposed_slot(int m) { return m / 4 + (kLanes / 4) * (m % 4); }
 #endif
 
-// The most queries one pass over a context serves (a GQA group's heads times consecutive rows
-// of a prompt chunk): their scores and accumulators stay in L1.
-constexpr int kMaxQueries = 12;
+// Keys per segment. A context longer than this is attended one segment at a time, each with its
+// own maximum and sum, merged in order afterwards (segment_results). Every segment is a work
+// item, so one long decode row keeps both threads busy: split by KV head alone, SmolLM2's 3 heads
+// left one of 2 threads two thirds of the work. Single-stream decode at 4,096 tokens, the engine's
+// step, old and new alternating: bfloat16 cache 20.0 -> 17.8 ms, int8 18.9 -> 14.3 ms; 4 streams
+// 55.5 -> 47.6 ms. Boundaries are fixed positions, never a thread count, so a query's result does
+// not depend on what else the step holds. 512 keys: 1,024 left a chunk just past 1,024 tokens
+// with 3 big items for 2 threads.
+constexpr int64_t kSegmentKeys = 512;
 
-// Queries that share one KV head over one paged context: out_q = softmax(q . K^T * scale) V
-// over the first lengths[q] slots. Each key and value is loaded (and widened from bfloat16)
-// once for all the queries: per query, a decode read the context's K/V once per head of its
-// GQA group and a prompt chunk once per row, which left attention at 8 ms per prompt token at
-// 5,000 tokens of context (SmolLM2, 2 threads) and made long-context decode bandwidth-bound on
-// the same bytes three times. `kv_stride` is the distance between slots, `kv_offset` the head's
-// place inside a slot. VECS = head_dim / kLanes (0: portable loops). A query's result does not
+// The most queries of one KV head a pass over a context serves (a GQA group's heads times
+// consecutive rows of a prompt chunk): SmolLM2's group of 3 for an 8-row chunk, so a step's
+// chunk reads its context once, not once per 4 rows.
+constexpr int kMaxQueries = 24;
+
+// The most queries one work item serves (the passes of several KV heads: their bytes sit
+// together in a slot, so an item reads each slot's run of heads in one go): their scores for a
+// segment are kMaxItemQueries * kSegmentKeys floats (144 KiB), within L2.
+constexpr int kMaxItemQueries = 72;
+
+// Queries over the keys [begin, end) of one paged context (begin a multiple of 16): each query
+// q, with lengths[q] > begin, over its keys [begin, min(end, lengths[q])). Writes maxima[q] (its
+// largest score), sums[q] (the sum of exp(score - maximum)) and outs[q] (the sum of
+// exp(score - maximum) * value, not yet divided by sums[q]). The queries come grouped by the KV
+// head they read: queries [head_starts[k], head_starts[k + 1]) read the head at kv_offsets[k]
+// inside a slot (`kv_stride` apart). Each block of keys (then values) is loaded (and widened
+// from bfloat16) once per KV head for all its queries: per query, a decode read the context's
+// K/V once per head of its GQA group and a prompt chunk once per row, which left attention at
+// 8 ms per prompt token at 5,000 tokens of context (SmolLM2, 2 threads). scores: kSegmentKeys
+// floats per query. VECS = head_dim / kLanes (0: portable loops). A query's results do not
 // depend on which other queries share its pass (each sums in the same order), so a verify row
 // equals the plain decode of the same token bit for bit.
 template <typename KV, int VECS>
-void attend_queries(const float* const* queries, const int64_t* lengths, int num_queries, const KV* key_cache,
-                    const KV* value_cache, const int64_t* slots, int64_t kv_stride, int64_t kv_offset, int64_t hd,
-                    float scale, float* scores, int64_t score_stride, float* const* outs) {
-  int64_t longest = 0;
-  for (int q = 0; q < num_queries; ++q) longest = std::max(longest, lengths[q]);
-  float maxima[kMaxQueries];
+void attend_segment(const float* const* queries, const int64_t* lengths, int num_queries, const int* head_starts,
+                    const int64_t* kv_offsets, int num_kv, int64_t begin, int64_t end, const KV* key_cache,
+                    const KV* value_cache, const int64_t* slots, int64_t kv_stride, int64_t hd, float scale,
+                    float* scores, float* maxima, float* sums, float* const* outs) {
+  int64_t stop = begin;
+  for (int q = 0; q < num_queries; ++q) stop = std::max(stop, std::min(end, lengths[q]));
   for (int q = 0; q < num_queries; ++q) maxima[q] = -INFINITY;
+  auto score_row = [&](int q) { return scores + q * kSegmentKeys - begin; };  // indexed by position
 #if TOKIOS_VNNI || TOKIOS_AVX2
   if constexpr (VECS > 0) {
     // Blocks of kLanes keys (then values), widened once into `block` for all the queries. A
@@ -339,117 +359,170 @@ void attend_queries(const float* const* queries, const int64_t* lengths, int num
     constexpr int64_t hd_vec = VECS * kLanes;
     alignas(64) float block[kLanes * hd_vec];
     alignas(64) float head_scales[kLanes];
-    auto widen = [&](const KV* cache, int64_t l0) {
-      const int64_t count = std::min<int64_t>(kLanes, longest - l0);
+    auto widen = [&](const KV* cache, int64_t l0, int64_t kv_offset) {
+      const int64_t count = std::min<int64_t>(kLanes, stop - l0);
       for (int64_t j = 0; j < kLanes; ++j) {
         if (j < count) {
           const KV* head = cache + slots[l0 + j] * kv_stride + kv_offset;
           for (int c = 0; c < VECS; ++c) vstore(block + j * hd_vec + kLanes * c, vload(head + kLanes * c));
           head_scales[j] = head_scale(head, hd);
-        } else {  // past every query's context: zeros, never weighted
+        } else {  // past every query's keys: zeros, never weighted
           for (int c = 0; c < VECS; ++c) vstore(block + j * hd_vec + kLanes * c, vset1(0.f));
           head_scales[j] = 1.f;
         }
       }
     };
-    for (int64_t l0 = 0; l0 < longest; l0 += kLanes) {
-      widen(key_cache, l0);
-      for (int q = 0; q < num_queries; ++q) {
-        if (l0 >= lengths[q]) continue;
-        Vec query[VECS];
-        for (int c = 0; c < VECS; ++c) query[c] = vload(queries[q] + kLanes * c);
-        Vec dots[kLanes];
-        for (int m = 0; m < kLanes; ++m) {
-          const float* key = block + m * hd_vec;
-          Vec dot = vmul(query[0], vload(key));
-          for (int c = 1; c < VECS; ++c) dot = vfmadd(query[c], vload(key + kLanes * c), dot);
-          dots[transposed_slot(m)] = dot;
+    for (int64_t l0 = begin; l0 < stop; l0 += kLanes) {
+      for (int k = 0; k < num_kv; ++k) {
+        widen(key_cache, l0, kv_offsets[k]);
+        for (int q = head_starts[k]; q < head_starts[k + 1]; ++q) {
+          if (l0 >= lengths[q]) continue;
+          Vec query[VECS];
+          for (int c = 0; c < VECS; ++c) query[c] = vload(queries[q] + kLanes * c);
+          Vec dots[kLanes];
+          for (int m = 0; m < kLanes; ++m) {
+            const float* key = block + m * hd_vec;
+            Vec dot = vmul(query[0], vload(key));
+            for (int c = 1; c < VECS; ++c) dot = vfmadd(query[c], vload(key + kLanes * c), dot);
+            dots[transposed_slot(m)] = dot;
+          }
+          const Vec s =
+              vmask_tail(vmul(vmul(vsum_transposed(dots), vset1(scale)), vload(head_scales)), lengths[q] - l0);
+          vstore(score_row(q) + l0, s);
+          maxima[q] = std::max(maxima[q], vmax(s));
         }
-        const Vec s = vmask_tail(vmul(vmul(vsum_transposed(dots), vset1(scale)), vload(head_scales)), lengths[q] - l0);
-        vstore(scores + q * score_stride + l0, s);
-        maxima[q] = std::max(maxima[q], vmax(s));
       }
     }
-    float inverses[kMaxQueries];
     for (int q = 0; q < num_queries; ++q) {
-      float* row = scores + q * score_stride;
-      inverses[q] = 1.f / exponentiate(row, lengths[q], maxima[q]);
-      for (int64_t l = lengths[q]; l % kLanes; ++l) row[l] = 0.f;
+      const int64_t last = std::min(end, lengths[q]);
+      float* row = score_row(q);
+      sums[q] = exponentiate(row + begin, last - begin, maxima[q]);
+      for (int64_t l = last; l % kLanes; ++l) row[l] = 0.f;
       std::memset(outs[q], 0, hd * sizeof(float));
     }
-    for (int64_t l0 = 0; l0 < longest; l0 += kLanes) {
-      widen(value_cache, l0);
-      for (int q = 0; q < num_queries; ++q) {
-        if (l0 >= lengths[q]) continue;
-        alignas(64) float weights[kLanes];
-        vstore(weights, vmul(vload(scores + q * score_stride + l0), vload(head_scales)));
-        Vec acc[VECS];
-        for (int c = 0; c < VECS; ++c) acc[c] = vload(outs[q] + kLanes * c);
-        for (int m = 0; m < kLanes; ++m) {
-          const Vec p = vset1(weights[m]);
-          for (int c = 0; c < VECS; ++c) acc[c] = vfmadd(p, vload(block + m * hd_vec + kLanes * c), acc[c]);
+    for (int64_t l0 = begin; l0 < stop; l0 += kLanes) {
+      for (int k = 0; k < num_kv; ++k) {
+        widen(value_cache, l0, kv_offsets[k]);
+        for (int q = head_starts[k]; q < head_starts[k + 1]; ++q) {
+          if (l0 >= lengths[q]) continue;
+          alignas(64) float weights[kLanes];
+          vstore(weights, vmul(vload(score_row(q) + l0), vload(head_scales)));
+          Vec acc[VECS];
+          for (int c = 0; c < VECS; ++c) acc[c] = vload(outs[q] + kLanes * c);
+          for (int m = 0; m < kLanes; ++m) {
+            const Vec p = vset1(weights[m]);
+            for (int c = 0; c < VECS; ++c) acc[c] = vfmadd(p, vload(block + m * hd_vec + kLanes * c), acc[c]);
+          }
+          for (int c = 0; c < VECS; ++c) vstore(outs[q] + kLanes * c, acc[c]);
         }
-        for (int c = 0; c < VECS; ++c) vstore(outs[q] + kLanes * c, acc[c]);
       }
-    }
-    for (int q = 0; q < num_queries; ++q) {
-      const Vec inverse = vset1(inverses[q]);
-      for (int c = 0; c < VECS; ++c) vstore(outs[q] + kLanes * c, vmul(vload(outs[q] + kLanes * c), inverse));
     }
     return;
   }
 #endif
-  for (int64_t l = 0; l < longest; ++l) {
-    const KV* key = key_cache + slots[l] * kv_stride + kv_offset;
-    const float key_scale = head_scale(key, hd);
-    for (int q = 0; q < num_queries; ++q) {
-      if (l >= lengths[q]) continue;
-      float dot = 0.f;
-      for (int64_t j = 0; j < hd; ++j) dot += queries[q][j] * load_kv(key[j]);
-      scores[q * score_stride + l] = dot * scale * key_scale;
-      maxima[q] = std::max(maxima[q], dot * scale * key_scale);
+  for (int64_t l = begin; l < stop; ++l) {
+    for (int k = 0; k < num_kv; ++k) {
+      const KV* key = key_cache + slots[l] * kv_stride + kv_offsets[k];
+      const float key_scale = head_scale(key, hd);
+      for (int q = head_starts[k]; q < head_starts[k + 1]; ++q) {
+        if (l >= lengths[q]) continue;
+        float dot = 0.f;
+        for (int64_t j = 0; j < hd; ++j) dot += queries[q][j] * load_kv(key[j]);
+        score_row(q)[l] = dot * scale * key_scale;
+        maxima[q] = std::max(maxima[q], dot * scale * key_scale);
+      }
     }
   }
-  float inverses[kMaxQueries];
   for (int q = 0; q < num_queries; ++q) {
-    inverses[q] = 1.f / exponentiate(scores + q * score_stride, lengths[q], maxima[q]);
+    sums[q] = exponentiate(score_row(q) + begin, std::min(end, lengths[q]) - begin, maxima[q]);
     for (int64_t j = 0; j < hd; ++j) outs[q][j] = 0.f;
   }
-  for (int64_t l = 0; l < longest; ++l) {
-    const KV* value = value_cache + slots[l] * kv_stride + kv_offset;
-    const float value_scale = head_scale(value, hd);
-    for (int q = 0; q < num_queries; ++q) {
-      if (l >= lengths[q]) continue;
-      const float p = scores[q * score_stride + l] * value_scale;
-      for (int64_t j = 0; j < hd; ++j) outs[q][j] += p * load_kv(value[j]);
+  for (int64_t l = begin; l < stop; ++l) {
+    for (int k = 0; k < num_kv; ++k) {
+      const KV* value = value_cache + slots[l] * kv_stride + kv_offsets[k];
+      const float value_scale = head_scale(value, hd);
+      for (int q = head_starts[k]; q < head_starts[k + 1]; ++q) {
+        if (l >= lengths[q]) continue;
+        const float p = score_row(q)[l] * value_scale;
+        for (int64_t j = 0; j < hd; ++j) outs[q][j] += p * load_kv(value[j]);
+      }
     }
   }
-  for (int q = 0; q < num_queries; ++q) {
-    for (int64_t j = 0; j < hd; ++j) outs[q][j] *= inverses[q];
+}
+
+// One query's softmax-weighted values from its segments' results (attend_segment), merged in
+// segment order: out = sum_k partial_k * exp(m_k - M) / sum_k sum_k * exp(m_k - M), M the
+// largest m_k. One segment: out = partial / sum, in place when out is the partial.
+inline void segment_results(const float* partials, const float* maxima, const float* sums, int64_t num_segments,
+                            int64_t hd, float* out) {
+  if (num_segments == 1) {
+    const float inverse = 1.f / sums[0];
+    for (int64_t j = 0; j < hd; ++j) out[j] = partials[j] * inverse;
+    return;
   }
+  float maximum = -INFINITY;
+  for (int64_t s = 0; s < num_segments; ++s) maximum = std::max(maximum, maxima[s]);
+  float total = 0.f;
+  for (int64_t j = 0; j < hd; ++j) out[j] = 0.f;
+  for (int64_t s = 0; s < num_segments; ++s) {
+    const float weight = std::exp(maxima[s] - maximum);
+    total += sums[s] * weight;
+    for (int64_t j = 0; j < hd; ++j) out[j] += partials[s * hd + j] * weight;
+  }
+  const float inverse = 1.f / total;
+  for (int64_t j = 0; j < hd; ++j) out[j] *= inverse;
 }
 
 // One query token per row over its paged context. q rows are read from qkv (stride q_stride);
 // out [D, H * hd]. Consecutive rows that are one causal prompt chunk (each sees one more
 // position than the row before, over the same slots: found by comparing the slot tables, so
-// rows of different requests are never merged) form a tile; each pass serves up to
-// kMaxQueries queries of one KV head: the heads of its GQA group, for as many rows of the tile
-// as fit. Parallel over (tile part, KV head).
+// rows of different requests are never merged) form a tile; each pass serves, per KV head, up
+// to kMaxQueries queries: the heads of its GQA group, for as many rows of the tile as fit.
+// Work items: (pass, KV heads, head part, segment). An item takes the KV heads of a pass whose
+// queries fit kMaxItemQueries when there are items enough to keep the threads busy, else one.
 template <typename KV>
 void decode_attention_rows(const float* q, int64_t q_stride, const KV* key_cache, const KV* value_cache,
                            const int64_t* slot_table, int64_t max_context, const int64_t* context_lens,
                            int64_t num_rows, const Shape& shape, float scale, float* out) {
   const int64_t H = shape.num_heads, KVH = shape.num_kv_heads, hd = shape.head_dim;
   const int64_t group = H / KVH;
-  auto attend = &attend_queries<KV, 0>;
+  auto attend = &attend_segment<KV, 0>;
   if constexpr (kLanes > 0) {
-    if (hd == kLanes) attend = &attend_queries<KV, 1>;
-    if (hd == 2 * kLanes) attend = &attend_queries<KV, 2>;
-    if (hd == 4 * kLanes) attend = &attend_queries<KV, 4>;
-    if (hd == 8 * kLanes) attend = &attend_queries<KV, 8>;
+    if (hd == kLanes) attend = &attend_segment<KV, 1>;
+    if (hd == 2 * kLanes) attend = &attend_segment<KV, 2>;
+    if (hd == 4 * kLanes) attend = &attend_segment<KV, 4>;
+    if (hd == 8 * kLanes) attend = &attend_segment<KV, 8>;
     // Gemma 3's 256: the compiler keeps some vectors on the stack (L1), still far faster than the portable loop.
-    if (hd == 16 * kLanes) attend = &attend_queries<KV, 16>;
+    if (hd == 16 * kLanes) attend = &attend_segment<KV, 16>;
   }
+  auto num_segments = [](int64_t length) { return (length + kSegmentKeys - 1) / kSegmentKeys; };
+  // Per (row, head, segment) of a row: the segment's maximum and sum; rows of several segments
+  // also keep each segment's unnormalized output here (one segment's goes straight to out).
+  std::vector<int64_t> first_result(num_rows + 1, 0);
+  for (int64_t r = 0; r < num_rows; ++r) {
+    TORCH_CHECK(context_lens[r] >= 1, "an attention row needs at least one key; row ", r, " has ", context_lens[r]);
+    first_result[r + 1] = first_result[r] + H * num_segments(context_lens[r]);
+  }
+  const int64_t num_results = first_result[num_rows];
+  std::vector<float> result_maxima(num_results), result_sums(num_results);
+  // Kept across calls (a prompt chunk of long rows fills megabytes); every partial read is
+  // written. Reached through `partials` only: inside the workers the name would be theirs.
+  thread_local std::vector<float> kept_partials;
+  for (int64_t r = 0; r < num_rows; ++r) {
+    if (num_segments(context_lens[r]) > 1) {
+      if (static_cast<int64_t>(kept_partials.size()) < num_results * hd) kept_partials.resize(num_results * hd);
+      break;
+    }
+  }
+  float* const partials = kept_partials.data();
+  auto result_index = [&](int64_t r, int64_t h, int64_t segment) {
+    return first_result[r] + h * num_segments(context_lens[r]) + segment;
+  };
+  auto result_out = [&](int64_t r, int64_t h, int64_t segment) {
+    return num_segments(context_lens[r]) == 1 ? out + r * H * hd + h * hd
+                                              : partials + result_index(r, h, segment) * hd;
+  };
+
   // Passes: (first row, rows), all rows of a pass in one tile; the last row's slots serve all.
   // A GQA group larger than kMaxQueries is split into parts of heads.
   const int64_t heads_per_part = std::min<int64_t>(group, kMaxQueries);
@@ -466,48 +539,93 @@ void decode_attention_rows(const float* q, int64_t q_stride, const KV* key_cache
     passes.emplace_back(first, end - first);
     first = end;
   }
-  const int64_t items_per_pass = KVH * num_head_parts;
-  const int64_t num_items = static_cast<int64_t>(passes.size()) * items_per_pass;
+  const int64_t num_threads = at::get_num_threads();
+  int64_t num_pass_segments = 0;
+  for (const auto& [first, rows] : passes) num_pass_segments += num_segments(context_lens[first + rows - 1]);
+  // Two items a thread at least, for the costliest-first order below to even the threads out.
+  const int64_t kv_per_item =
+      num_pass_segments * num_head_parts >= 2 * num_threads
+          ? std::clamp<int64_t>(kMaxItemQueries / (rows_per_pass * heads_per_part), 1, KVH)
+          : 1;
+  const int64_t num_kv_parts = (KVH + kv_per_item - 1) / kv_per_item;
+  struct Item {
+    int64_t pass, kv_part, head_part, segment, cost;
+  };
+  std::vector<Item> items;
+  items.reserve(num_pass_segments * num_kv_parts * num_head_parts);
+  for (int64_t p = 0; p < static_cast<int64_t>(passes.size()); ++p) {
+    const auto [first, rows] = passes[p];
+    const int64_t length = context_lens[first + rows - 1];
+    for (int64_t segment = 0; segment < num_segments(length); ++segment) {
+      const int64_t keys = std::min(length, (segment + 1) * kSegmentKeys) - segment * kSegmentKeys;
+      for (int64_t kv_part = 0; kv_part < num_kv_parts; ++kv_part) {
+        const int64_t kv_heads = std::min(KVH, (kv_part + 1) * kv_per_item) - kv_part * kv_per_item;
+        for (int64_t head_part = 0; head_part < num_head_parts; ++head_part) {
+          items.push_back({p, kv_part, head_part, segment, rows * kv_heads * keys});
+        }
+      }
+    }
+  }
   // Items differ in cost by 10x and more (in a mixed step, a prompt chunk's pass over 5,000 keys
   // beside decode rows over 500), and at::parallel_for gives each thread an equal run of
   // indices, which left one thread with the whole chunk. So the threads take items from a
   // shared counter, costliest first. Which thread computes an item changes no bit.
-  std::vector<int64_t> order(num_items);
-  std::iota(order.begin(), order.end(), 0);
-  auto cost = [&](int64_t index) {
-    const auto [first, rows] = passes[index / items_per_pass];
-    return rows * context_lens[first + rows - 1];
-  };
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost(a) > cost(b); });
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  const int64_t num_items = static_cast<int64_t>(items.size());
   std::atomic<int64_t> next_item{0};
-  // Whole blocks of keys: the vector loops write scores up to the next multiple of 16.
-  const int64_t score_stride = (max_context + 15) / 16 * 16;
-  const int64_t num_workers = std::min<int64_t>(at::get_num_threads(), num_items);
+  const int64_t num_workers = std::min<int64_t>(num_threads, num_items);
   at::parallel_for(0, num_workers, 1, [&](int64_t, int64_t) {
-    // Not zeroed: every score a pass reads it has written.
-    std::unique_ptr<float[]> scores(new float[kMaxQueries * score_stride]);
-    const float* queries[kMaxQueries];
-    float* outs[kMaxQueries];
-    int64_t lengths[kMaxQueries];
+    // Kept per thread across calls: a fresh allocation of this size faulted its pages in every
+    // call. Not zeroed: every score a pass reads it has written.
+    thread_local std::vector<float> scores;
+    scores.resize(kMaxItemQueries * kSegmentKeys);
+    const float* queries[kMaxItemQueries];
+    float* outs[kMaxItemQueries];
+    int64_t lengths[kMaxItemQueries], kv_offsets[kMaxItemQueries], results[kMaxItemQueries];
+    float maxima[kMaxItemQueries], sums[kMaxItemQueries];
+    int head_starts[kMaxItemQueries + 1];
     for (int64_t taken; (taken = next_item.fetch_add(1, std::memory_order_relaxed)) < num_items;) {
-      const int64_t index = order[taken];
-      const auto [first, rows] = passes[index / items_per_pass];
-      const int64_t kv_head = index % items_per_pass / num_head_parts;
-      const int64_t first_head = index % num_head_parts * heads_per_part;
-      int num_queries = 0;
-      for (int64_t r = first; r < first + rows; ++r) {
-        for (int64_t g = first_head; g < std::min(group, first_head + heads_per_part); ++g) {
-          const int64_t h = kv_head * group + g;
-          queries[num_queries] = q + r * q_stride + h * hd;
-          outs[num_queries] = out + r * H * hd + h * hd;
-          lengths[num_queries] = context_lens[r];
-          ++num_queries;
+      const Item& item = items[taken];
+      const auto [first, rows] = passes[item.pass];
+      const int64_t begin = item.segment * kSegmentKeys;
+      const int64_t first_kv = item.kv_part * kv_per_item, last_kv = std::min(KVH, first_kv + kv_per_item);
+      const int64_t first_head = item.head_part * heads_per_part;
+      const int64_t last_head = std::min(group, first_head + heads_per_part);
+      int num_queries = 0, num_kv = 0;
+      for (int64_t kv_head = first_kv; kv_head < last_kv; ++kv_head, ++num_kv) {
+        head_starts[num_kv] = num_queries;
+        kv_offsets[num_kv] = kv_head * head_stride<KV>(hd);
+        for (int64_t r = first; r < first + rows; ++r) {
+          if (context_lens[r] <= begin) continue;  // an early row of a chunk ends before this segment
+          for (int64_t g = first_head; g < last_head; ++g) {
+            const int64_t h = kv_head * group + g;
+            queries[num_queries] = q + r * q_stride + h * hd;
+            outs[num_queries] = result_out(r, h, item.segment);
+            lengths[num_queries] = context_lens[r];
+            results[num_queries] = result_index(r, h, item.segment);
+            ++num_queries;
+          }
         }
       }
-      attend(queries, lengths, num_queries, key_cache, value_cache, slot_table + (first + rows - 1) * max_context,
-             KVH * head_stride<KV>(hd), kv_head * head_stride<KV>(hd), hd, scale, scores.get(), score_stride, outs);
+      head_starts[num_kv] = num_queries;
+      attend(queries, lengths, num_queries, head_starts, kv_offsets, num_kv, begin, begin + kSegmentKeys, key_cache,
+             value_cache, slot_table + (first + rows - 1) * max_context, KVH * head_stride<KV>(hd), hd, scale,
+             scores.data(), maxima, sums, outs);
+      for (int i = 0; i < num_queries; ++i) {
+        result_maxima[results[i]] = maxima[i];
+        result_sums[results[i]] = sums[i];
+      }
     }
   });
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const int64_t segments = num_segments(context_lens[r]);
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t at = result_index(r, h, 0);
+      float* row_out = out + r * H * hd + h * hd;
+      segment_results(segments == 1 ? row_out : partials + at * hd, result_maxima.data() + at,
+                      result_sums.data() + at, segments, hd, row_out);
+    }
+  }
 }
 
 

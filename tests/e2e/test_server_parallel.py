@@ -27,12 +27,17 @@ from tokios.distributed.executor import free_port_pair
 PROMPT = [{"role": "user", "content": "Name three colours of the rainbow."}]
 
 
-def rank_pids(server_pid: int) -> list[int]:
-    # The engine thread starts the ranks, so they are children of that task, not of the main one.
-    children = [pid for task in Path(f"/proc/{server_pid}/task").iterdir()
+def rank_pids(parent_pid: int) -> list[int]:
+    # A server's engine thread starts the ranks, so they are children of that task, not of the main one.
+    children = [pid for task in Path(f"/proc/{parent_pid}/task").iterdir()
                 for pid in (task / "children").read_text().split()]
     return [int(pid) for pid in children
             if b"tokios.distributed.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+
+
+def assert_exited(pids: list[int]) -> None:
+    for pid in pids:  # gone, or a zombie its parent has not reaped yet
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2], pid
 
 
 def streamed_text(server) -> str:
@@ -71,8 +76,7 @@ def test_streams_like_one_process_and_a_killed_rank_ends_requests_and_the_server
         assert error["code"] == "engine_failed" and "rank 1" in error["message"], error
         assert server.popen.wait(15) != 0
         time.sleep(0.5)
-        for pid in ranks:
-            assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2], pid
+        assert_exited(ranks)
         assert "the parallel group lost a rank" in server.log_text()
 
 
@@ -94,8 +98,14 @@ def test_ranks_on_a_second_machine_join_with_tokios_worker(tokios_server):
         while time.monotonic() < deadline and not any("starting the ranks again" in line for line in lines):
             lines.append(worker.stdout.readline())
         assert any("starting the ranks again" in line for line in lines), lines
-        worker.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 30
+        while not (ranks := rank_pids(worker.pid)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ranks, "the worker did not start its ranks again"
+        # SIGTERM, as `kill`, systemd or `docker stop` send it, stops the worker and its ranks.
+        worker.send_signal(signal.SIGTERM)
         assert worker.wait(30) == 0
+        assert_exited(ranks)
     finally:
         if worker.poll() is None:
             worker.kill()

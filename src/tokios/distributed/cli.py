@@ -12,6 +12,7 @@ the ranks of one more machine, joining a server's group.
 from __future__ import annotations
 
 import argparse
+import signal
 import time
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -57,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run this machine's ranks; when the server stops them cleanly (it unloaded the model, or
-    it is restarting) start them again, waiting for it; exit on a rank's failure or Ctrl-C."""
+    it is restarting) start them again, waiting for it; exit on a rank's failure, Ctrl-C or SIGTERM."""
     from tokios.distributed.executor import RankProcess, group_key, rank_threads
     from tokios.distributed.plan import ParallelPlan
     from tokios.distributed.worker import FRONT_GONE_STATUS, RankLaunch
@@ -72,6 +73,10 @@ def run(args: argparse.Namespace) -> int:
     ranks = config.local_ranks
     threads = args.threads or rank_threads(len(ranks))
     processes: list = []
+    # SIGTERM (kill, systemd, docker stop) stops the ranks like Ctrl-C does; left at its default
+    # it would end this process alone and orphan them. A shell that starts us in the background
+    # without job control ignores SIGINT for us, so SIGTERM is the signal that always works.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         while True:
             processes = [RankProcess.start(RankLaunch(rank, plan, (config.master_addr, config.master_port + 1), key,
@@ -100,3 +105,7 @@ def run(args: argparse.Namespace) -> int:
                 process.kill()
             process.join(5)
             process.close()
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt

@@ -89,6 +89,7 @@ class EngineStream:
         self._start_time = time.monotonic()
         self._first_token_time: float | None = None
         self._last_token_time: float | None = None
+        self._is_started = False
         self._iterator = self._run()
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
@@ -103,6 +104,12 @@ class EngineStream:
 
     async def aclose(self) -> None:
         await self._iterator.aclose()
+        if not self._is_started:
+            # Cancelled before it ran (the client left while its job was being started): closing an
+            # unstarted generator runs none of its body, so the request would vanish from the log
+            # and the metrics. It never reached the engine; it still arrived, and was abandoned.
+            self._is_started = True
+            self._record()
 
     @property
     def is_finished(self) -> bool:
@@ -125,6 +132,7 @@ class EngineStream:
 
     async def _run(self) -> AsyncIterator[RequestOutput]:
         engine = self.serving.engine
+        self._is_started = True
         in_flight = self.serving.admission.request_ids_in_flight
         in_flight.add(self.request_id)
         iterator = engine.generate(None, self.sampling_params, self.request_id, prompt_token_ids=self.prompt_ids)

@@ -499,20 +499,19 @@ void decode_attention_rows(const float* q, int64_t q_stride, const KV* key_cache
   // Per (row, head, segment) of a row: the segment's maximum and sum; rows of several segments
   // also keep each segment's unnormalized output here (one segment's goes straight to out).
   std::vector<int64_t> first_result(num_rows + 1, 0);
+  bool any_segmented = false;
   for (int64_t r = 0; r < num_rows; ++r) {
     TORCH_CHECK(context_lens[r] >= 1, "an attention row needs at least one key; row ", r, " has ", context_lens[r]);
     first_result[r + 1] = first_result[r] + H * num_segments(context_lens[r]);
+    any_segmented |= num_segments(context_lens[r]) > 1;
   }
   const int64_t num_results = first_result[num_rows];
   std::vector<float> result_maxima(num_results), result_sums(num_results);
   // Kept across calls (a prompt chunk of long rows fills megabytes); every partial read is
   // written. Reached through `partials` only: inside the workers the name would be theirs.
   thread_local std::vector<float> kept_partials;
-  for (int64_t r = 0; r < num_rows; ++r) {
-    if (num_segments(context_lens[r]) > 1) {
-      if (static_cast<int64_t>(kept_partials.size()) < num_results * hd) kept_partials.resize(num_results * hd);
-      break;
-    }
+  if (any_segmented && static_cast<int64_t>(kept_partials.size()) < num_results * hd) {
+    kept_partials.resize(num_results * hd);
   }
   float* const partials = kept_partials.data();
   auto result_index = [&](int64_t r, int64_t h, int64_t segment) {
@@ -627,8 +626,6 @@ void decode_attention_rows(const float* q, int64_t q_stride, const KV* key_cache
     }
   }
 }
-
-
 
 // Gated feed-forward activations: out = act(gate) * up, act = SiLU (Llama) or tanh-GELU (Gemma).
 // Both are g * sigmoid(z): z = g for SiLU; for GELU 0.5 g (1 + tanh(u)) = g * sigmoid(2u), with

@@ -11,8 +11,14 @@
 //
 // Threads: at::parallel_for, so torch.set_num_threads governs it.
 
-#include <torch/extension.h>
+// Only what the module uses, not <torch/extension.h> (all of torch: 29 of the 58 s a build took).
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/from_blob.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>  // at::Tensor to and from torch.Tensor
 
 #include <cstdlib>
 #if defined(__linux__)
@@ -694,8 +700,8 @@ void normalize_heads_rows(float* qkv, int64_t rows, int64_t qkv_size, const Shap
 }
 
 // ---- torch-facing ops (the model's per-op path uses these, so its results equal the fused path) --
-void check_f32(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous(), name, " must be contiguous float32");
+void check_f32(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), name, " must be contiguous float32");
 }
 
 // The integer form of a tensor (model/blocks/codec.py) -> the kernel's packed groups
@@ -706,7 +712,7 @@ void check_f32(const torch::Tensor& t, const char* name) {
 // pages the hardware prefetcher stops at every page boundary and each page costs a TLB walk.
 // Measured on Gemma 3's 178 MB Q8_0 output head: 10.0-10.5 -> 8.6-9.4 ms. Carving the smaller
 // per-layer weights out of shared huge-page chunks showed no gain above this machine's noise.
-torch::Tensor weight_buffer(int64_t rows, int64_t row_bytes) {
+at::Tensor weight_buffer(int64_t rows, int64_t row_bytes) {
   const size_t bytes = static_cast<size_t>(rows * row_bytes);
   constexpr size_t kHugePage = size_t{2} << 20;
 #if defined(__linux__)
@@ -715,25 +721,25 @@ torch::Tensor weight_buffer(int64_t rows, int64_t row_bytes) {
     const size_t rounded = (bytes + kHugePage - 1) / kHugePage * kHugePage;
     if (posix_memalign(&data, kHugePage, rounded) == 0) {
       madvise(data, rounded, MADV_HUGEPAGE);  // advice only: without THP the pages stay 4 KiB
-      return torch::from_blob(data, {rows, row_bytes}, [](void* p) { std::free(p); },
-                              torch::TensorOptions().dtype(torch::kUInt8));
+      return at::from_blob(data, {rows, row_bytes}, [](void* p) { std::free(p); },
+                              at::TensorOptions().dtype(at::kByte));
     }
   }
 #endif
-  return torch::empty({rows, row_bytes}, torch::kUInt8);
+  return at::empty({rows, row_bytes}, at::kByte);
 }
 
-torch::Tensor pack_ints(const torch::Tensor& values, const torch::Tensor& scales, const c10::optional<torch::Tensor>& minimums,
-                        const c10::optional<torch::Tensor>& sub_scales, const c10::optional<torch::Tensor>& sub_minimums,
+at::Tensor pack_ints(const at::Tensor& values, const at::Tensor& scales, const c10::optional<at::Tensor>& minimums,
+                        const c10::optional<at::Tensor>& sub_scales, const c10::optional<at::Tensor>& sub_minimums,
                         int64_t format) {
   TORCH_CHECK(valid_format(format), "unknown kernel format ", format);
   const FormatTraits& traits = kTraits[format];
-  TORCH_CHECK(values.dim() == 2 && values.scalar_type() == torch::kUInt8 && values.is_contiguous() && values.device().is_cpu(),
+  TORCH_CHECK(values.dim() == 2 && values.scalar_type() == at::kByte && values.is_contiguous() && values.device().is_cpu(),
               "values must be a contiguous 2-D uint8 CPU tensor");
   const int64_t N = values.size(0), K = values.size(1);
   TORCH_CHECK(K % (traits.sub ? kSuperBlock : kBlock) == 0, "in_features ", K, " is not a whole number of blocks");
   const GroupLayout layout(format, K);
-  auto check = [&](const torch::Tensor& t, int64_t columns, int64_t element_bytes, const char* name) {
+  auto check = [&](const at::Tensor& t, int64_t columns, int64_t element_bytes, const char* name) {
     TORCH_CHECK(t.dim() == 2 && t.size(0) == N && t.size(1) == columns && t.is_contiguous() && t.device().is_cpu() &&
                     t.element_size() == element_bytes,
                 name, " must be [", N, ", ", columns, "] with ", element_bytes, "-byte elements for this format");
@@ -750,7 +756,7 @@ torch::Tensor pack_ints(const torch::Tensor& values, const torch::Tensor& scales
                            sub_scales ? reinterpret_cast<const int8_t*>(sub_scales->data_ptr()) : nullptr,
                            sub_minimums ? reinterpret_cast<const uint8_t*>(sub_minimums->data_ptr()) : nullptr};
   const int64_t num_groups = (N + kGroup - 1) / kGroup;
-  torch::Tensor out = weight_buffer(num_groups, layout.row_bytes);
+  at::Tensor out = weight_buffer(num_groups, layout.row_bytes);
   uint8_t* rows = out.data_ptr<uint8_t>();
   at::parallel_for(0, num_groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) pack_group(view, N, K, layout, g, rows + g * layout.row_bytes);
@@ -760,13 +766,13 @@ torch::Tensor pack_ints(const torch::Tensor& values, const torch::Tensor& scales
 
 // Packed groups -> [N, K] float32, the weights the kernel multiplies by (tests; the bf16 product
 // that a build without AVX2 uses for long chunks).
-torch::Tensor dequantize_packed(const torch::Tensor& packed, int64_t format, int64_t out_features, int64_t in_features) {
+at::Tensor dequantize_packed(const at::Tensor& packed, int64_t format, int64_t out_features, int64_t in_features) {
   TORCH_CHECK(valid_format(format), "unknown kernel format ", format);
   const GroupLayout layout(format, in_features);
   const FormatTraits& traits = kTraits[format];
   TORCH_CHECK(packed.dim() == 2 && packed.size(0) == (out_features + kGroup - 1) / kGroup && packed.size(1) == layout.row_bytes,
               "packed does not match this format and shape");
-  torch::Tensor out = torch::empty({out_features, in_features}, torch::kFloat32);
+  at::Tensor out = at::empty({out_features, in_features}, at::kFloat);
   float* w = out.data_ptr<float>();
   at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
@@ -801,8 +807,8 @@ torch::Tensor dequantize_packed(const torch::Tensor& packed, int64_t format, int
 // the activations.
 class PackedLinear {
  public:
-  PackedLinear(std::vector<torch::Tensor> packed, std::vector<int64_t> formats, std::vector<int64_t> out_features,
-               int64_t in_features, bool precise, c10::optional<torch::Tensor> bias)
+  PackedLinear(std::vector<at::Tensor> packed, std::vector<int64_t> formats, std::vector<int64_t> out_features,
+               int64_t in_features, bool precise, c10::optional<at::Tensor> bias)
       : packed_(std::move(packed)), formats_(std::move(formats)), out_features_(std::move(out_features)),
         in_features_(in_features), precise_(precise) {
     TORCH_CHECK(!packed_.empty() && packed_.size() == formats_.size() && packed_.size() == out_features_.size(),
@@ -815,14 +821,14 @@ class PackedLinear {
       TORCH_CHECK(in_features_ % (kTraits[formats_[s]].sub ? kSuperBlock : kBlock) == 0,
                   "in_features ", in_features_, " is not a whole number of blocks of format ", formats_[s]);
       const GroupLayout layout(formats_[s], in_features_);
-      const torch::Tensor& p = packed_[s];
-      TORCH_CHECK(p.dim() == 2 && p.scalar_type() == torch::kUInt8 && p.is_contiguous() && p.device().is_cpu() &&
+      const at::Tensor& p = packed_[s];
+      TORCH_CHECK(p.dim() == 2 && p.scalar_type() == at::kByte && p.is_contiguous() && p.device().is_cpu() &&
                       p.size(0) == (out_features_[s] + kGroup - 1) / kGroup && p.size(1) == layout.row_bytes,
                   "weight must be packed by pack_ints for these in_features and out_features");
       total_out_ += out_features_[s];
     }
     if (bias.has_value()) {
-      TORCH_CHECK(bias->numel() == total_out_ && bias->scalar_type() == torch::kFloat32 && bias->is_contiguous(),
+      TORCH_CHECK(bias->numel() == total_out_ && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
                   "bias must be contiguous float32 with out_features elements");
       bias_ = *bias;
     }
@@ -844,11 +850,11 @@ class PackedLinear {
     }
   }
 
-  torch::Tensor call(const torch::Tensor& x) const {
-    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.device().is_cpu(), "x must be a 2-D float32 CPU tensor");
+  at::Tensor call(const at::Tensor& x) const {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), "x must be a 2-D float32 CPU tensor");
     TORCH_CHECK(x.size(1) == in_features_, "x has ", x.size(1), " features, the weight ", in_features_);
-    const torch::Tensor input = x.contiguous();
-    torch::Tensor out = torch::empty({x.size(0), total_out_}, x.options());
+    const at::Tensor input = x.contiguous();
+    at::Tensor out = at::empty({x.size(0), total_out_}, x.options());
     forward(input.data_ptr<float>(), x.size(0), out.data_ptr<float>());
     return out;
   }
@@ -857,18 +863,18 @@ class PackedLinear {
   int64_t in_features() const { return in_features_; }
 
  private:
-  std::vector<torch::Tensor> packed_;
+  std::vector<at::Tensor> packed_;
   std::vector<int64_t> formats_, out_features_;
   int64_t in_features_, total_out_ = 0;
   bool precise_;
-  torch::Tensor bias_;
+  at::Tensor bias_;
 };
 
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
-  const torch::Tensor input = x.contiguous();
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const at::Tensor input = x.contiguous();
   check_f32(input, "x");
   check_f32(weight, "weight");
-  torch::Tensor out = torch::empty_like(input);
+  at::Tensor out = at::empty_like(input);
   const int64_t dim = input.size(-1);
   rms_norm_rows(input.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), input.numel() / dim, dim,
                 static_cast<float>(eps));
@@ -876,11 +882,11 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 }
 
 // act(gate) * up from a fused [rows, 2 * intermediate] tensor; act: SiLU, or tanh-GELU if gelu.
-torch::Tensor glu_mul(const torch::Tensor& gate_up, bool gelu) {
-  const torch::Tensor input = gate_up.contiguous();
+at::Tensor glu_mul(const at::Tensor& gate_up, bool gelu) {
+  const at::Tensor input = gate_up.contiguous();
   check_f32(input, "gate_up");
   const int64_t intermediate = input.size(-1) / 2, rows = input.numel() / input.size(-1);
-  torch::Tensor out = torch::empty({rows, intermediate}, input.options());
+  at::Tensor out = at::empty({rows, intermediate}, input.options());
   glu_rows(input.data_ptr<float>(), rows, intermediate, out.data_ptr<float>(), gelu);
   return out;
 }
@@ -888,21 +894,21 @@ torch::Tensor glu_mul(const torch::Tensor& gate_up, bool gelu) {
 // Calls fn(key, value) with the caches' data as float*, at::BFloat16* or int8_t*, after checking
 // that a slot is num_kv_heads heads of head_dim values (plus the scale of an int8 head).
 template <typename Fn>
-void with_kv_cache(const torch::Tensor& key_cache, const torch::Tensor& value_cache, const Shape& shape, Fn&& fn) {
+void with_kv_cache(const at::Tensor& key_cache, const at::Tensor& value_cache, const Shape& shape, Fn&& fn) {
   const auto dtype = key_cache.scalar_type();
-  TORCH_CHECK((dtype == torch::kFloat32 || dtype == torch::kBFloat16 || dtype == torch::kChar) &&
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kChar) &&
                   value_cache.scalar_type() == dtype && key_cache.is_contiguous() && value_cache.is_contiguous(),
               "the KV cache must be contiguous float32, bfloat16 or int8, the same for keys and values; got ",
               key_cache.scalar_type(), " and ", value_cache.scalar_type());
-  const int64_t width = dtype == torch::kChar ? head_stride<int8_t>(shape.head_dim) : shape.head_dim;
+  const int64_t width = dtype == at::kChar ? head_stride<int8_t>(shape.head_dim) : shape.head_dim;
   for (const auto* cache : {&key_cache, &value_cache}) {
     TORCH_CHECK(cache->dim() == 3 && cache->size(1) == shape.num_kv_heads && cache->size(2) == width,
                 "a KV cache of ", dtype, " for ", shape.num_kv_heads, " heads of ", shape.head_dim,
                 " must be [slots, ", shape.num_kv_heads, ", ", width, "]; got ", cache->sizes());
   }
-  if (dtype == torch::kBFloat16) {
+  if (dtype == at::kBFloat16) {
     fn(key_cache.data_ptr<at::BFloat16>(), value_cache.data_ptr<at::BFloat16>());
-  } else if (dtype == torch::kChar) {
+  } else if (dtype == at::kChar) {
     fn(key_cache.data_ptr<int8_t>(), value_cache.data_ptr<int8_t>());
   } else {
     fn(key_cache.data_ptr<float>(), value_cache.data_ptr<float>());
@@ -910,9 +916,9 @@ void with_kv_cache(const torch::Tensor& key_cache, const torch::Tensor& value_ca
 }
 
 // qkv [T, (H + 2 KVH) hd] float32, rotated in place; k and v written to the caches.
-void rope_write_kv(torch::Tensor& qkv, const torch::Tensor& positions, const torch::Tensor& cos,
-                   const torch::Tensor& sin, torch::Tensor& key_cache, torch::Tensor& value_cache,
-                   const torch::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
+void rope_write_kv(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
+                   const at::Tensor& sin, at::Tensor& key_cache, at::Tensor& value_cache,
+                   const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
   check_f32(qkv, "qkv");
   with_kv_cache(key_cache, value_cache, Shape{num_heads, num_kv_heads, head_dim}, [&](auto* keys, auto* values) {
     rope_and_write(qkv.data_ptr<float>(), qkv.size(0), positions.data_ptr<int64_t>(), cos.data_ptr<float>(),
@@ -922,13 +928,13 @@ void rope_write_kv(torch::Tensor& qkv, const torch::Tensor& positions, const tor
 }
 
 // q rows: the first num_heads*head_dim columns of qkv [D, ...]; returns [D, num_heads*head_dim].
-torch::Tensor decode_attention(const torch::Tensor& qkv, const torch::Tensor& key_cache,
-                               const torch::Tensor& value_cache, const torch::Tensor& slot_table,
-                               const torch::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads,
+at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& key_cache,
+                               const at::Tensor& value_cache, const at::Tensor& slot_table,
+                               const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads,
                                int64_t head_dim, double scale) {
   check_f32(qkv, "qkv");
   const int64_t D = slot_table.size(0);
-  torch::Tensor out = torch::empty({D, num_heads * head_dim}, qkv.options());
+  at::Tensor out = at::empty({D, num_heads * head_dim}, qkv.options());
   with_kv_cache(key_cache, value_cache, Shape{num_heads, num_kv_heads, head_dim}, [&](auto* keys, auto* values) {
     decode_attention_rows(qkv.data_ptr<float>(), qkv.size(1), keys, values, slot_table.data_ptr<int64_t>(),
                           slot_table.size(1), context_lens.data_ptr<int64_t>(), D,
@@ -945,14 +951,14 @@ torch::Tensor decode_attention(const torch::Tensor& qkv, const torch::Tensor& ke
 // vector of optional norms means the model has none.
 class FusedDecoder {
  public:
-  FusedDecoder(std::vector<torch::Tensor> input_norms, std::vector<torch::Tensor> post_norms,
+  FusedDecoder(std::vector<at::Tensor> input_norms, std::vector<at::Tensor> post_norms,
                std::vector<PackedLinear> qkv, std::vector<PackedLinear> o_proj, std::vector<PackedLinear> gate_up,
-               std::vector<PackedLinear> down, std::vector<torch::Tensor> key_caches,
-               std::vector<torch::Tensor> value_caches, std::vector<torch::Tensor> cos, std::vector<torch::Tensor> sin,
+               std::vector<PackedLinear> down, std::vector<at::Tensor> key_caches,
+               std::vector<at::Tensor> value_caches, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin,
                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t hidden_size,
                int64_t intermediate_size, double eps, double scale, bool gelu,
-               std::vector<torch::Tensor> post_attention_norms, std::vector<torch::Tensor> post_feedforward_norms,
-               std::vector<torch::Tensor> q_norms, std::vector<torch::Tensor> k_norms, std::vector<int64_t> layer_groups)
+               std::vector<at::Tensor> post_attention_norms, std::vector<at::Tensor> post_feedforward_norms,
+               std::vector<at::Tensor> q_norms, std::vector<at::Tensor> k_norms, std::vector<int64_t> layer_groups)
       : input_norms_(std::move(input_norms)), post_norms_(std::move(post_norms)), qkv_(std::move(qkv)),
         o_proj_(std::move(o_proj)), gate_up_(std::move(gate_up)), down_(std::move(down)),
         key_caches_(std::move(key_caches)), value_caches_(std::move(value_caches)), cos_(std::move(cos)),
@@ -970,10 +976,10 @@ class FusedDecoder {
 
   // hidden [D, hidden] float32 -> hidden after every layer (before the final norm). Per KV
   // group: the slots this step writes, each row's context slots and their counts.
-  torch::Tensor forward(const torch::Tensor& hidden_in, const torch::Tensor& positions,
-                        const std::vector<torch::Tensor>& slot_mappings, const std::vector<torch::Tensor>& slot_tables,
-                        const std::vector<torch::Tensor>& context_lens) {
-    torch::Tensor hidden = hidden_in.contiguous().clone();
+  at::Tensor forward(const at::Tensor& hidden_in, const at::Tensor& positions,
+                        const std::vector<at::Tensor>& slot_mappings, const std::vector<at::Tensor>& slot_tables,
+                        const std::vector<at::Tensor>& context_lens) {
+    at::Tensor hidden = hidden_in.contiguous().clone();
     check_f32(hidden, "hidden");
     const int64_t D = hidden.size(0), H = hidden_size_;
     const int64_t q_size = shape_.num_heads * shape_.head_dim, kv_size = shape_.num_kv_heads * shape_.head_dim;
@@ -989,7 +995,7 @@ class FusedDecoder {
     float* h = hidden.data_ptr<float>();
     for (size_t layer = 0; layer < qkv_.size(); ++layer) {
       const int64_t group = layer_groups_[layer];
-      const torch::Tensor &slot_table = slot_tables[group];
+      const at::Tensor &slot_table = slot_tables[group];
       rms_norm_rows(h, input_norms_[layer].data_ptr<float>(), normed.data(), D, H, eps_);
       qkv_[layer].forward(normed.data(), D, qkv.data());
       if (!q_norms_.empty()) {
@@ -1020,15 +1026,15 @@ class FusedDecoder {
   }
 
  private:
-  std::vector<torch::Tensor> input_norms_, post_norms_;
+  std::vector<at::Tensor> input_norms_, post_norms_;
   std::vector<PackedLinear> qkv_, o_proj_, gate_up_, down_;
-  std::vector<torch::Tensor> key_caches_, value_caches_;
-  std::vector<torch::Tensor> cos_, sin_;
+  std::vector<at::Tensor> key_caches_, value_caches_;
+  std::vector<at::Tensor> cos_, sin_;
   Shape shape_;
   int64_t hidden_size_, intermediate_size_;
   float eps_, scale_;
   bool gelu_;
-  std::vector<torch::Tensor> post_attention_norms_, post_feedforward_norms_, q_norms_, k_norms_;
+  std::vector<at::Tensor> post_attention_norms_, post_feedforward_norms_, q_norms_, k_norms_;
   std::vector<int64_t> layer_groups_;
   std::vector<float> normed_, qkv_out_, attended_, projected_, gate_up_out_, activated_;
 };
@@ -1047,8 +1053,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              release_gil());
   module.def("dequantize_packed", &dequantize_packed, "packed groups -> [N, K] float32", release_gil());
   pybind11::class_<PackedLinear>(module, "PackedLinear")
-      .def(pybind11::init<std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<int64_t>, int64_t, bool,
-                          c10::optional<torch::Tensor>>())
+      .def(pybind11::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>, int64_t, bool,
+                          c10::optional<at::Tensor>>())
       .def("__call__", &PackedLinear::call, release_gil())
       .def_property_readonly("out_features", &PackedLinear::out_features)
       .def_property_readonly("in_features", &PackedLinear::in_features);
@@ -1062,11 +1068,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("has_vnni", &has_vnni, "whether the AVX-512 VNNI path was compiled");
   module.def("has_avx2", &has_avx2, "whether the AVX2 path was compiled");
   pybind11::class_<FusedDecoder>(module, "FusedDecoder")
-      .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<PackedLinear>,
+      .def(pybind11::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<PackedLinear>,
                           std::vector<PackedLinear>, std::vector<PackedLinear>, std::vector<PackedLinear>,
-                          std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
-                          std::vector<torch::Tensor>, int64_t, int64_t, int64_t, int64_t, int64_t, double, double, bool,
-                          std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
-                          std::vector<torch::Tensor>, std::vector<int64_t>>())
+                          std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                          std::vector<at::Tensor>, int64_t, int64_t, int64_t, int64_t, int64_t, double, double, bool,
+                          std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                          std::vector<at::Tensor>, std::vector<int64_t>>())
       .def("forward", &FusedDecoder::forward, release_gil());
 }

@@ -9,6 +9,7 @@ test computes them the same way.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from pathlib import Path
@@ -30,8 +31,9 @@ def load_reference_model(path: Path | None = None):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     path = Path(path or default_gguf())
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                              dtype=torch.float32)
+    with gguf_parsed_once():
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                                  dtype=torch.float32)
     return model.eval()
 
 
@@ -39,7 +41,32 @@ def load_reference_model(path: Path | None = None):
 def load_reference_tokenizer(path: Path):
     """transformers' tokenizer for a GGUF (its own conversion; about 25 s for Gemma 3's vocabulary)."""
     transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    with gguf_parsed_once():
+        return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@contextlib.contextmanager
+def gguf_parsed_once():
+    """transformers parses a GGUF file once for its config and again for the weights (or the
+    vocabulary); Gemma 3's 262,144-token vocabulary makes each parse about 20 s of Python here.
+    Inside this block the gguf library's reader is built once per file and shared: the same
+    reader, read-only, so what transformers loads does not change."""
+    import gguf
+
+    original = gguf.GGUFReader
+    readers: dict[str, object] = {}
+
+    def shared_reader(path, *args, **kwargs):
+        key = repr((str(path), args, sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = original(path, *args, **kwargs)
+        return readers[key]
+
+    gguf.GGUFReader = shared_reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
 
 
 def reference_greedy(model, prompt_token_ids: list[int], num_tokens: int) -> list[int]:

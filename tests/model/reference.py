@@ -27,10 +27,14 @@ def default_gguf() -> Path:
 @functools.lru_cache(maxsize=2)
 def load_reference_model(path: Path | None = None):
     """transformers' model for a GGUF (default: the default model), float32, eval mode. Loaded at
-    most once per file (Gemma 3 270M takes about 55 s here)."""
+    most once per file (Gemma 3 270M takes about 30 s here)."""
+    return reference_model_from(Path(path or default_gguf()))
+
+
+def reference_model_from(path: Path):
+    """transformers' model for a GGUF file, float32, eval mode, not kept (for files made by a test)."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    path = Path(path or default_gguf())
     with gguf_parsed_once():
         model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                                   dtype=torch.float32)

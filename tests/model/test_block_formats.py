@@ -22,11 +22,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader, GGUFWriter
 
-from reference import default_gguf, engine_perplexity, perplexity_from_logits, reference_logits
+from reference import (default_gguf, engine_perplexity, perplexity_from_logits, reference_logits,
+                       reference_model_from)
 from test_engine_invariance import PROMPTS, assert_parts_only_at_near_ties, prompt_token_ids
 from tokios.model.blocks.requantize import copy_metadata, mostly_q4_k_m, requantize_gguf, uniform
 from tokios.sampling_params import SamplingParams
@@ -110,14 +110,6 @@ def engine(path: Path, **options):
     return LLM(model=str(path), kv_cache_memory="64MiB", **options)
 
 
-def transformers_model(path: Path):
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                              dtype=torch.float32)
-    return model.eval()
-
-
 def runs_as_stored(llm, path: Path) -> None:
     """The engine's linear layers hold exactly the file's block types."""
     expected = Counter(tensor.tensor_type for tensor in GGUFReader(str(path)).tensors if len(tensor.shape) == 2)
@@ -151,7 +143,7 @@ def test_default_model_file_runs_as_stored_within_one_percent_of_transformers(na
     ours = engine_perplexity(llm, token_ids)
     llm.check_invariants()
     del llm
-    reference = perplexity_from_logits(reference_logits(transformers_model(path), token_ids), token_ids)
+    reference = perplexity_from_logits(reference_logits(reference_model_from(path), token_ids), token_ids)
     gap = abs(ours - reference) / reference
     print(f"\nperplexity {name}: engine {ours:.4f}, transformers float32 {reference:.4f}, gap {gap:.3%}")
     assert 1.5 < reference < 100 and gap <= MAX_RELATIVE_GAP
@@ -189,7 +181,7 @@ def test_random_k_quant_model_matches_transformers_and_is_batch_invariant(block_
 
     token_ids = llm.tokenizer.encode(TEXT_PATH.read_text(encoding="utf-8"))[:96]
     ours = engine_prompt_logits(llm, token_ids).double()
-    theirs = reference_logits(transformers_model(path), token_ids).double()
+    theirs = reference_logits(reference_model_from(path), token_ids).double()
     centred = theirs - theirs.mean(dim=-1, keepdim=True)
     relative = ((ours - theirs) - (ours - theirs).mean(dim=-1, keepdim=True)).norm() / centred.norm()
     print(f"\nrandom K-quant model: logits relative error {relative:.2e}, logit spread {centred.std():.2f}")

@@ -198,3 +198,13 @@ def test_tokenize_needs_exactly_one_of_prompt_and_messages():
         TokenizeRequest.model_validate({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}
                                        ).check_supported()
     TokenizeRequest.model_validate({"prompt": "a"}).check_supported()
+
+
+@pytest.mark.parametrize("field, value", [("n", True), ("max_tokens", False), ("temperature", True),
+                                          ("logit_bias", {"5": True}), ("top_logprobs", True)])
+def test_a_boolean_where_a_number_belongs_is_refused_by_name(field, value):
+    # pydantic's lax mode read true as 1: fuzzing found `"n": true` answered with 200.
+    with pytest.raises(ValidationError, match=f"{field}(.5)?\n.*not a boolean"):
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], field: value})
+    assert ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
+                                                 "max_tokens": 256.0}).max_tokens == 256

@@ -11,9 +11,9 @@ bodies with these models and server/responses.py shapes the answers.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, field_validator
 
 from tokios.errors import InvalidRequestError
 from tokios.structured.spec import StructuredOutput
@@ -30,6 +30,18 @@ BodyT = TypeVar("BodyT", bound=BaseModel)
 TokenId = StrictInt
 
 
+def _not_a_boolean(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError("must be a number, not a boolean")
+    return value
+
+
+# Numbers in request bodies: pydantic's lax mode otherwise takes true as 1 (fuzzing found `"n":
+# true` answered). Kept lax otherwise, so 256.0 still reads as 256.
+JsonInt = Annotated[int, BeforeValidator(_not_a_boolean)]
+JsonFloat = Annotated[float, BeforeValidator(_not_a_boolean)]
+
+
 class _Body(BaseModel):
     # Unknown fields are ignored, as OpenAI's SDKs send fields a local server may not know.
     model_config = ConfigDict(extra="ignore")
@@ -43,26 +55,26 @@ class SamplingFields(_Body):
     """Fields shared by chat and completions; all optional so that defaults stay in one place."""
 
     model: str | None = None
-    n: int = Field(default=1, ge=1, le=MAX_N)
-    max_tokens: int | None = Field(default=None, ge=0)
+    n: JsonInt = Field(default=1, ge=1, le=MAX_N)
+    max_tokens: JsonInt | None = Field(default=None, ge=0)
     # The ranges below are documented in the OpenAPI schema; SamplingParams enforces them with
     # messages that name the field (pydantic would word them differently).
-    temperature: float | None = Field(default=None, json_schema_extra={"minimum": 0})
-    top_p: float | None = Field(default=None, json_schema_extra={"exclusiveMinimum": 0, "maximum": 1})
+    temperature: JsonFloat | None = Field(default=None, json_schema_extra={"minimum": 0})
+    top_p: JsonFloat | None = Field(default=None, json_schema_extra={"exclusiveMinimum": 0, "maximum": 1})
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: JsonInt | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    frequency_penalty: float | None = Field(default=None, json_schema_extra={"minimum": -2, "maximum": 2})
-    presence_penalty: float | None = Field(default=None, json_schema_extra={"minimum": -2, "maximum": 2})
-    logit_bias: dict[str, float] | None = Field(default=None, json_schema_extra={
+    frequency_penalty: JsonFloat | None = Field(default=None, json_schema_extra={"minimum": -2, "maximum": 2})
+    presence_penalty: JsonFloat | None = Field(default=None, json_schema_extra={"minimum": -2, "maximum": 2})
+    logit_bias: dict[str, JsonFloat] | None = Field(default=None, json_schema_extra={
         "propertyNames": {"pattern": "^[0-9]+$"}, "additionalProperties": {"minimum": -100, "maximum": 100}})
     user: str | None = None
     # Extensions (vLLM names).
-    top_k: int | None = Field(default=None, json_schema_extra={"minimum": -1})
-    min_p: float | None = Field(default=None, json_schema_extra={"minimum": 0, "maximum": 1})
-    repetition_penalty: float | None = Field(default=None, json_schema_extra={"exclusiveMinimum": 0})
-    min_tokens: int | None = Field(default=None, json_schema_extra={"minimum": 0})
+    top_k: JsonInt | None = Field(default=None, json_schema_extra={"minimum": -1})
+    min_p: JsonFloat | None = Field(default=None, json_schema_extra={"minimum": 0, "maximum": 1})
+    repetition_penalty: JsonFloat | None = Field(default=None, json_schema_extra={"exclusiveMinimum": 0})
+    min_tokens: JsonInt | None = Field(default=None, json_schema_extra={"minimum": 0})
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
@@ -135,9 +147,9 @@ class ChatMessage(_Body):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=0)
+    max_completion_tokens: JsonInt | None = Field(default=None, ge=0)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: JsonInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True
     # Tool calling (tokios.tool_calls validates the shapes, so that errors name the exact field).
     tools: list[Any] | None = None
@@ -200,9 +212,9 @@ def prompt_list(value: PromptInput, param: str) -> list[str | list[int]]:
 class CompletionRequest(SamplingFields):
     prompt: PromptInput
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    logprobs: JsonInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: JsonInt | None = None
 
     def check_supported(self) -> None:
         if self.suffix:
@@ -243,7 +255,7 @@ class EmbeddingRequest(_Body):
     model: str | None = None
     input: PromptInput
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(default=None, ge=1)
+    dimensions: JsonInt | None = Field(default=None, ge=1)
     user: str | None = None
 
     def inputs(self) -> list[str | list[int]]:

@@ -722,7 +722,7 @@ at::Tensor weight_buffer(int64_t rows, int64_t row_bytes) {
     if (posix_memalign(&data, kHugePage, rounded) == 0) {
       madvise(data, rounded, MADV_HUGEPAGE);  // advice only: without THP the pages stay 4 KiB
       return at::from_blob(data, {rows, row_bytes}, [](void* p) { std::free(p); },
-                              at::TensorOptions().dtype(at::kByte));
+                           at::TensorOptions().dtype(at::kByte));
     }
   }
 #endif
@@ -730,8 +730,8 @@ at::Tensor weight_buffer(int64_t rows, int64_t row_bytes) {
 }
 
 at::Tensor pack_ints(const at::Tensor& values, const at::Tensor& scales, const c10::optional<at::Tensor>& minimums,
-                        const c10::optional<at::Tensor>& sub_scales, const c10::optional<at::Tensor>& sub_minimums,
-                        int64_t format) {
+                     const c10::optional<at::Tensor>& sub_scales, const c10::optional<at::Tensor>& sub_minimums,
+                     int64_t format) {
   TORCH_CHECK(valid_format(format), "unknown kernel format ", format);
   const FormatTraits& traits = kTraits[format];
   TORCH_CHECK(values.dim() == 2 && values.scalar_type() == at::kByte && values.is_contiguous() && values.device().is_cpu(),
@@ -929,9 +929,9 @@ void rope_write_kv(at::Tensor& qkv, const at::Tensor& positions, const at::Tenso
 
 // q rows: the first num_heads*head_dim columns of qkv [D, ...]; returns [D, num_heads*head_dim].
 at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& key_cache,
-                               const at::Tensor& value_cache, const at::Tensor& slot_table,
-                               const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads,
-                               int64_t head_dim, double scale) {
+                            const at::Tensor& value_cache, const at::Tensor& slot_table,
+                            const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads,
+                            int64_t head_dim, double scale) {
   check_f32(qkv, "qkv");
   const int64_t D = slot_table.size(0);
   at::Tensor out = at::empty({D, num_heads * head_dim}, qkv.options());
@@ -977,8 +977,8 @@ class FusedDecoder {
   // hidden [D, hidden] float32 -> hidden after every layer (before the final norm). Per KV
   // group: the slots this step writes, each row's context slots and their counts.
   at::Tensor forward(const at::Tensor& hidden_in, const at::Tensor& positions,
-                        const std::vector<at::Tensor>& slot_mappings, const std::vector<at::Tensor>& slot_tables,
-                        const std::vector<at::Tensor>& context_lens) {
+                     const std::vector<at::Tensor>& slot_mappings, const std::vector<at::Tensor>& slot_tables,
+                     const std::vector<at::Tensor>& context_lens) {
     at::Tensor hidden = hidden_in.contiguous().clone();
     check_f32(hidden, "hidden");
     const int64_t D = hidden.size(0), H = hidden_size_;

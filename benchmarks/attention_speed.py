@@ -3,10 +3,13 @@ KV bytes it must read per second (each KV head's keys and values once per pass),
 (4 x heads x head_dim per query-key pair). Three shapes per context length: one decode row,
 8 decode rows of 8 requests (8 contexts), and one 8-row prompt chunk (one context, the rows
 sharing passes over it). Random caches of each --kv-dtypes format (bfloat16; int8 with its
-per token-head scales, kv_cache/dtypes.py) in blocks of 16 slots, as the engine lays them;
+per token-head scales, kv_cache/dtypes.py) in blocks of --block-size slots, as the engine lays them;
 best of --repeats rounds of --iterations calls. GB/s counts the bytes of the format read.
+--layers N calls N caches in turn, as a step's layers are: with 30, a long context's KV comes
+from memory, not from L3 (one 4,096-token context is 3 MB a layer in bfloat16).
 
     python benchmarks/attention_speed.py --contexts 512,4096,8192 --heads 9 --kv-heads 3 --head-dim 64
+    python benchmarks/attention_speed.py --contexts 4096,8192 --kv-dtypes bfloat16 --layers 30
 """
 
 from __future__ import annotations
@@ -20,12 +23,10 @@ from tokios.kv_cache.dtypes import kv_bytes_per_element
 from tokios.model.attention import quantize_kv
 from tokios.model.kernels import kernel_status, load_extension
 
-BLOCK = 16
 
-
-def block_slots(num_blocks: int, length: int, generator: torch.Generator) -> torch.Tensor:
-    blocks = torch.randperm(num_blocks, generator=generator)[:(length + BLOCK - 1) // BLOCK]
-    return (blocks[:, None] * BLOCK + torch.arange(BLOCK)).reshape(-1)[:length]
+def block_slots(num_blocks: int, block: int, length: int, generator: torch.Generator) -> torch.Tensor:
+    blocks = torch.randperm(num_blocks, generator=generator)[:(length + block - 1) // block]
+    return (blocks[:, None] * block + torch.arange(block)).reshape(-1)[:length]
 
 
 def main() -> None:
@@ -38,6 +39,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--kv-dtypes", default="bfloat16,int8")
+    parser.add_argument("--block-size", type=int, default=16, help="slots per KV block (the engine's --block-size)")
+    parser.add_argument("--layers", type=int, default=1,
+                        help="caches called in turn, as a step's layers are: 30 puts a long context out of L3")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     extension = load_extension()
@@ -47,18 +51,22 @@ def main() -> None:
     print("| context | KV dtype | shape | ms / layer | KV GB/s | GFLOPS |")
     print("|---|---|---|---|---|---|")
     for context, kv_dtype in ((int(c), d) for c in args.contexts.split(",") for d in args.kv_dtypes.split(",")):
-        num_blocks = 8 * (context // BLOCK + 2)
-        keys = torch.randn(num_blocks * BLOCK, kv_heads, head_dim, generator=generator)
-        values = torch.randn(num_blocks * BLOCK, kv_heads, head_dim, generator=generator)
-        if kv_dtype == "int8":
-            keys, values = quantize_kv(keys), quantize_kv(values)
-        else:
-            keys, values = keys.to(getattr(torch, kv_dtype)), values.to(getattr(torch, kv_dtype))
+        block = args.block_size
+        num_blocks = 8 * (context // block + 2)
+        caches = []
+        for _ in range(args.layers):
+            keys = torch.randn(num_blocks * block, kv_heads, head_dim, generator=generator)
+            values = torch.randn(num_blocks * block, kv_heads, head_dim, generator=generator)
+            if kv_dtype == "int8":
+                pair = (quantize_kv(keys), quantize_kv(values))
+            else:
+                pair = (keys.to(getattr(torch, kv_dtype)), values.to(getattr(torch, kv_dtype)))
+            caches.append(pair)
         element_bytes = kv_bytes_per_element(kv_dtype, head_dim)
-        chunk = block_slots(num_blocks, context + 8, generator)
+        chunk = block_slots(num_blocks, block, context + 8, generator)
         shapes = {
-            "1 decode row": ([context], [block_slots(num_blocks, context, generator)]),
-            "8 decode rows, 8 requests": ([context] * 8, [block_slots(num_blocks, context, generator)
+            "1 decode row": ([context], [block_slots(num_blocks, block, context, generator)]),
+            "8 decode rows, 8 requests": ([context] * 8, [block_slots(num_blocks, block, context, generator)
                                                           for _ in range(8)]),
             "8-row prompt chunk": ([context + 1 + i for i in range(8)], [chunk] * 8),
         }
@@ -71,8 +79,9 @@ def main() -> None:
             qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=generator)
 
             def call():
-                extension.decode_attention(qkv, keys, values, table, context_lens, heads, kv_heads, head_dim,
-                                           head_dim ** -0.5)
+                for keys, values in caches:
+                    extension.decode_attention(qkv, keys, values, table, context_lens, heads, kv_heads, head_dim,
+                                               head_dim ** -0.5)
 
             call()
             best = float("inf")
@@ -80,7 +89,7 @@ def main() -> None:
                 started = time.perf_counter()
                 for _ in range(args.iterations):
                     call()
-                best = min(best, (time.perf_counter() - started) / args.iterations)
+                best = min(best, (time.perf_counter() - started) / args.iterations / args.layers)
             distinct_contexts = 1 if name.endswith("chunk") else rows
             kv_bytes = distinct_contexts * max(lengths) * kv_heads * head_dim * 2 * element_bytes
             pairs = sum(lengths) * heads

@@ -75,7 +75,7 @@ def kernel_status() -> str:
     if extension is None:
         return f"torch fallback ({_extension_error})"
     if extension.has_vnni():
-        return "C++ kernel, AVX-512 VNNI"
+        return "C++ kernel, AVX-512 VNNI" + (" and BF16" if extension.has_bf16_dot() else "")
     return "C++ kernel, AVX2" if extension.has_avx2() else "C++ kernel, portable scalar path"
 
 

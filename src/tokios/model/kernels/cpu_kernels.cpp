@@ -7,7 +7,9 @@
 // the dot kernels (AVX-512 VNNI, AVX2, portable); isa.h says which this build compiled.
 // Every row takes the same kernel, decode or prefill, so results do not depend on the batch.
 //
-// The KV cache is float32 or bfloat16 (half the memory; the attention converts on load).
+// The KV cache is float32, bfloat16 (half the memory) or int8 with a scale per token and head;
+// the attention widens it on load, or, over bfloat16 on a CPU with AVX-512 BF16, multiplies it as
+// stored (attend_segment_bf16).
 //
 // Threads: at::parallel_for, so torch.set_num_threads governs it.
 
@@ -34,6 +36,7 @@
 #include <cstring>
 #include <memory>
 #include <numeric>
+#include <type_traits>
 #include <utility>
 
 #include "blocks.h"
@@ -342,14 +345,16 @@ constexpr int kMaxItemQueries = 72;
 // from bfloat16) once per KV head for all its queries: per query, a decode read the context's
 // K/V once per head of its GQA group and a prompt chunk once per row, which left attention at
 // 8 ms per prompt token at 5,000 tokens of context (SmolLM2, 2 threads). scores: kSegmentKeys
-// floats per query. VECS = head_dim / kLanes (0: portable loops). A query's results do not
+// floats per query; query_scratch: kMaxItemQueries * head_dim floats, which only
+// attend_segment_bf16 uses (both are called through one pointer). VECS = head_dim / kLanes (0:
+// portable loops). A query's results do not
 // depend on which other queries share its pass (each sums in the same order), so a verify row
 // equals the plain decode of the same token bit for bit.
 template <typename KV, int VECS>
 void attend_segment(const float* const* queries, const int64_t* lengths, int num_queries, const int* head_starts,
                     const int64_t* kv_offsets, int num_kv, int64_t begin, int64_t end, const KV* key_cache,
                     const KV* value_cache, const int64_t* slots, int64_t kv_stride, int64_t hd, float scale,
-                    float* scores, float* maxima, float* sums, float* const* outs) {
+                    float* scores, float* query_scratch, float* maxima, float* sums, float* const* outs) {
   int64_t stop = begin;
   for (int q = 0; q < num_queries; ++q) stop = std::max(stop, std::min(end, lengths[q]));
   for (int q = 0; q < num_queries; ++q) maxima[q] = -INFINITY;
@@ -456,6 +461,126 @@ void attend_segment(const float* const* queries, const int64_t* lengths, int num
   }
 }
 
+#if TOKIOS_BF16_DOT
+// attend_segment for a bfloat16 cache on a CPU with bfloat16 dot products (vdpbf16ps: 32
+// products summed pairwise into 16 float32 lanes, one instruction): the queries and the softmax
+// weights are rounded to bfloat16 (as GPU attention kernels take them), the keys and values are
+// multiplied as stored, never widened. The float32 path widened every block of keys and values
+// into float32 and read it back, and with the 4 FMAs per pair that was 28 cycles per query-key
+// pair for a decode row. Products are exact in float32 and summed in float32; the weights'
+// sum is taken over the rounded weights, so each output is a weighted mean of its values.
+// PAIRS = head_dim / 32. Same contract and arguments as attend_segment.
+template <int PAIRS>
+void attend_segment_bf16(const float* const* queries, const int64_t* lengths, int num_queries, const int* head_starts,
+                         const int64_t* kv_offsets, int num_kv, int64_t begin, int64_t end,
+                         const at::BFloat16* key_cache, const at::BFloat16* value_cache, const int64_t* slots,
+                         int64_t kv_stride, int64_t hd, float scale, float* scores, float* query_scratch, float* maxima,
+                         float* sums, float* const* outs) {
+  constexpr int64_t head_dim = 32 * PAIRS;
+  int64_t stop = begin;
+  for (int q = 0; q < num_queries; ++q) stop = std::max(stop, std::min(end, lengths[q]));
+  for (int q = 0; q < num_queries; ++q) maxima[q] = -INFINITY;
+  auto score_row = [&](int q) { return scores + q * kSegmentKeys - begin; };  // indexed by position
+  // The queries in bfloat16, in their natural order (a key's element pairs are its dword lanes).
+  auto packed_query = [&](int q, int c) { return query_scratch + (q * PAIRS + c) * kLanes; };
+  for (int q = 0; q < num_queries; ++q) {
+    for (int c = 0; c < PAIRS; ++c) {
+      const __m512bh packed =
+          _mm512_cvtne2ps_pbh(_mm512_loadu_ps(queries[q] + 32 * c + 16), _mm512_loadu_ps(queries[q] + 32 * c));
+      _mm512_storeu_si512(packed_query(q, c), (__m512i)packed);
+    }
+  }
+  // Keys past every query's length (a block's tail) point at zeros: their lanes are masked.
+  alignas(64) static const at::BFloat16 kZeroHead[head_dim] = {};
+  const at::BFloat16* heads[kLanes];
+  auto gather = [&](const at::BFloat16* cache, int64_t l0, int64_t kv_offset) {
+    const int64_t count = std::min<int64_t>(kLanes, stop - l0);
+    for (int64_t j = 0; j < kLanes; ++j) {
+      heads[j] = j < count ? cache + slots[l0 + j] * kv_stride + kv_offset : kZeroHead;
+    }
+  };
+  for (int64_t l0 = begin; l0 < stop; l0 += kLanes) {
+    for (int k = 0; k < num_kv; ++k) {
+      gather(key_cache, l0, kv_offsets[k]);
+      for (int q = head_starts[k]; q < head_starts[k + 1]; ++q) {
+        if (l0 >= lengths[q]) continue;
+        __m512bh query[PAIRS];
+        for (int c = 0; c < PAIRS; ++c) query[c] = (__m512bh)_mm512_loadu_si512(packed_query(q, c));
+        Vec dots[kLanes];
+        for (int m = 0; m < kLanes; ++m) {
+          __m512 dot = _mm512_setzero_ps();
+          for (int c = 0; c < PAIRS; ++c) {
+            dot = _mm512_dpbf16_ps(dot, query[c], (__m512bh)_mm512_loadu_si512(heads[m] + 32 * c));
+          }
+          dots[transposed_slot(m)] = dot;
+        }
+        const Vec s = vmask_tail(vmul(vsum_transposed(dots), vset1(scale)), lengths[q] - l0);
+        vstore(score_row(q) + l0, s);
+        maxima[q] = std::max(maxima[q], vmax(s));
+      }
+    }
+  }
+  for (int q = 0; q < num_queries; ++q) {
+    const int64_t last = std::min(end, lengths[q]);
+    float* row = score_row(q);
+    exponentiate(row + begin, last - begin, maxima[q]);
+    for (int64_t l = last; l % kLanes; ++l) row[l] = 0.f;
+    // Rounded to bfloat16 in place (row[l] now a bfloat16 value), and summed as rounded.
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t l = begin; l < last; l += kLanes) {
+      const __m512 rounded = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(_mm512_loadu_ps(row + l)));
+      _mm512_storeu_ps(row + l, rounded);
+      total = _mm512_add_ps(total, rounded);
+    }
+    sums[q] = _mm512_reduce_add_ps(total);
+    std::memset(outs[q], 0, hd * sizeof(float));
+  }
+  // Values of a block's key pairs (2j, 2j+1) interleaved element by element, as vdpbf16ps pairs
+  // them with the two keys' weights: per 32 elements, unpacklo gives elements 8L + i (L the
+  // 128-bit lane, i < 4) and unpackhi 8L + 4 + i, so outputs accumulate in that order and are
+  // put back at the end.
+  alignas(64) __m512i value_pairs[kLanes / 2][2 * PAIRS];
+  for (int64_t l0 = begin; l0 < stop; l0 += kLanes) {
+    for (int k = 0; k < num_kv; ++k) {
+      gather(value_cache, l0, kv_offsets[k]);
+      for (int j = 0; j < kLanes / 2; ++j) {
+        for (int c = 0; c < PAIRS; ++c) {
+          const __m512i a = _mm512_loadu_si512(heads[2 * j] + 32 * c);
+          const __m512i b = _mm512_loadu_si512(heads[2 * j + 1] + 32 * c);
+          value_pairs[j][2 * c] = _mm512_unpacklo_epi16(a, b);
+          value_pairs[j][2 * c + 1] = _mm512_unpackhi_epi16(a, b);
+        }
+      }
+      for (int q = head_starts[k]; q < head_starts[k + 1]; ++q) {
+        if (l0 >= lengths[q]) continue;
+        alignas(32) int32_t weight_pairs[kLanes / 2];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(weight_pairs),
+                           (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(score_row(q) + l0)));
+        Vec acc[2 * PAIRS];
+        for (int c = 0; c < 2 * PAIRS; ++c) acc[c] = vload(outs[q] + kLanes * c);
+        for (int j = 0; j < kLanes / 2; ++j) {
+          const __m512bh weights = (__m512bh)_mm512_set1_epi32(weight_pairs[j]);
+          for (int c = 0; c < 2 * PAIRS; ++c) {
+            acc[c] = _mm512_dpbf16_ps(acc[c], weights, (__m512bh)value_pairs[j][c]);
+          }
+        }
+        for (int c = 0; c < 2 * PAIRS; ++c) vstore(outs[q] + kLanes * c, acc[c]);
+      }
+    }
+  }
+  // Lane e of accumulator 2c (+1) held element 32c + 8 (e / 4) + e % 4 (+ 4).
+  for (int q = 0; q < num_queries; ++q) {
+    float lanes[head_dim];
+    std::memcpy(lanes, outs[q], sizeof(lanes));
+    for (int c = 0; c < 2 * PAIRS; ++c) {
+      for (int e = 0; e < kLanes; ++e) {
+        outs[q][32 * (c / 2) + 8 * (e / 4) + e % 4 + 4 * (c % 2)] = lanes[kLanes * c + e];
+      }
+    }
+  }
+}
+#endif
+
 // One query's softmax-weighted values from its segments' results (attend_segment), merged in
 // segment order: out = sum_k partial_k * exp(m_k - M) / sum_k sum_k * exp(m_k - M), M the
 // largest m_k. One segment: out = partial / sum, in place when out is the partial.
@@ -501,6 +626,13 @@ void decode_attention_rows(const float* q, int64_t q_stride, const KV* key_cache
     // Gemma 3's 256: the compiler keeps some vectors on the stack (L1), still far faster than the portable loop.
     if (hd == 16 * kLanes) attend = &attend_segment<KV, 16>;
   }
+#if TOKIOS_BF16_DOT
+  if constexpr (std::is_same_v<KV, at::BFloat16>) {
+    if (hd == 64) attend = &attend_segment_bf16<2>;
+    if (hd == 128) attend = &attend_segment_bf16<4>;
+    if (hd == 256) attend = &attend_segment_bf16<8>;
+  }
+#endif
   auto num_segments = [](int64_t length) { return (length + kSegmentKeys - 1) / kSegmentKeys; };
   // Per (row, head, segment) of a row: the segment's maximum and sum; rows of several segments
   // also keep each segment's unnormalized output here (one segment's goes straight to out).
@@ -582,8 +714,9 @@ void decode_attention_rows(const float* q, int64_t q_stride, const KV* key_cache
   at::parallel_for(0, num_workers, 1, [&](int64_t, int64_t) {
     // Kept per thread across calls: a fresh allocation of this size faulted its pages in every
     // call. Not zeroed: every score a pass reads it has written.
-    thread_local std::vector<float> scores;
+    thread_local std::vector<float> scores, query_scratch;
     scores.resize(kMaxItemQueries * kSegmentKeys);
+    query_scratch.resize(kMaxItemQueries * hd);
     const float* queries[kMaxItemQueries];
     float* outs[kMaxItemQueries];
     int64_t lengths[kMaxItemQueries], kv_offsets[kMaxItemQueries], results[kMaxItemQueries];
@@ -615,7 +748,7 @@ void decode_attention_rows(const float* q, int64_t q_stride, const KV* key_cache
       head_starts[num_kv] = num_queries;
       attend(queries, lengths, num_queries, head_starts, kv_offsets, num_kv, begin, begin + kSegmentKeys, key_cache,
              value_cache, slot_table + (first + rows - 1) * max_context, KVH * head_stride<KV>(hd), hd, scale,
-             scores.data(), maxima, sums, outs);
+             scores.data(), query_scratch.data(), maxima, sums, outs);
       for (int i = 0; i < num_queries; ++i) {
         result_maxima[results[i]] = maxima[i];
         result_sums[results[i]] = sums[i];
@@ -1041,6 +1174,7 @@ class FusedDecoder {
 
 bool has_vnni() { return TOKIOS_VNNI; }
 bool has_avx2() { return TOKIOS_AVX2; }
+bool has_bf16_dot() { return TOKIOS_BF16_DOT; }
 
 }  // namespace
 
@@ -1067,6 +1201,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              release_gil());
   module.def("has_vnni", &has_vnni, "whether the AVX-512 VNNI path was compiled");
   module.def("has_avx2", &has_avx2, "whether the AVX2 path was compiled");
+  module.def("has_bf16_dot", &has_bf16_dot,
+             "whether attention over a bfloat16 cache uses bfloat16 dot products (queries and weights rounded)");
   pybind11::class_<FusedDecoder>(module, "FusedDecoder")
       .def(pybind11::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<PackedLinear>,
                           std::vector<PackedLinear>, std::vector<PackedLinear>, std::vector<PackedLinear>,

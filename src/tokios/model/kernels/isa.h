@@ -1,5 +1,5 @@
 // Which vector instructions this build of the kernels uses, chosen by the compiler's target
-// (-march=native at build): AVX-512 VNNI (vpdpbusd), else AVX2 with FMA and F16C (vpmaddubsw),
+// (-march=native at build): AVX-512 VNNI (vpdpbusd; with BF16, vdpbf16ps), else AVX2 with FMA and F16C (vpmaddubsw),
 // else portable scalar loops. Every block type has a kernel on each.
 #pragma once
 
@@ -10,6 +10,14 @@
 #define TOKIOS_VNNI 1
 #else
 #define TOKIOS_VNNI 0
+#endif
+
+// bfloat16 dot products (vdpbf16ps: Zen 4, Sapphire Rapids, Cooper Lake; not Ice Lake or
+// Cascade Lake): the attention over a bfloat16 KV cache multiplies bfloat16 pairs directly.
+#if TOKIOS_VNNI && defined(__AVX512BF16__)
+#define TOKIOS_BF16_DOT 1
+#else
+#define TOKIOS_BF16_DOT 0
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)

@@ -9,6 +9,7 @@ import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Annotated
 
 import jsonschema
 import pydantic
@@ -43,17 +44,21 @@ def assert_valid_calls(tool_calls, complete: bool = True):
 
 # ---- JSON ---------------------------------------------------------------------------------
 
+# Every string bounded, so any reply the schema allows ends within max_tokens: a 135M model's
+# greedy reply can run on inside an unbounded string (a change in the attention's rounding once
+# turned "Eiffel Tower" into "Bien-Souvent-Bien-Souvent-..." up to the limit), and this test is
+# about the SDK's parse, not about the model's taste.
 class City(pydantic.BaseModel):
     name: str = pydantic.Field(max_length=40)
     country: str = pydantic.Field(max_length=40)
     population_millions: float = pydantic.Field(ge=0, le=100)
-    landmarks: list[str] = pydantic.Field(max_length=3)
+    landmarks: list[Annotated[str, pydantic.Field(max_length=40)]] = pydantic.Field(max_length=3)
 
 
 def test_sdk_parse_with_a_pydantic_model(client, model):
     completion = client.chat.completions.parse(
         model=model, messages=[{"role": "user", "content": "Describe Paris as a record."}], response_format=City,
-        max_tokens=200, temperature=0)
+        max_tokens=400, temperature=0)
     choice = completion.choices[0]
     assert choice.finish_reason == "stop"
     assert isinstance(choice.message.parsed, City)

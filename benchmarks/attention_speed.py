@@ -24,8 +24,14 @@ from tokios.model.attention import quantize_kv
 from tokios.model.kernels import kernel_status, load_extension
 
 
-def block_slots(num_blocks: int, block: int, length: int, generator: torch.Generator) -> torch.Tensor:
-    blocks = torch.randperm(num_blocks, generator=generator)[:(length + block - 1) // block]
+def block_slots(num_blocks: int, block: int, length: int, generator: torch.Generator,
+                first_block: int | None = None) -> torch.Tensor:
+    """A context's slots: blocks drawn at random, or consecutive from first_block (a fresh engine's)."""
+    count = (length + block - 1) // block
+    if first_block is None:
+        blocks = torch.randperm(num_blocks, generator=generator)[:count]
+    else:
+        blocks = torch.arange(first_block, first_block + count)
     return (blocks[:, None] * block + torch.arange(block)).reshape(-1)[:length]
 
 
@@ -40,6 +46,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--kv-dtypes", default="bfloat16,int8")
     parser.add_argument("--block-size", type=int, default=16, help="slots per KV block (the engine's --block-size)")
+    parser.add_argument("--block-order", choices=["random", "in-order"], default="random",
+                        help="where a context's blocks lie: scattered (a long-running server's) or consecutive")
     parser.add_argument("--layers", type=int, default=1,
                         help="caches called in turn, as a step's layers are: 30 puts a long context out of L3")
     args = parser.parse_args()
@@ -63,11 +71,15 @@ def main() -> None:
                 pair = (keys.to(getattr(torch, kv_dtype)), values.to(getattr(torch, kv_dtype)))
             caches.append(pair)
         element_bytes = kv_bytes_per_element(kv_dtype, head_dim)
-        chunk = block_slots(num_blocks, block, context + 8, generator)
+
+        def slots(length: int, request: int = 0) -> torch.Tensor:
+            first_block = None if args.block_order == "random" else request * (context // block + 2)
+            return block_slots(num_blocks, block, length, generator, first_block)
+
+        chunk = slots(context + 8)
         shapes = {
-            "1 decode row": ([context], [block_slots(num_blocks, block, context, generator)]),
-            "8 decode rows, 8 requests": ([context] * 8, [block_slots(num_blocks, block, context, generator)
-                                                          for _ in range(8)]),
+            "1 decode row": ([context], [slots(context)]),
+            "8 decode rows, 8 requests": ([context] * 8, [slots(context, request) for request in range(8)]),
             "8-row prompt chunk": ([context + 1 + i for i in range(8)], [chunk] * 8),
         }
         for name, (lengths, slot_rows) in shapes.items():

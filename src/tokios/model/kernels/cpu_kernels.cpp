@@ -347,9 +347,8 @@ constexpr int kMaxItemQueries = 72;
 // 8 ms per prompt token at 5,000 tokens of context (SmolLM2, 2 threads). scores: kSegmentKeys
 // floats per query; query_scratch: kMaxItemQueries * head_dim floats, which only
 // attend_segment_bf16 uses (both are called through one pointer). VECS = head_dim / kLanes (0:
-// portable loops). A query's results do not
-// depend on which other queries share its pass (each sums in the same order), so a verify row
-// equals the plain decode of the same token bit for bit.
+// portable loops). A query's results do not depend on which other queries share its pass (each
+// sums in the same order), so a verify row equals the plain decode of the same token bit for bit.
 template <typename KV, int VECS>
 void attend_segment(const float* const* queries, const int64_t* lengths, int num_queries, const int* head_starts,
                     const int64_t* kv_offsets, int num_kv, int64_t begin, int64_t end, const KV* key_cache,

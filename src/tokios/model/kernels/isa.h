@@ -1,6 +1,6 @@
 // Which vector instructions this build of the kernels uses, chosen by the compiler's target
-// (-march=native at build): AVX-512 VNNI (vpdpbusd; with BF16, vdpbf16ps), else AVX2 with FMA and F16C (vpmaddubsw),
-// else portable scalar loops. Every block type has a kernel on each.
+// (-march=native at build): AVX-512 VNNI (vpdpbusd; with BF16 also vdpbf16ps), else AVX2 with
+// FMA and F16C (vpmaddubsw), else portable scalar loops. Every block type has a kernel on each.
 #pragma once
 
 #include <cstdint>

@@ -167,6 +167,9 @@ class SchedulerConfig:
     # the token budget alone gives, for 40% more TTFT on a 5,500-token prompt; "auto" keeps
     # steps within 2x but multiplies that prompt's TTFT by 5 on a CPU.
     max_step_ms: float | str | None = DEFAULT_MAX_STEP_MS
+    # Under a step budget, a long prompt's chunk may run through some layers a step (layer
+    # slices, scheduler.py) once the budget holds too few of its tokens for all of them.
+    prefill_layer_slices: bool = True
 
     def __post_init__(self) -> None:
         _require(self.max_step_ms is None or self.max_step_ms == "auto"

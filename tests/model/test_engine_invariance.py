@@ -191,3 +191,55 @@ def assert_parts_only_at_near_ties(outputs, references, label: str) -> int:
             print(f"\n{label}: prompt {index} parts at token {parted_at}, top-two gap {gap:.3f} nats")
             assert gap <= NEAR_TIE_NATS, f"prompt {index} parts at token {parted_at} with a clear winner ({gap:.2f} nats)"
     return num_identical
+
+
+def generate_beside_a_sliced_prompt(llm, streams: list[list[int]], long_prompt: list[int], stream_tokens: int,
+                                    layer_slices: bool = True, long_tokens: int = MAX_TOKENS):
+    """Greedy outputs of `streams` (stream_tokens each) and `long_prompt` (long_tokens) run
+    together with 256-token steps under a 1 ms step budget: after the first step (no decodes,
+    no budget) the budget never holds the floor of whole-model tokens, so with layer slices on
+    every later chunk of the long prompt runs one layer a step while the streams decode (off:
+    4-token whole chunks). The step cost model is calibrated first by the streams alone; the
+    engine's scheduler settings are put back after. Returns (token ids per prompt, layer slices)."""
+    scheduler = llm.core.scheduler
+    settings = scheduler.max_step_s, scheduler.num_sliceable_layers, scheduler.max_num_batched_tokens
+    scheduler.max_step_s, scheduler.max_num_batched_tokens = 0.001, 256
+    scheduler.num_sliceable_layers = llm.model_config.num_layers if layer_slices else None
+    slices = []
+    schedule = scheduler.schedule
+
+    def recording_schedule():
+        output = schedule()
+        slices.extend(s.layer_slice for s in output.scheduled if s.layer_slice is not None)
+        return output
+
+    try:
+        llm.generate(streams, greedy(4))
+        assert scheduler.step_cost.is_calibrated
+        scheduler.schedule = recording_schedule
+        outputs = llm.generate([*streams, long_prompt], [greedy(stream_tokens)] * len(streams) + [greedy(long_tokens)])
+    finally:
+        scheduler.__dict__.pop("schedule", None)
+        scheduler.max_step_s, scheduler.num_sliceable_layers, scheduler.max_num_batched_tokens = settings
+    llm.check_invariants()
+    assert llm.stats().num_blocks_used == 0
+    return [o.outputs[0].token_ids for o in outputs], slices
+
+
+def test_a_prompt_prefilled_in_layer_slices_gives_the_tokens_of_whole_chunks():
+    """The default weights (int4 on the C++ kernels): a 700-token prompt, after its first
+    chunk, goes through the layers one a step beside three decoding streams; every request's
+    tokens must equal the run where its chunks stay whole (--no-prefill-layer-slices)."""
+    from tokios.engine import LLM
+
+    llm = LLM(kv_cache_memory="64MiB")
+    text = llm.tokenizer.encode(PROMPTS[12] * 20)
+    streams = [prompt_token_ids(llm.tokenizer, p) for p in PROMPTS[:3]]
+    sliced_tokens, slices = generate_beside_a_sliced_prompt(llm, streams, text[:700], stream_tokens=200)
+    whole_tokens, no_slices = generate_beside_a_sliced_prompt(llm, streams, text[:700], stream_tokens=200,
+                                                              layer_slices=False)
+    assert not no_slices
+    # One layer a step while the streams decode (once they end, a step has no budget and the
+    # chunk in flight finishes its layers at once).
+    assert sum(s.stop - s.start == 1 for s in slices) >= 4 * llm.model_config.num_layers
+    assert sliced_tokens == whole_tokens

@@ -289,3 +289,17 @@ def test_speculative_decoding_is_lossless(gemma_path, invariance_prompts, method
     assert [llm.generate([ids], params)[0].outputs[0].token_ids for ids in prompts] == plain
     assert llm.stats().spec_num_drafts > 0
     llm.check_invariants()
+
+
+def test_a_prompt_prefilled_in_layer_slices_gives_the_tokens_of_whole_chunks(gemma_stored, invariance_prompts):
+    """The file's own blocks: the 700-token prompt, after its first chunk, goes through the 18
+    layers one a step beside three decoding streams, its chunks crossing the 512-token window;
+    every request's tokens must equal the run where its chunks stay whole."""
+    from test_engine_invariance import generate_beside_a_sliced_prompt
+
+    streams, long_prompt = invariance_prompts[:3], invariance_prompts[-1]
+    sliced_tokens, slices = generate_beside_a_sliced_prompt(gemma_stored, streams, long_prompt, stream_tokens=200)
+    whole_tokens, _ = generate_beside_a_sliced_prompt(gemma_stored, streams, long_prompt, stream_tokens=200,
+                                                      layer_slices=False)
+    assert sum(s.stop - s.start == 1 for s in slices) >= 10 * gemma_stored.model_config.num_layers
+    assert sliced_tokens == whole_tokens

@@ -181,9 +181,11 @@ class EngineCore:
         if hasattr(self.model, "weight_summary"):
             logger.info("weights (--dtype %s): %s", self.weight_format, self.model.weight_summary())
         max_step_ms = config.scheduler.max_step_ms
+        can_slice = config.scheduler.prefill_layer_slices and getattr(self.model, "supports_layer_slices", False)
         self.scheduler = Scheduler(self.kv, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
                                    self.max_model_len,
-                                   max_step_s=max_step_ms / 1000 if isinstance(max_step_ms, (int, float)) else max_step_ms)
+                                   max_step_s=max_step_ms / 1000 if isinstance(max_step_ms, (int, float)) else max_step_ms,
+                                   num_sliceable_layers=self.model_config.num_layers if can_slice else None)
         self.runner = ModelRunner(self.model, self.model_config, num_blocks, block_size, self.device, kv_dtype,
                                   seed=config.seed)
         if self.disk_cache is not None:
@@ -316,7 +318,7 @@ class EngineCore:
         self.speculator.propose(scheduler_output)
         started = time.perf_counter()
         runner_output = self.runner.execute(scheduler_output)
-        self.scheduler.observe_step(scheduler_output, time.perf_counter() - started)
+        self.scheduler.observe_step(scheduler_output, time.perf_counter() - started, runner_output.layer_slice_seconds)
         finished = self.scheduler.update(scheduler_output, runner_output.sampled_token_ids)
         self.speculator.observe(scheduler_output, runner_output.sampled_token_ids, time.perf_counter() - started)
         for sequence_id, error in runner_output.failed.items():

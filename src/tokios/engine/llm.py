@@ -33,7 +33,7 @@ class LLM:
                  chat_template: str | None = None, max_step_ms: float | str | None = None,
                  kv_cache_disk: str | None = None, kv_cache_disk_size: str | int = "4GiB",
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                 parallel_config: ParallelConfig | None = None):
+                 parallel_config: ParallelConfig | None = None, prefill_layer_slices: bool = True):
         if parallel_config is not None and (tensor_parallel_size, pipeline_parallel_size) != (1, 1) and \
                 (tensor_parallel_size, pipeline_parallel_size) != (parallel_config.tensor_parallel_size,
                                                                    parallel_config.pipeline_parallel_size):
@@ -51,7 +51,8 @@ class LLM:
                               kv_cache_disk=kv_cache_disk,
                               kv_cache_disk_bytes=parse_size(kv_cache_disk_size, field_name="kv_cache_disk_size")),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      max_model_len=max_model_len, max_step_ms=max_step_ms),
+                                      max_model_len=max_model_len, max_step_ms=max_step_ms,
+                                      prefill_layer_slices=prefill_layer_slices),
             speculative=speculative_config or SpeculativeConfig(),
             parallel=parallel_config or ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                                        pipeline_parallel_size=pipeline_parallel_size),

@@ -252,11 +252,15 @@ class KVCacheManager:
                 self.pool.free_blocks(freed[::-1])  # oldest first: evicted first
 
     def allocate_slots(self, request: CacheRequest, num_new_tokens: int,
-                       computed_blocks: Sequence[Sequence[int]] = ()) -> list[tuple[int, int]] | None:
+                       computed_blocks: Sequence[Sequence[int]] = (),
+                       register_blocks: bool = True) -> list[tuple[int, int]] | None:
         """Make room for num_new_tokens after the request's computed tokens (plus computed_blocks,
         the prefix-cache hit of a request being admitted: one block table per group). Returns
         the copy-on-write pairs (source block, destination block) the runner must copy first, or
-        None when the pool is short (then nothing changed but blocks no query reads any more)."""
+        None when the pool is short (then nothing changed but blocks no query reads any more).
+        register_blocks=False: the step does not finish the new tokens (a layer slice that is
+        not the chunk's last), so their full blocks stay out of the prefix cache until a later
+        call, with the same count, registers them."""
         bs = self.block_size
         num_groups = len(self.groups)
         tables = self.request_to_blocks.get(request.request_id) or [[] for _ in self.groups]
@@ -292,7 +296,7 @@ class KVCacheManager:
                 table[index] = destination
             table.extend(self.pool.get_new_blocks(max(0, -(-total_tokens // bs) - len(table))))
         self.request_to_blocks[request.request_id] = tables
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and register_blocks:
             self._cache_full_blocks(request, tables, total_tokens)
         return copies
 

@@ -55,6 +55,9 @@ class ModelPart:
 
 
 class DecoderModel:
+    # The runner may run a prompt chunk through some layers a step (forward_layer_slice).
+    supports_layer_slices = True
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_layers: int | None = None) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> final hidden states [num_tokens, hidden].
@@ -73,6 +76,17 @@ class DecoderModel:
         if fused is not None:
             return fused
         return self.layer_loop(hidden, positions, metadata, kv_caches, count)
+
+    def forward_layer_slice(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                            kv_caches: list, start: int, stop: int, hidden: torch.Tensor | None) -> torch.Tensor:
+        """A prompt chunk through layers [start, stop) of the whole model only (the scheduler's
+        layer slices). hidden: the chunk's states from the slice before (None when start is 0:
+        the chunk's embeddings). Returns the states after layer stop - 1, final-normed when that
+        is the last layer. Always the per-op path: the fused step runs every layer."""
+        if start == 0:
+            hidden = self.embed(input_ids)
+        hidden = self.layer_loop(hidden, positions, metadata, kv_caches, stop, start)
+        return self.ops.rms_norm(hidden, self.norm) if stop == len(self.layers) else hidden
 
     def num_local_layers(self, num_layers: int | None) -> int:
         """How many of this part's layers have a model layer number below num_layers (None: all)."""

@@ -86,10 +86,11 @@ class Gemma3Model(DecoderModel):
         return self.embed_tokens(input_ids) * self.embed_scale
 
     def layer_loop(self, hidden: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
-                   kv_caches: list[tuple[torch.Tensor, torch.Tensor]], count: int) -> torch.Tensor:
+                   kv_caches: list[tuple[torch.Tensor, torch.Tensor]], count: int, start: int = 0) -> torch.Tensor:
         ops = self.ops
         tables = {id(rotary): ops.rope_tables(positions, rotary) for rotary in (self.rotary, self.local_rotary)}
-        for index, layer, (key_cache, value_cache) in zip(self.layer_indices[:count], self.layers, kv_caches):
+        for index, layer, (key_cache, value_cache) in zip(self.layer_indices[start:count], self.layers[start:count],
+                                                          kv_caches[start:count]):
             qkv = layer.qkv(ops.rms_norm(hidden, layer.input_norm)).float()
             qkv = ops.normalize_heads(qkv, layer.q_norm, layer.k_norm)
             attended = ops.attention(qkv, positions, key_cache, value_cache, metadata.for_layer(index),

@@ -86,10 +86,10 @@ class LlamaModel(DecoderModel):
         return self.embed_tokens[input_ids]
 
     def layer_loop(self, hidden: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
-                   kv_caches: list[tuple[torch.Tensor, torch.Tensor]], count: int) -> torch.Tensor:
+                   kv_caches: list[tuple[torch.Tensor, torch.Tensor]], count: int, start: int = 0) -> torch.Tensor:
         ops = self.ops
         rope_tables = ops.rope_tables(positions)
-        for layer, (key_cache, value_cache) in zip(self.layers[:count], kv_caches):
+        for layer, (key_cache, value_cache) in zip(self.layers[start:count], kv_caches[start:count]):
             qkv = layer.qkv(ops.rms_norm(hidden, layer.input_norm))
             attended = ops.attention(qkv, positions, key_cache, value_cache, metadata, rope_tables)
             hidden = hidden + layer.o_proj(attended.to(self.dtype)).to(self.dtype)

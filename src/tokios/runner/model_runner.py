@@ -7,12 +7,15 @@ asked for prompt logprobs), samples, and returns token ids as Python ints: one h
 step. A request carrying proposed tokens (speculative decoding) is verified in the same batch:
 one decode row per token, logits at every one of them, the rejection sampler on top. Rows of
 requests under a grammar (tokios.structured) get their token mask, filled in a worker thread
-while the forward runs and applied to their logits before sampling. It also owns the KV cache
-tensors and each request's sampling state.
+while the forward runs and applied to their logits before sampling. A prompt chunk the
+scheduler gave a LayerSlice runs first, in a forward of its own through those layers only; its
+hidden states wait here until its last layer, when its rows join the step's output. It also owns
+the KV cache tensors and each request's sampling state.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -47,6 +50,9 @@ class RunnerOutput:
     failed: dict[str, TokiosError] = field(default_factory=dict)
     # Pooled prompt hidden states, once a pooling request's whole prompt is computed.
     embeddings: dict[str, list[float]] = field(default_factory=dict)
+    # Seconds the step's layer slices took (their own forwards): the step cost model tells
+    # what they cost from what the decodes beside them cost.
+    layer_slice_seconds: float = 0.0
 
 
 def row_failure(logits_row: torch.Tensor) -> TokiosError:
@@ -125,6 +131,8 @@ class ModelRunner:
         self.grammar_bitmask = GrammarBitmask(model_config.vocab_size, device)
         # Where evicted cached blocks' bytes go (the disk tier's write_async), or None.
         self.block_sink = None
+        # request id -> its prompt chunk's hidden states after the layers done so far (layer slices).
+        self._slice_hidden: dict[str, torch.Tensor] = {}
 
     # ---- per-request state ------------------------------------------------------------------
     def _state(self, request: Request) -> RequestSamplingState:
@@ -137,6 +145,7 @@ class ModelRunner:
 
     def drop_request(self, request_id: str) -> None:
         self._pooled.pop(request_id, None)
+        self._slice_hidden.pop(request_id, None)
         state = self.request_to_state.pop(request_id, None)
         if state is not None:
             self.state_store.remove(state)
@@ -191,19 +200,45 @@ class ModelRunner:
             self._load_blocks(scheduler_output.block_loads)
         if scheduler_output.block_copies:
             self._copy_blocks(scheduler_output.block_copies)
+        for request_id in scheduler_output.preempted_request_ids:
+            self._slice_hidden.pop(request_id, None)
         if scheduler_output.is_empty:
             return RunnerOutput()
-        scheduled = scheduler_output.scheduled
-        batch = self.build_batch([(s.request, s.num_new_tokens, s.block_tables) for s in scheduled])
-        plain = [(s, rows[-1]) for s, rows in zip(scheduled, batch.entry_rows)
-                 if s.samples_this_step and not s.request.spec_token_ids]
-        verify = [(s, rows) for s, rows in zip(scheduled, batch.entry_rows) if s.request.spec_token_ids]
-        grammar_jobs = [(s.request.grammar, list(s.request.spec_token_ids)) for s, _ in (*plain, *verify)
+        whole = [s for s in scheduler_output.scheduled if s.layer_slice is None]
+        # Entries whose rows the step outputs: the whole ones, then chunks finishing their layers.
+        scheduled = whole + [s for s in scheduler_output.scheduled if s.layer_slice is not None and s.layer_slice.is_last]
+        plain_entries = [s for s in scheduled if s.samples_this_step and not s.request.spec_token_ids]
+        verify_entries = [s for s in scheduled if s.request.spec_token_ids]
+        grammar_jobs = [(s.request.grammar, list(s.request.spec_token_ids)) for s in (*plain_entries, *verify_entries)
                         if s.request.grammar is not None]
         pending_masks = self.grammar_bitmask.start(grammar_jobs) if grammar_jobs else None
-        hidden = self._forward(batch)
+        # Layer slices first: a request admitted this step may share the blocks a chunk's last
+        # slice completes, and reads every layer of them.
+        slices_started = time.perf_counter()
+        hidden_parts = [h for s in scheduler_output.scheduled
+                        if s.layer_slice is not None and (h := self._run_layer_slice(s)) is not None]
+        layer_slice_seconds = 0.0
+        if len(whole) < len(scheduler_output.scheduled):
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # their kernels' time, not their launches'
+            layer_slice_seconds = time.perf_counter() - slices_started
+        entry_rows: list[list[int]] = []
+        if whole:
+            batch = self.build_batch([(s.request, s.num_new_tokens, s.block_tables) for s in whole])
+            hidden_parts.insert(0, self._forward(batch))
+            entry_rows = list(batch.entry_rows)
+        if not hidden_parts:
+            return RunnerOutput(layer_slice_seconds=layer_slice_seconds)  # only slices, none a chunk's last
+        hidden = hidden_parts[0] if len(hidden_parts) == 1 else torch.cat(hidden_parts)
+        num_rows = hidden_parts[0].shape[0] if whole else 0
+        for chunk_hidden in hidden_parts[1 if whole else 0:]:
+            entry_rows.append(list(range(num_rows, num_rows + chunk_hidden.shape[0])))
+            num_rows += chunk_hidden.shape[0]
+        row_of = {id(s): rows for s, rows in zip(scheduled, entry_rows)}
+        plain = [(s, row_of[id(s)][-1]) for s in plain_entries]
+        verify = [(s, row_of[id(s)]) for s in verify_entries]
         bitmask = pending_masks.result() if pending_masks is not None else None
-        output = RunnerOutput()
+        output = RunnerOutput(layer_slice_seconds=layer_slice_seconds)
         num_plain_mask_rows = sum(s.request.grammar is not None for s, _ in plain)
         pending_plain = self._sample(plain, hidden, bitmask) if plain else None
         pending_verify = (self._verify(verify, hidden, bitmask[num_plain_mask_rows:] if bitmask is not None else None)
@@ -216,7 +251,7 @@ class ModelRunner:
             self._finish_sample(pending_plain, flat[:num_plain_values], output)
         if pending_verify is not None:
             self._finish_verify(pending_verify, flat[num_plain_values:], output)
-        for s, rows in zip(scheduled, batch.entry_rows):
+        for s, rows in zip(scheduled, entry_rows):
             request = s.request
             start = request.num_computed_tokens
             if request.sampling_params.prompt_logprobs is not None and start < request.num_prompt_tokens:
@@ -226,6 +261,22 @@ class ModelRunner:
             if request.sampling_params.pooling is not None and start < request.num_prompt_tokens:
                 self._pool(request, hidden[rows[:min(s.num_new_tokens, request.num_prompt_tokens - start)]], output)
         return output
+
+    def _run_layer_slice(self, scheduled: ScheduledRequest) -> torch.Tensor | None:
+        """A prompt chunk through this step's layers (scheduler.LayerSlice); its states wait here
+        for the next slice. Returns the chunk's final hidden states after its last layer, else None."""
+        request, layer_slice = scheduled.request, scheduled.layer_slice
+        previous = self._slice_hidden.pop(request.request_id, None)
+        if layer_slice.start > 0 and previous is None:
+            raise RuntimeError(f"request {request.request_id}: layer slice from layer {layer_slice.start} "
+                               "without the states of the slice before it")
+        batch = self.build_batch([(request, scheduled.num_new_tokens, scheduled.block_tables)])
+        hidden = self.model.forward_layer_slice(batch.input_ids, batch.positions, batch.metadata, self.kv_caches,
+                                                layer_slice.start, layer_slice.stop, previous)
+        if layer_slice.is_last:
+            return hidden
+        self._slice_hidden[request.request_id] = hidden
+        return None
 
     def _forward(self, batch: Batch) -> torch.Tensor:
         """The batch's final hidden states. A step with both decode rows and multi-token spans

@@ -23,6 +23,15 @@ has seen enough steps to predict (just after start), chunks next to decodes are
 CALIBRATION_CHUNK tokens. A step without decodes has no time budget: a prompt alone on the
 engine prefills at full speed.
 
+Layer slices (when the model runs a chunk through some of its layers at a time,
+num_sliceable_layers): once the budget holds fewer than MIN_PREFILL_CHUNK of a prompt's tokens
+(late in a long prompt, where a chunk's fixed cost, reading the weights and the context's KV, is
+most of it), that prompt goes on in LAYER_SLICE_CHUNK-token chunks, each run through as many
+layers a step as the budget holds (a LayerSlice), the chunk's hidden states kept by the runner
+between steps. Each step then pays for part of the layers' reads, not all of them for a
+few tokens. The chunk's tokens count as computed when its last layer is done; its blocks join
+the prefix cache only then (before, some layers' K/V are not written).
+
 update() takes the sampled tokens back, appends them, checks EOS / stop tokens / length, and
 frees the blocks of finished requests.
 
@@ -57,11 +66,31 @@ from tokios.scheduler.step_cost import StepCostModel
 # token adds 16 ms to a 27 ms step, four 25 ms, eight 50 ms), so below 4 tokens the step barely
 # shrinks while the prompt slows.
 MIN_PREFILL_CHUNK = 4
+# A prompt chunk run through the layers over several steps (layer slices). Larger chunks share
+# the fixed cost of a pass more widely, but even one layer of the chunk must fit a step.
+LAYER_SLICE_CHUNK = 32
 # A prefill chunk next to decodes while the cost model cannot predict yet: small enough not to
 # stall the streams, large enough to teach the model the per-row cost.
 CALIBRATION_CHUNK = 32
 # max_step_s value: prefill gets as much time as the step's decodes (a step at most doubles).
 AUTO_STEP_BUDGET = "auto"
+
+
+@dataclass(frozen=True)
+class LayerSlice:
+    """The layers [start, stop) of num_layers a prompt chunk runs through this step."""
+
+    start: int
+    stop: int
+    num_layers: int
+
+    @property
+    def is_last(self) -> bool:
+        return self.stop == self.num_layers
+
+    @property
+    def fraction(self) -> float:
+        return (self.stop - self.start) / self.num_layers
 
 
 @dataclass
@@ -72,6 +101,8 @@ class ScheduledRequest:
     # Room reserved for proposed tokens (speculative decoding); the speculator fills
     # request.spec_token_ids with at most this many and sets num_new_tokens = 1 + their count.
     num_spec_slots: int = 0
+    # A prompt chunk run through only some layers this step (None: all of them).
+    layer_slice: LayerSlice | None = None
 
     @property
     def is_prefill(self) -> bool:
@@ -79,9 +110,21 @@ class ScheduledRequest:
         return self.request.num_tokens - self.request.num_computed_tokens > 1
 
     @property
+    def computes_tokens(self) -> bool:
+        """Does this step finish its tokens (every layer), so they count as computed?"""
+        return self.layer_slice is None or self.layer_slice.is_last
+
+    @property
     def samples_this_step(self) -> bool:
         """Does this step reach the request's last known token (so its logits are sampled)?"""
-        return self.request.num_computed_tokens + self.num_new_tokens >= self.request.num_tokens
+        return self.computes_tokens and self.request.num_computed_tokens + self.num_new_tokens >= self.request.num_tokens
+
+    @property
+    def prefill_work(self) -> float:
+        """Prompt tokens this step, each weighted by the share of the layers it runs through."""
+        if not self.is_prefill:
+            return 0.0
+        return self.num_new_tokens * (1.0 if self.layer_slice is None else self.layer_slice.fraction)
 
 
 @dataclass
@@ -106,6 +149,11 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled if s.is_prefill)
 
     @property
+    def prefill_work(self) -> float:
+        """num_prefill_tokens with each token weighted by the share of the layers it runs through."""
+        return sum(s.prefill_work for s in self.scheduled)
+
+    @property
     def is_empty(self) -> bool:
         return not self.scheduled
 
@@ -128,6 +176,10 @@ class PrefillAllowance:
     def unlimited(cls) -> "PrefillAllowance":
         return cls(None, math.inf)
 
+    @property
+    def is_unlimited(self) -> bool:
+        return self.cost is None
+
     def chunk(self, num_new: int) -> int:
         """num_new prompt tokens cut to what the allowance holds."""
         if self.cost is None or num_new <= MIN_PREFILL_CHUNK:
@@ -136,18 +188,38 @@ class PrefillAllowance:
             return min(num_new, CALIBRATION_CHUNK)
         return min(num_new, max(MIN_PREFILL_CHUNK, self.cost.max_prefill_tokens(self.seconds)))
 
-    def spend(self, num_tokens: int) -> None:
+    def holds_floor(self) -> bool:
+        """Does the allowance hold MIN_PREFILL_CHUNK whole-model prompt tokens (or is unknown)?"""
+        if self.cost is None or not self.cost.is_calibrated:
+            return True
+        return self.cost.max_prefill_tokens(self.seconds) >= MIN_PREFILL_CHUNK
+
+    def layers(self, num_tokens: int, start: int, num_layers: int) -> LayerSlice:
+        """The layers from `start` that num_tokens prompt tokens may run through: as many as the
+        allowance holds, at least one, all the rest when it is unlimited or not calibrated."""
+        stop = num_layers
+        if self.cost is not None and self.cost.is_calibrated:
+            layer_seconds = num_tokens * self.cost.seconds_per_prefill_token / num_layers
+            stop = min(num_layers, start + max(1, int(self.seconds / layer_seconds)))
+        return LayerSlice(start, stop, num_layers)
+
+    def spend(self, num_tokens: float) -> None:
         if self.cost is not None and self.cost.is_calibrated:
             self.seconds -= num_tokens * self.cost.seconds_per_prefill_token
 
 
 class Scheduler:
     def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, max_step_s: float | str | None = None):
+                 max_model_len: int, max_step_s: float | str | None = None, num_sliceable_layers: int | None = None):
         """max_step_s: a step's time budget when it carries decodes: seconds, AUTO_STEP_BUDGET, or
-        None (the token budget alone)."""
+        None (the token budget alone). num_sliceable_layers: the model's layer count when the
+        runner can run a prompt chunk through some layers at a time (layer slices), else None."""
         self.kv = kv_manager
         self.max_step_s = max_step_s
+        self.num_sliceable_layers = num_sliceable_layers
+        # Requests whose prompt goes on in layer slices: (the chunk's tokens, layers it has done),
+        # (0, 0) between chunks.
+        self._slicing: dict[str, tuple[int, int]] = {}
         self.step_cost = StepCostModel()
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -178,6 +250,7 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         self.kv.free(request)
+        self._slicing.pop(request_id, None)
         self._finished_since_last_step.append(request_id)
         return request
 
@@ -201,26 +274,34 @@ class Scheduler:
             if is_prefill and not reached_prefills:
                 reached_prefills = True
                 allowance = self._prefill_allowance(output)
-            num_new = allowance.chunk(min(request.num_tokens - request.num_computed_tokens, budget))
+            available = min(request.num_tokens - request.num_computed_tokens, budget)
+            layer_slice = None
+            if is_prefill and self.num_sliceable_layers is not None:
+                num_new, layer_slice = self._sliced_chunk(request, available, allowance)
+                if num_new == 0:
+                    continue  # its chunk does not fit the token budget left this step
+            else:
+                num_new = allowance.chunk(available)
             num_spec = self._num_spec_slots(request, num_new, budget)
+            register = layer_slice is None or layer_slice.is_last
             copies = self.kv.allocate_slots(request, num_new + num_spec) if num_spec else None
             if copies is None:
                 num_spec = 0
-                copies = self.kv.allocate_slots(request, num_new)
+                copies = self.kv.allocate_slots(request, num_new, register_blocks=register)
             while copies is None:
                 victim = self.running[-1]
                 self._preempt(victim, output)
                 if victim is request:
                     break
-                copies = self.kv.allocate_slots(request, num_new)
+                copies = self.kv.allocate_slots(request, num_new, register_blocks=register)
             if copies is None:
                 break  # the request preempted itself: nothing older can be helped either
             output.block_copies.extend(copies)
-            output.scheduled.append(ScheduledRequest(request, num_new + num_spec, self.kv.block_tables(request.request_id),
-                                                     num_spec))
+            scheduled = ScheduledRequest(request, num_new + num_spec, self.kv.block_tables(request.request_id),
+                                         num_spec, layer_slice)
+            output.scheduled.append(scheduled)
             budget -= num_new + num_spec
-            if is_prefill:
-                allowance.spend(num_new)
+            allowance.spend(scheduled.prefill_work)
 
         if not output.preempted_request_ids:
             if not reached_prefills:
@@ -228,6 +309,28 @@ class Scheduler:
             self._admit_waiting(output, budget, now, allowance)
         output.block_spills, output.block_loads = self.kv.take_transfers()
         return output
+
+    def _sliced_chunk(self, request: Request, available: int,
+                      allowance: "PrefillAllowance") -> tuple[int, LayerSlice | None]:
+        """A running prompt's chunk this step and its layers (None: all), for a model that can
+        run layer slices. A chunk part-way through the layers goes on with the same tokens (0
+        tokens when they do not fit the token budget left); a prompt whose budget no longer
+        holds MIN_PREFILL_CHUNK tokens goes on in layer slices for the rest of it, except in
+        steps without a time budget (no decodes), where chunks are whole again."""
+        progress = self._slicing.get(request.request_id)
+        if progress is None:
+            if allowance.holds_floor() or available <= MIN_PREFILL_CHUNK:
+                return allowance.chunk(available), None
+            progress = (0, 0)
+        num_tokens, layers_done = progress
+        if layers_done == 0:
+            if allowance.is_unlimited:
+                return allowance.chunk(available), None
+            num_tokens = min(available, LAYER_SLICE_CHUNK)
+        elif num_tokens > available:
+            return 0, None
+        self._slicing[request.request_id] = (num_tokens, layers_done)
+        return num_tokens, allowance.layers(num_tokens, layers_done, self.num_sliceable_layers)
 
     def _prefill_allowance(self, output: SchedulerOutput) -> "PrefillAllowance":
         """What the step's prefill chunks may add, given the decodes scheduled so far."""
@@ -237,11 +340,18 @@ class Scheduler:
         return PrefillAllowance(self.step_cost, decode_s if self.max_step_s == AUTO_STEP_BUDGET
                                 else self.max_step_s - decode_s)
 
-    def observe_step(self, output: SchedulerOutput, seconds: float) -> None:
-        """The measured time of the step that ran `output` (feeds the step cost model). Call it
-        before update(), while num_computed_tokens still describe the step."""
-        num_prefill = output.num_prefill_tokens
-        self.step_cost.observe(output.num_scheduled_tokens - num_prefill, num_prefill, seconds)
+    def observe_step(self, output: SchedulerOutput, seconds: float, layer_slice_seconds: float = 0.0) -> None:
+        """The measured time of the step that ran `output` (feeds the step cost model), and of
+        its layer slices' own forwards within it. Call it before update(), while
+        num_computed_tokens still describe the step. Timed apart, the slices teach the model the
+        prompt's cost and the rest of the step the decodes' (which grow with the streams'
+        context while a long prompt is prefilled: a decode-only step may not come for minutes)."""
+        num_decode_rows = sum(s.num_new_tokens for s in output.scheduled if not s.is_prefill)
+        sliced_work = sum(s.prefill_work for s in output.scheduled if s.layer_slice is not None)
+        if sliced_work > 0 and layer_slice_seconds > 0:
+            self.step_cost.observe(0, sliced_work, layer_slice_seconds)
+            seconds -= layer_slice_seconds
+        self.step_cost.observe(num_decode_rows, output.prefill_work - sliced_work, seconds)
 
     def _num_spec_slots(self, request: Request, num_new: int, budget: int) -> int:
         """Proposed tokens a decoding request may verify this step: its wish, cut so the
@@ -259,6 +369,7 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        self._slicing.pop(request.request_id, None)  # its chunk starts again from the first layer
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -335,7 +446,14 @@ class Scheduler:
         finished = []
         for scheduled in output.scheduled:
             request = scheduled.request
+            if scheduled.layer_slice is not None:
+                if not scheduled.layer_slice.is_last:
+                    self._slicing[request.request_id] = (scheduled.num_new_tokens, scheduled.layer_slice.stop)
+                    continue
+                self._slicing[request.request_id] = (0, 0)
             request.num_computed_tokens += scheduled.num_new_tokens
+            if request.num_tokens - request.num_computed_tokens <= 1:
+                self._slicing.pop(request.request_id, None)  # its prompt is done
             new_token_ids = sampled_token_ids.get(request.request_id, [])
             if scheduled.num_spec_slots:
                 # new_token_ids = the accepted proposals + one bonus/correction token; the KV of

@@ -70,6 +70,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "auto: prefill may take as long as the step's decodes (a long prompt at most "
                              "doubles the others' inter-token latency, and waits longer itself); off: the token "
                              f"budget alone (default {DEFAULT_MAX_STEP_MS:g})")
+    engine.add_argument("--no-prefill-layer-slices", action="store_true",
+                        help="under --max-step-ms, keep every prompt chunk whole: by default, once the step "
+                             "budget holds too few of a long prompt's tokens, its chunks run through some "
+                             "layers a step")
     engine.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     engine.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     engine.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
@@ -158,7 +162,8 @@ def _engine_config(args: argparse.Namespace, model: str | None):
                           kv_cache_disk=args.kv_cache_disk,
                           kv_cache_disk_bytes=parse_size(args.kv_cache_disk_size, field_name="kv_cache_disk_size")),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_model_len=args.max_model_len, max_step_ms=args.max_step_ms),
+                                  max_model_len=args.max_model_len, max_step_ms=args.max_step_ms,
+                                  prefill_layer_slices=not args.no_prefill_layer_slices),
         speculative=SpeculativeConfig(method=args.speculative_method,
                                       num_speculative_tokens=args.num_speculative_tokens,
                                       draft_model=args.draft_model, draft_dtype=args.dtype,

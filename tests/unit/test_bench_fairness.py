@@ -9,7 +9,8 @@ import pytest
 
 from tokios.errors import InvalidRequestError
 from tokios.server.cli import parse_step_budget
-from tokios.tools.bench.fairness import FairnessRound, parse_step_budgets, split_gaps
+from tokios.tools.bench.fairness import (FairnessRound, gap_indices, gaps_at, parse_step_budgets, result_table,
+                                         split_gaps)
 from tokios.tools.bench.stats import RequestRecord
 
 
@@ -23,6 +24,20 @@ def test_gaps_are_split_where_they_end_and_never_include_a_prefill():
     before, during = split_gaps(streams, long_sent=4.0, long_first_token=6.0)
     assert before == pytest.approx([500.0, 500.0])
     assert during == pytest.approx([2500.0, 500.0, 100.0])  # the 2.0 -> 4.5 gap ends during the prefill
+
+
+def test_without_it_is_the_control_gaps_at_the_chunks_that_fell_during_the_prefill():
+    """The control (the streams alone) is compared at the same chunk positions, so at the same
+    contexts, not at the same clock times."""
+    streams = [record([1.0, 1.5, 2.0, 4.5, 5.0, 7.0]), record([5.5, 5.6])]
+    indices = gap_indices(streams, 4.0, 6.0)
+    assert indices == [[3, 4], [1]]
+    control = [record([0.0, 0.1, 0.2, 0.3, 0.5, 0.6]), record([0.0])]  # the second ended after one chunk
+    assert gaps_at(control, indices) == pytest.approx([100.0, 200.0])
+    result = FairnessRound(itl_before_ms=[10.0] * 100, itl_during_ms=[30.0] * 100, long_ttft_s=2.0,
+                           streams_ended_early=0, during_gap_indices=indices, itl_without_ms=[20.0] * 100)
+    row = result_table({"tokios": [result]}).splitlines()[-1]
+    assert "| 20.0 | 3.00x | 1.50x |" in row
 
 
 def test_a_round_reports_percentiles_and_nan_without_samples():
@@ -48,3 +63,7 @@ def test_the_benchmark_checks_every_budget_before_starting_a_server():
     assert parse_step_budgets("auto, off,100") == ["auto", "off", "100"]
     with pytest.raises(InvalidRequestError, match="fast"):
         parse_step_budgets("auto,fast")
+    # A value may carry more server flags after its budget.
+    assert parse_step_budgets("auto,auto  --no-prefill-layer-slices") == ["auto", "auto --no-prefill-layer-slices"]
+    with pytest.raises(InvalidRequestError, match="fast"):
+        parse_step_budgets("fast --no-prefill-layer-slices")

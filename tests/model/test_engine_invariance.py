@@ -199,11 +199,15 @@ def generate_beside_a_sliced_prompt(llm, streams: list[list[int]], long_prompt: 
     together with 256-token steps under a 1 ms step budget: after the first step (no decodes,
     no budget) the budget never holds the floor of whole-model tokens, so with layer slices on
     every later chunk of the long prompt runs one layer a step while the streams decode (off:
-    4-token whole chunks). The step cost model is calibrated first by the streams alone; the
-    engine's scheduler settings are put back after. Returns (token ids per prompt, layer slices)."""
-    scheduler = llm.core.scheduler
+    4-token whole chunks). The step cost model is calibrated first by the streams alone. The
+    prefix cache is out of play (else a second run would reuse the first one's KV, or a shared
+    engine the KV of earlier tests); the engine's settings are put back after. Returns (token
+    ids per prompt, layer slices)."""
+    scheduler, kv = llm.core.scheduler, llm.core.kv
     settings = scheduler.max_step_s, scheduler.num_sliceable_layers, scheduler.max_num_batched_tokens
+    prefix_caching = kv.enable_prefix_caching
     scheduler.max_step_s, scheduler.max_num_batched_tokens = 0.001, 256
+    kv.enable_prefix_caching = False
     scheduler.num_sliceable_layers = llm.model_config.num_layers if layer_slices else None
     slices = []
     schedule = scheduler.schedule
@@ -221,6 +225,7 @@ def generate_beside_a_sliced_prompt(llm, streams: list[list[int]], long_prompt: 
     finally:
         scheduler.__dict__.pop("schedule", None)
         scheduler.max_step_s, scheduler.num_sliceable_layers, scheduler.max_num_batched_tokens = settings
+        kv.enable_prefix_caching = prefix_caching
     llm.check_invariants()
     assert llm.stats().num_blocks_used == 0
     return [o.outputs[0].token_ids for o in outputs], slices

@@ -16,6 +16,7 @@ import random
 
 import pytest
 
+from tokios.request import RequestStatus
 from tokios.scheduler.scheduler import AUTO_STEP_BUDGET, CALIBRATION_CHUNK, MIN_PREFILL_CHUNK, Scheduler
 from tokios.scheduler.step_cost import StepCostModel
 from tests.unit.test_scheduler import check_step, fake_next_token, make_request, make_scheduler
@@ -313,3 +314,37 @@ def test_a_request_preempted_part_way_through_its_layers_starts_its_chunk_again(
         Scheduler._preempt = original_preempt
     assert preempted_part_way, "no preemption hit a chunk part-way through its layers"
     assert pressured == run(num_blocks=4096)
+
+
+def test_an_abort_part_way_through_a_chunks_layers_frees_everything():
+    aborted = []
+
+    def probe(scheduler, long_prompt, entry):
+        if aborted or entry is None or entry.layer_slice is None or entry.layer_slice.is_last:
+            return
+        scheduler.finish("long", RequestStatus.FINISHED_ABORTED)
+        aborted.append(long_prompt)
+        assert "long" not in scheduler._slicing
+        # Its computed blocks stay cached for others; the chunk's own never joined the cache.
+        _, num_cached = scheduler.kv.get_computed_blocks(make_request("same", [9] * 3000, 1))
+        assert num_cached == long_prompt.num_computed_tokens // 16 * 16 > 0
+        scheduler.check_invariants()
+        output = scheduler.schedule()
+        assert output.finished_request_ids == ["long"] and "long" not in {s.request.request_id for s in output.scheduled}
+
+    rng = random.Random(5)
+    scheduler = make_scheduler(num_blocks=4096, max_num_batched_tokens=512)
+    scheduler.max_step_s = AUTO_STEP_BUDGET
+    scheduler.num_sliceable_layers = NUM_LAYERS
+    start_decoders(scheduler, rng)
+    long_prompt = make_request("long", [9] * 3000, 4)
+    scheduler.add_request(long_prompt)
+    while not aborted:
+        output = scheduler.schedule()
+        seconds, _, slice_seconds = pass_seconds(output)
+        scheduler.observe_step(output, seconds, slice_seconds)
+        scheduler.update(output, {s.request.request_id: [fake_next_token(s.request)]
+                                  for s in output.scheduled if s.samples_this_step})
+        entry = next((s for s in output.scheduled if s.request.request_id == "long"), None)
+        probe(scheduler, long_prompt, entry)
+    assert aborted[0].status == RequestStatus.FINISHED_ABORTED

@@ -206,7 +206,7 @@ class ModelRunner:
             return RunnerOutput()
         whole = [s for s in scheduler_output.scheduled if s.layer_slice is None]
         # Entries whose rows the step outputs: the whole ones, then chunks finishing their layers.
-        scheduled = whole + [s for s in scheduler_output.scheduled if s.layer_slice is not None and s.layer_slice.is_last]
+        scheduled = whole + [s for s in scheduler_output.scheduled if s.layer_slice is not None and s.computes_tokens]
         plain_entries = [s for s in scheduled if s.samples_this_step and not s.request.spec_token_ids]
         verify_entries = [s for s in scheduled if s.request.spec_token_ids]
         grammar_jobs = [(s.request.grammar, list(s.request.spec_token_ids)) for s in (*plain_entries, *verify_entries)
@@ -215,25 +215,27 @@ class ModelRunner:
         # Layer slices first: a request admitted this step may share the blocks a chunk's last
         # slice completes, and reads every layer of them.
         slices_started = time.perf_counter()
-        hidden_parts = [h for s in scheduler_output.scheduled
-                        if s.layer_slice is not None and (h := self._run_layer_slice(s)) is not None]
+        finished_slices = [h for s in scheduler_output.scheduled
+                           if s.layer_slice is not None and (h := self._run_layer_slice(s)) is not None]
         layer_slice_seconds = 0.0
         if len(whole) < len(scheduler_output.scheduled):
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # their kernels' time, not their launches'
             layer_slice_seconds = time.perf_counter() - slices_started
-        entry_rows: list[list[int]] = []
+        # The step's rows: the whole entries' batch, then each finished chunk's rows after it.
+        parts, entry_rows = [], []
         if whole:
             batch = self.build_batch([(s.request, s.num_new_tokens, s.block_tables) for s in whole])
-            hidden_parts.insert(0, self._forward(batch))
+            parts.append(self._forward(batch))
             entry_rows = list(batch.entry_rows)
-        if not hidden_parts:
-            return RunnerOutput(layer_slice_seconds=layer_slice_seconds)  # only slices, none a chunk's last
-        hidden = hidden_parts[0] if len(hidden_parts) == 1 else torch.cat(hidden_parts)
-        num_rows = hidden_parts[0].shape[0] if whole else 0
-        for chunk_hidden in hidden_parts[1 if whole else 0:]:
+        num_rows = parts[0].shape[0] if parts else 0
+        for chunk_hidden in finished_slices:
             entry_rows.append(list(range(num_rows, num_rows + chunk_hidden.shape[0])))
             num_rows += chunk_hidden.shape[0]
+        parts += finished_slices
+        if not parts:
+            return RunnerOutput(layer_slice_seconds=layer_slice_seconds)  # only slices, none a chunk's last
+        hidden = parts[0] if len(parts) == 1 else torch.cat(parts)
         row_of = {id(s): rows for s, rows in zip(scheduled, entry_rows)}
         plain = [(s, row_of[id(s)][-1]) for s in plain_entries]
         verify = [(s, row_of[id(s)]) for s in verify_entries]

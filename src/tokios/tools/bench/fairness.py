@@ -173,7 +173,7 @@ def result_table(name_to_rounds: dict[str, list[FairnessRound]]) -> str:
             return statistics.median(values) if values else math.nan
 
         def median_ratio(of: str, to: str) -> float:
-            ratios = [r.figure(of) / r.figure(to) for r in good if not math.isnan(r.figure(of) / r.figure(to))]
+            ratios = [ratio for ratio in (r.figure(of) / r.figure(to) for r in good) if not math.isnan(ratio)]
             return statistics.median(ratios) if ratios else math.nan
 
         rows.append([name, fmt(median("before p50")), fmt(median("before p99")), fmt(median("during p50")),

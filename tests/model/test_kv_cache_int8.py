@@ -15,7 +15,10 @@ from tokios.errors import ContextLengthExceededError
 from tokios.sampling_params import SamplingParams
 
 DATA = Path(__file__).parent.parent / "data"
-# Measured here: 245 of 256 tokens (95.7%) over four questions of 64 tokens each.
+# Measured over four questions of 64 tokens each: 245 of 256 (95.7%) on an AVX-512 host; 249 (97.3%)
+# and, after the register-blocked attention (a different summation order, which moves bfloat16's
+# own reference reply from its 9th token on), 241 (94.1%) on an AVX2 one. Fewer tokens made the
+# share a coin toss: 2 questions of 32 gave 62/64, then 57/64, for those same two builds.
 MIN_TEACHER_FORCED_AGREEMENT = 0.90
 
 
@@ -45,7 +48,9 @@ def long_conversations() -> list[list[dict]]:
                            for name in ("long_context_text.txt", "perplexity_text.txt"))
     return [[{"role": "user", "content": f"{document}\n\n{question}"}]
             for question in ("Who was the engineer of the canal, and what did he think of locks?",
-                             "Who steered the last commercial cargo, and when?")]
+                             "Who steered the last commercial cargo, and when?",
+                             "Summarise the history of the canal in three sentences.",
+                             "What happened to the canal after the railways came?")]
 
 
 def test_long_context_greedy_tokens_follow_bfloat16(long_conversations):
@@ -53,10 +58,10 @@ def test_long_context_greedy_tokens_follow_bfloat16(long_conversations):
     greedy reply (teacher-forced, so one early near-tie does not decide every later position)
     agrees with bfloat16's for at least MIN_TEACHER_FORCED_AGREEMENT of the tokens."""
     bf16 = LLM(kv_cache_memory="256MiB", kv_cache_dtype="bfloat16")
-    references = bf16.chat(long_conversations, greedy(32))
+    references = bf16.chat(long_conversations, greedy(64))
     bf16.close()
     int8 = LLM(kv_cache_memory="256MiB", kv_cache_dtype="int8")
-    free_running = int8.chat(long_conversations, greedy(32))
+    free_running = int8.chat(long_conversations, greedy(64))
     agreed = total = 0
     for reference, ours in zip(references, free_running):
         prompt, tokens = list(reference.prompt_token_ids), reference.outputs[0].token_ids

@@ -250,6 +250,7 @@ inline Vec vset1(float x) { return _mm512_set1_ps(x); }
 inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
 inline float vmax(Vec v) { return _mm512_reduce_max_ps(v); }
+inline Vec vmax_lanes(Vec a, Vec b) { return _mm512_max_ps(a, b); }
 // Lanes at and past `valid` set to -infinity.
 inline Vec vmask_tail(Vec v, int64_t valid) {
   const __mmask16 keep = valid >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << valid) - 1);
@@ -285,35 +286,87 @@ inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
 inline Vec vset1(float x) { return _mm256_set1_ps(x); }
 inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 inline float vsum(Vec v) { return horizontal_add(v); }
+inline Vec vmax_lanes(Vec a, Vec b) { return _mm256_max_ps(a, b); }
 inline float vmax(Vec v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
-inline Vec vmask_tail(Vec v, int64_t valid) {
-  const __m256 lane = _mm256_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
-  const __m256 keep = _mm256_cmp_ps(lane, _mm256_set1_ps(static_cast<float>(std::min<int64_t>(valid, 8))), _CMP_LT_OQ);
-  return _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), v, keep);
-}
-// As on AVX-512, in horizontal_add's tree (lanes i + i+4, then i + i+2, 0 + 1).
-inline Vec vsum_transposed(const Vec* v) {
-  Vec halves[4], quarters[2];
-  for (int k = 0; k < 4; ++k) {
-    halves[k] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * k], v[2 * k + 1], 0x20),
-                              _mm256_permute2f128_ps(v[2 * k], v[2 * k + 1], 0x31));
-  }
-  for (int k = 0; k < 2; ++k) {
-    const __m256d a = _mm256_castps_pd(halves[2 * k]), b = _mm256_castps_pd(halves[2 * k + 1]);
-    quarters[k] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)), _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
-  }
-  return _mm256_add_ps(_mm256_shuffle_ps(quarters[0], quarters[1], 0x88), _mm256_shuffle_ps(quarters[0], quarters[1], 0xdd));
-}
 #else
 constexpr int kLanes = 0;
 #endif
-#if TOKIOS_VNNI || TOKIOS_AVX2
+#if TOKIOS_VNNI
 // Where vsum_transposed reads the vector whose sum lands in lane m.
 constexpr int transposed_slot(int m) { return m / 4 + (kLanes / 4) * (m % 4); }
+#endif
+#if TOKIOS_VNNI || TOKIOS_AVX2
+// The sums of 4 vectors, lane m that of v[m].
+inline __m128 sum4(const Vec* v) {
+#if TOKIOS_VNNI
+  __m256 halves[4];
+  for (int m = 0; m < 4; ++m) {
+    halves[m] = _mm256_add_ps(_mm512_castps512_ps256(v[m]),
+                              _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v[m]), 1)));
+  }
+#else
+  const Vec* halves = v;
+#endif
+  // Per 128-bit half: lanes (0+1, 2+3) of two vectors, then of those; the halves added last.
+  const __m256 sums = _mm256_hadd_ps(_mm256_hadd_ps(halves[0], halves[1]), _mm256_hadd_ps(halves[2], halves[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1));
+}
+
+// Raw dot products of NQ queries (one KV head's) with 4 keys, each loaded (and widened) once
+// for all NQ: scores[q][m] = queries[q] . keys[m]. The 4 * NQ sums stay in registers across
+// the head (12 + 1 query + 1 key of AVX2's 16 for SmolLM2's group of 3) and are reduced once;
+// each sums its products in the same order whatever else shares the call.
+template <typename KV, int VECS, int NQ>
+inline void dots_of_4_keys(const float* const* queries, const KV* const* keys, __m128* scores) {
+  // The queries are read from L1 as the FMAs' memory operands: held in registers, they pushed
+  // the sums out to the stack.
+  Vec acc[NQ][4];
+  for (int m = 0; m < 4; ++m) {
+    const Vec key = vload(keys[m]);
+    for (int q = 0; q < NQ; ++q) acc[q][m] = vmul(vload(queries[q]), key);
+  }
+#pragma GCC unroll 16
+  for (int c = 1; c < VECS; ++c) {
+    for (int m = 0; m < 4; ++m) {
+      const Vec key = vload(keys[m] + kLanes * c);
+      for (int q = 0; q < NQ; ++q) acc[q][m] = vfmadd(vload(queries[q] + kLanes * c), key, acc[q][m]);
+    }
+  }
+  for (int q = 0; q < NQ; ++q) scores[q] = sum4(acc[q]);
+}
+
+// Softmax-weighted values for NQ queries (one KV head's) over the keys [from, to): outs[q] (zeroed
+// first when `starts`) += weights[q][l] * value(l), each value read (and widened) once for all
+// NQ. A query's 4 vectors of sums at a time stay in registers over the keys (12 of AVX2's 16
+// for a group of 3), and run over the keys in order whatever else shares the call.
+template <typename KV, int VECS, int NQ>
+inline void accumulate_values(const float* const* weights, const KV* value_cache, const int64_t* slots,
+                              int64_t kv_stride, int64_t kv_offset, int64_t hd, int64_t from, int64_t to,
+                              bool starts, float* const* outs) {
+  constexpr int kPart = VECS < 4 ? VECS : 4;
+  for (int part = 0; part < VECS / kPart; ++part) {
+    const int64_t offset = part * kPart * kLanes;
+    Vec acc[NQ][kPart];
+    for (int q = 0; q < NQ; ++q) {
+      for (int c = 0; c < kPart; ++c) acc[q][c] = starts ? vset1(0.f) : vload(outs[q] + offset + kLanes * c);
+    }
+    for (int64_t l = from; l < to; ++l) {
+      const KV* head = value_cache + slots[l] * kv_stride + kv_offset;
+      const float value_scale = head_scale(head, hd);
+      for (int c = 0; c < kPart; ++c) {
+        const Vec value = vload(head + offset + kLanes * c);
+        for (int q = 0; q < NQ; ++q) acc[q][c] = vfmadd(vset1(weights[q][l] * value_scale), value, acc[q][c]);
+      }
+    }
+    for (int q = 0; q < NQ; ++q) {
+      for (int c = 0; c < kPart; ++c) vstore(outs[q] + offset + kLanes * c, acc[q][c]);
+    }
+  }
+}
 #endif
 
 // Keys per segment. A context longer than this is attended one segment at a time, each with its
@@ -344,8 +397,9 @@ constexpr int kMaxItemQueries = 72;
 // inside a slot (`kv_stride` apart). Each block of keys (then values) is loaded (and widened
 // from bfloat16) once per KV head for all its queries: per query, a decode read the context's
 // K/V once per head of its GQA group and a prompt chunk once per row, which left attention at
-// 8 ms per prompt token at 5,000 tokens of context (SmolLM2, 2 threads). scores: kSegmentKeys
-// floats per query; query_scratch: kMaxItemQueries * head_dim floats, which only
+// 8 ms per prompt token at 5,000 tokens of context (SmolLM2, 2 threads). (The vector path
+// reads a key or value once per 3 queries of its head, whose sums it holds in registers.)
+// scores: kSegmentKeys floats per query; query_scratch: kMaxItemQueries * head_dim floats, which only
 // attend_segment_bf16 uses (both are called through one pointer). VECS = head_dim / kLanes (0:
 // portable loops). A query's results do not depend on which other queries share its pass (each
 // sums in the same order), so a verify row equals the plain decode of the same token bit for bit.
@@ -360,71 +414,74 @@ void attend_segment(const float* const* queries, const int64_t* lengths, int num
   auto score_row = [&](int q) { return scores + q * kSegmentKeys - begin; };  // indexed by position
 #if TOKIOS_VNNI || TOKIOS_AVX2
   if constexpr (VECS > 0) {
-    // Blocks of kLanes keys (then values), widened once into `block` for all the queries. A
-    // query's kLanes dot products are summed together by vsum_transposed, and its weighted sum
-    // of values stays in registers across a block: one horizontal sum per key and a load and
-    // store of the output per key made this loop bound by shuffles and stores (25-40 GFLOPS).
-    // Lanes past a query's length are -infinity in its scores, then 0 after the softmax, so a
-    // block a query ends inside adds exact zeros.
-    constexpr int64_t hd_vec = VECS * kLanes;
-    alignas(64) float block[kLanes * hd_vec];
-    alignas(64) float head_scales[kLanes];
-    auto widen = [&](const KV* cache, int64_t l0, int64_t kv_offset) {
-      const int64_t count = std::min<int64_t>(kLanes, stop - l0);
-      for (int64_t j = 0; j < kLanes; ++j) {
-        if (j < count) {
-          const KV* head = cache + slots[l0 + j] * kv_stride + kv_offset;
-          for (int c = 0; c < VECS; ++c) vstore(block + j * hd_vec + kLanes * c, vload(head + kLanes * c));
-          head_scales[j] = head_scale(head, hd);
-        } else {  // past every query's keys: zeros, never weighted
-          for (int c = 0; c < VECS; ++c) vstore(block + j * hd_vec + kLanes * c, vset1(0.f));
-          head_scales[j] = 1.f;
-        }
-      }
+    // Queries in groups of up to 3 of one KV head (their keys and values are read once for the
+    // group, dots_of_4_keys and accumulate_values), and slot by slot for all KV heads: a slot
+    // holds its heads side by side, so the segment is read in order. Widening blocks of keys
+    // into memory once for all queries, then summing each query's 8 dot vectors in registers,
+    // spilled on AVX2 (16 registers): a decode row's attention ran at a sixth of the FMA rate.
+    struct Group {
+      int kv, first, size;
+      int64_t stop;  // past the group's longest query's last key in the segment
     };
-    for (int64_t l0 = begin; l0 < stop; l0 += kLanes) {
-      for (int k = 0; k < num_kv; ++k) {
-        widen(key_cache, l0, kv_offsets[k]);
-        for (int q = head_starts[k]; q < head_starts[k + 1]; ++q) {
-          if (l0 >= lengths[q]) continue;
-          Vec query[VECS];
-          for (int c = 0; c < VECS; ++c) query[c] = vload(queries[q] + kLanes * c);
-          Vec dots[kLanes];
-          for (int m = 0; m < kLanes; ++m) {
-            const float* key = block + m * hd_vec;
-            Vec dot = vmul(query[0], vload(key));
-            for (int c = 1; c < VECS; ++c) dot = vfmadd(query[c], vload(key + kLanes * c), dot);
-            dots[transposed_slot(m)] = dot;
-          }
-          const Vec s =
-              vmask_tail(vmul(vmul(vsum_transposed(dots), vset1(scale)), vload(head_scales)), lengths[q] - l0);
-          vstore(score_row(q) + l0, s);
-          maxima[q] = std::max(maxima[q], vmax(s));
+    Group groups[kMaxItemQueries];
+    int num_groups = 0;
+    for (int k = 0; k < num_kv; ++k) {
+      for (int first = head_starts[k]; first < head_starts[k + 1]; first += 3) {
+        Group& group = groups[num_groups++];
+        group = {k, first, std::min(3, head_starts[k + 1] - first), begin};
+        for (int q = first; q < first + group.size; ++q) group.stop = std::max(group.stop, std::min(end, lengths[q]));
+      }
+    }
+    // Scores, 4 keys at a time. Keys past a group's stop read a zero head; a query's scores past
+    // its own length (its group may be longer) are never read.
+    constexpr int64_t hd_vec = VECS * kLanes;
+    alignas(64) static const KV zero_head[hd_vec + 64] = {};
+    for (int64_t l = begin; l < stop; l += 4) {
+      for (int g = 0; g < num_groups; ++g) {
+        const Group& group = groups[g];
+        if (l >= group.stop) continue;
+        const KV* keys[4];
+        alignas(16) float key_scales[4];
+        for (int m = 0; m < 4; ++m) {
+          const bool inside = l + m < group.stop;
+          keys[m] = inside ? key_cache + slots[l + m] * kv_stride + kv_offsets[group.kv] : zero_head;
+          key_scales[m] = inside ? head_scale(keys[m], hd) : 1.f;
         }
+        __m128 dots[3];
+        if (group.size == 3) dots_of_4_keys<KV, VECS, 3>(queries + group.first, keys, dots);
+        if (group.size == 2) dots_of_4_keys<KV, VECS, 2>(queries + group.first, keys, dots);
+        if (group.size == 1) dots_of_4_keys<KV, VECS, 1>(queries + group.first, keys, dots);
+        const __m128 scales = _mm_mul_ps(_mm_set1_ps(scale), _mm_load_ps(key_scales));
+        for (int q = 0; q < group.size; ++q) _mm_storeu_ps(score_row(group.first + q) + l, _mm_mul_ps(dots[q], scales));
       }
     }
     for (int q = 0; q < num_queries; ++q) {
-      const int64_t last = std::min(end, lengths[q]);
       float* row = score_row(q);
+      const int64_t last = std::min(end, lengths[q]);
+      Vec lane_maxima = vset1(-INFINITY);
+      int64_t l = begin;
+      for (; l + kLanes <= last; l += kLanes) lane_maxima = vmax_lanes(lane_maxima, vload(row + l));
+      maxima[q] = vmax(lane_maxima);
+      for (; l < last; ++l) maxima[q] = std::max(maxima[q], row[l]);
       sums[q] = exponentiate(row + begin, last - begin, maxima[q]);
-      for (int64_t l = last; l % kLanes; ++l) row[l] = 0.f;
-      std::memset(outs[q], 0, hd * sizeof(float));
+      for (l = last; l < stop; ++l) row[l] = 0.f;  // its group may read on: weight 0
     }
-    for (int64_t l0 = begin; l0 < stop; l0 += kLanes) {
-      for (int k = 0; k < num_kv; ++k) {
-        widen(value_cache, l0, kv_offsets[k]);
-        for (int q = head_starts[k]; q < head_starts[k + 1]; ++q) {
-          if (l0 >= lengths[q]) continue;
-          alignas(64) float weights[kLanes];
-          vstore(weights, vmul(vload(score_row(q) + l0), vload(head_scales)));
-          Vec acc[VECS];
-          for (int c = 0; c < VECS; ++c) acc[c] = vload(outs[q] + kLanes * c);
-          for (int m = 0; m < kLanes; ++m) {
-            const Vec p = vset1(weights[m]);
-            for (int c = 0; c < VECS; ++c) acc[c] = vfmadd(p, vload(block + m * hd_vec + kLanes * c), acc[c]);
-          }
-          for (int c = 0; c < VECS; ++c) vstore(outs[q] + kLanes * c, acc[c]);
-        }
+    // Values, 64 keys at a time (for int8 and bfloat16 SmolLM2, within L1 for all 3 KV heads).
+    for (int64_t chunk = begin; chunk < stop; chunk += 64) {
+      for (int g = 0; g < num_groups; ++g) {
+        const Group& group = groups[g];
+        if (chunk >= group.stop) continue;
+        const float* weights[3];
+        for (int q = 0; q < group.size; ++q) weights[q] = score_row(group.first + q);
+        auto accumulate = [&](auto size) {
+          accumulate_values<KV, VECS, decltype(size)::value>(weights, value_cache, slots, kv_stride,
+                                                             kv_offsets[group.kv], hd, chunk,
+                                                             std::min(chunk + 64, group.stop), chunk == begin,
+                                                             outs + group.first);
+        };
+        if (group.size == 3) accumulate(std::integral_constant<int, 3>{});
+        if (group.size == 2) accumulate(std::integral_constant<int, 2>{});
+        if (group.size == 1) accumulate(std::integral_constant<int, 1>{});
       }
     }
     return;
@@ -622,8 +679,9 @@ void decode_attention_rows(const float* q, int64_t q_stride, const KV* key_cache
     if (hd == 2 * kLanes) attend = &attend_segment<KV, 2>;
     if (hd == 4 * kLanes) attend = &attend_segment<KV, 4>;
     if (hd == 8 * kLanes) attend = &attend_segment<KV, 8>;
-    // Gemma 3's 256: the compiler keeps some vectors on the stack (L1), still far faster than the portable loop.
+    // Gemma 3's 256 (32 vectors of AVX2's 8 lanes too: the sums are held 4 vectors at a time).
     if (hd == 16 * kLanes) attend = &attend_segment<KV, 16>;
+    if (kLanes == 8 && hd == 32 * kLanes) attend = &attend_segment<KV, 32>;
   }
 #if TOKIOS_BF16_DOT
   if constexpr (std::is_same_v<KV, at::BFloat16>) {

@@ -112,3 +112,21 @@ def test_roofline_command_measures_roofs_and_writes_the_chart(tmp_path):
     assert set(measurement["dtype_to_peak_flops"]) >= {"fp32", "bf16"}
     assert report["points"] == [] and chart.read_bytes()[:4] == b"\x89PNG"
     assert not (tmp_path / "cache" / "hardware.json").exists()  # quick figures are never cached
+
+
+
+def test_the_int8_roof_is_at_least_what_our_quantized_kernel_does(monkeypatch):
+    """The int8 roof holds the quantized engine's steps; where oneDNN's integer GEMM has no vector
+    path (1.3 GFLOP/s on an AVX2 host) it must come from our kernel, or every decode step reads
+    as thousands of percent of peak."""
+    from tokios.model.kernels import load_extension
+    from tokios.tools.roofline import microbench
+
+    extension = load_extension()
+    if extension is None or not (extension.has_vnni() or extension.has_avx2()):
+        pytest.skip("the kernel has no vector path here")
+    assert microbench._measure_quantized_kernel_flops(256, num_repeats=1) > 0  # the real kernel runs
+    # The roof is the larger figure: a kernel far beyond any integer GEMM is taken as it is.
+    monkeypatch.setattr(microbench, "_measure_quantized_kernel_flops", lambda size, num_repeats: 1e18)
+    assert microbench.measure_matmul_flops("int8", 256, num_repeats=1) == 1e18
+    assert microbench.measure_matmul_flops("int8", 256, num_repeats=1, with_kernels=False) < 1e18

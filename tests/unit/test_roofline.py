@@ -114,7 +114,6 @@ def test_roofline_command_measures_roofs_and_writes_the_chart(tmp_path):
     assert not (tmp_path / "cache" / "hardware.json").exists()  # quick figures are never cached
 
 
-
 def test_the_int8_roof_is_at_least_what_our_quantized_kernel_does(monkeypatch):
     """The int8 roof holds the quantized engine's steps; where oneDNN's integer GEMM has no vector
     path (1.3 GFLOP/s on an AVX2 host) it must come from our kernel, or every decode step reads

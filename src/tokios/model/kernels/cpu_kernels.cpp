@@ -434,8 +434,13 @@ void attend_segment(const float* const* queries, const int64_t* lengths, int num
     }
     // Scores, 4 keys at a time. Keys past a group's stop read a zero head; a query's scores past
     // its own length (its group may be longer) are never read.
-    constexpr int64_t hd_vec = VECS * kLanes;
-    alignas(64) static const KV zero_head[hd_vec + 64] = {};
+    alignas(64) static const KV zero_head[VECS * kLanes] = {};
+    // Calls fn with the group's size as a compile-time constant (the register blocks' shape).
+    auto with_size = [](int size, auto&& fn) {
+      if (size == 3) fn(std::integral_constant<int, 3>{});
+      if (size == 2) fn(std::integral_constant<int, 2>{});
+      if (size == 1) fn(std::integral_constant<int, 1>{});
+    };
     for (int64_t l = begin; l < stop; l += 4) {
       for (int g = 0; g < num_groups; ++g) {
         const Group& group = groups[g];
@@ -448,9 +453,7 @@ void attend_segment(const float* const* queries, const int64_t* lengths, int num
           key_scales[m] = inside ? head_scale(keys[m], hd) : 1.f;
         }
         __m128 dots[3];
-        if (group.size == 3) dots_of_4_keys<KV, VECS, 3>(queries + group.first, keys, dots);
-        if (group.size == 2) dots_of_4_keys<KV, VECS, 2>(queries + group.first, keys, dots);
-        if (group.size == 1) dots_of_4_keys<KV, VECS, 1>(queries + group.first, keys, dots);
+        with_size(group.size, [&](auto size) { dots_of_4_keys<KV, VECS, size()>(queries + group.first, keys, dots); });
         const __m128 scales = _mm_mul_ps(_mm_set1_ps(scale), _mm_load_ps(key_scales));
         for (int q = 0; q < group.size; ++q) _mm_storeu_ps(score_row(group.first + q) + l, _mm_mul_ps(dots[q], scales));
       }
@@ -473,15 +476,11 @@ void attend_segment(const float* const* queries, const int64_t* lengths, int num
         if (chunk >= group.stop) continue;
         const float* weights[3];
         for (int q = 0; q < group.size; ++q) weights[q] = score_row(group.first + q);
-        auto accumulate = [&](auto size) {
-          accumulate_values<KV, VECS, decltype(size)::value>(weights, value_cache, slots, kv_stride,
-                                                             kv_offsets[group.kv], hd, chunk,
-                                                             std::min(chunk + 64, group.stop), chunk == begin,
-                                                             outs + group.first);
-        };
-        if (group.size == 3) accumulate(std::integral_constant<int, 3>{});
-        if (group.size == 2) accumulate(std::integral_constant<int, 2>{});
-        if (group.size == 1) accumulate(std::integral_constant<int, 1>{});
+        with_size(group.size, [&](auto size) {
+          accumulate_values<KV, VECS, size()>(weights, value_cache, slots, kv_stride, kv_offsets[group.kv], hd,
+                                              chunk, std::min(chunk + 64, group.stop), chunk == begin,
+                                              outs + group.first);
+        });
       }
     }
     return;

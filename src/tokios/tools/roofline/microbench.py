@@ -65,17 +65,16 @@ def measure_matmul_flops(dtype: str, size: int = 2048, num_repeats: int = 3, wit
     kernel out (it may have to be compiled first)."""
     device = _device()
     if dtype == "int8":
+        def int_mm_flops(n: int) -> float:
+            a = torch.randint(-127, 128, (n, n), dtype=torch.int8, device=device)
+            b = torch.randint(-127, 128, (n, n), dtype=torch.int8, device=device)
+            return 2 * n**3 / _best_seconds(lambda: torch._int_mm(a, b), device, num_repeats)
+
         best = _measure_quantized_kernel_flops(size, num_repeats) if device.type == "cpu" and with_kernels else 0.0
-        if _has_int_mm():
-            # A small probe first: where oneDNN has no integer vector path, the full size alone
-            # took 13 s a repeat.
-            probe = 256
-            a = torch.randint(-127, 128, (probe, probe), dtype=torch.int8, device=device)
-            b = torch.randint(-127, 128, (probe, probe), dtype=torch.int8, device=device)
-            if 2 * probe**3 / _best_seconds(lambda: torch._int_mm(a, b), device, num_repeats) > best / 4:
-                a = torch.randint(-127, 128, (size, size), dtype=torch.int8, device=device)
-                b = torch.randint(-127, 128, (size, size), dtype=torch.int8, device=device)
-                best = max(best, 2 * size**3 / _best_seconds(lambda: torch._int_mm(a, b), device, num_repeats))
+        # A small probe first: where oneDNN has no integer vector path, the full size alone took
+        # 13 s a repeat.
+        if _has_int_mm() and int_mm_flops(256) > best / 4:
+            best = max(best, int_mm_flops(size))
         return best
     torch_dtype = _NAME_TO_TORCH_DTYPE[dtype]
     a = torch.randn(size, size, device=device).to(torch_dtype)

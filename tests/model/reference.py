@@ -54,23 +54,26 @@ def gguf_parsed_once():
     """transformers parses a GGUF file once for its config and again for the weights (or the
     vocabulary); Gemma 3's 262,144-token vocabulary makes each parse about 20 s of Python here.
     Inside this block the gguf library's reader is built once per file and shared: the same
-    reader, read-only, so what transformers loads does not change."""
+    reader, read-only, so what transformers loads does not change. So is the tensor name map,
+    which transformers rebuilds for every submodule of the model (397 times for SmolLM2, each
+    formatting every name pattern for every layer: about 5 s a load)."""
     import gguf
 
-    original = gguf.GGUFReader
+    original_reader, original_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
     readers: dict[str, object] = {}
 
     def shared_reader(path, *args, **kwargs):
         key = repr((str(path), args, sorted(kwargs.items())))
         if key not in readers:
-            readers[key] = original(path, *args, **kwargs)
+            readers[key] = original_reader(path, *args, **kwargs)
         return readers[key]
 
     gguf.GGUFReader = shared_reader
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original_name_map)
     try:
         yield
     finally:
-        gguf.GGUFReader = original
+        gguf.GGUFReader, gguf.get_tensor_name_map = original_reader, original_name_map
 
 
 def reference_greedy(model, prompt_token_ids: list[int], num_tokens: int) -> list[int]:

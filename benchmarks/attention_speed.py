@@ -6,10 +6,15 @@ sharing passes over it). Random caches of each --kv-dtypes format (bfloat16; int
 per token-head scales, kv_cache/dtypes.py) in blocks of --block-size slots, as the engine lays them;
 best of --repeats rounds of --iterations calls. GB/s counts the bytes of the format read.
 --layers N calls N caches in turn, as a step's layers are: with 30, a long context's KV comes
-from memory, not from L3 (one 4,096-token context is 3 MB a layer in bfloat16).
+from memory, not from L3 (one 4,096-token context is 3 MB a layer in bfloat16). --read-baseline
+adds a row per context: a plain read (torch.sum) of as many bytes per layer as its cache holds
+for the context, the layers in turn, timed the same way: what reading alone costs, against which the decode row's
+time (in cache with --layers 1, from memory with --layers 30) shows whether its reads overlap
+its arithmetic.
 
     python benchmarks/attention_speed.py --contexts 512,4096,8192 --heads 9 --kv-heads 3 --head-dim 64
     python benchmarks/attention_speed.py --contexts 4096,8192 --kv-dtypes bfloat16 --layers 30
+    python benchmarks/attention_speed.py --contexts 4096 --layers 30 --block-order in-order --read-baseline
 """
 
 from __future__ import annotations
@@ -50,6 +55,8 @@ def main() -> None:
                         help="where a context's blocks lie: scattered (a long-running server's) or consecutive")
     parser.add_argument("--layers", type=int, default=1,
                         help="caches called in turn, as a step's layers are: 30 puts a long context out of L3")
+    parser.add_argument("--read-baseline", action="store_true",
+                        help="also time a plain read of the bytes one decode row reads, layer by layer")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     extension = load_extension()
@@ -107,6 +114,22 @@ def main() -> None:
             pairs = sum(lengths) * heads
             print(f"| {context} | {kv_dtype} | {name} | {best * 1e3:.3f} | {kv_bytes / best / 1e9:.1f} | "
                   f"{pairs * head_dim * 4 / best / 1e9:.1f} |")
+        if args.read_baseline:
+            # As many bytes as each layer's K and V for `context` slots, in float32 buffers of their
+            # own (the caches' bytes read as floats would hold denormals, which slow the sum).
+            words = [(torch.ones(keys[:context].numel() * keys.element_size() // 4),
+                      torch.ones(values[:context].numel() * values.element_size() // 4)) for keys, values in caches]
+            best = float("inf")
+            for _ in range(args.repeats):
+                started = time.perf_counter()
+                for _ in range(args.iterations):
+                    for keys, values in words:
+                        keys.sum()
+                        values.sum()
+                best = min(best, (time.perf_counter() - started) / args.iterations / args.layers)
+            kv_bytes = sum(t.numel() * 4 for t in words[0])
+            print(f"| {context} | {kv_dtype} | plain read of a decode row's bytes | {best * 1e3:.3f} | "
+                  f"{kv_bytes / best / 1e9:.1f} | - |")
 
 
 if __name__ == "__main__":

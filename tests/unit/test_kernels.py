@@ -14,8 +14,8 @@ from gguf import GGMLQuantizationType as T
 from tokios.model.attention import dequantize_kv, quantize_kv
 from tokios.model.blocks import BLOCK_BYTES, KERNEL_TYPES, LAYOUTS, quantize, quantize_ints, unpack
 from tokios.model.blocks.codec import pack
-from tokios.model.kernels import (BLOCK, FORMAT_BY_TYPE, QuantizedLinear, load_extension, quantize_q4_1,
-                                  quantize_q8_0)
+from tokios.model.kernels import (BLOCK, FORMAT_BY_TYPE, QuantizedLinear, has_vector_kernels, load_extension,
+                                  quantize_q4_1, quantize_q8_0)
 from tokios.model.quant import PackedWeight
 
 extension = load_extension()
@@ -311,7 +311,7 @@ def older_builds() -> dict[str, object]:
     A march that would not build maps to its error."""
     from tokios.model.kernels import compile_kernels
 
-    marches = [march for march, wanted in (("x86-64-v2", extension.has_vnni() or extension.has_avx2()),
+    marches = [march for march, wanted in (("x86-64-v2", has_vector_kernels(extension)),
                                            ("x86-64-v3", extension.has_vnni())) if wanted]
     if not marches:
         return {}
@@ -354,7 +354,7 @@ def test_avx2_path_gives_the_vnni_path_bits():
 
 
 @needs_extension
-@pytest.mark.skipif(extension is not None and not (extension.has_vnni() or extension.has_avx2()),
+@pytest.mark.skipif(extension is not None and not has_vector_kernels(extension),
                     reason="this build already is the portable one")
 def test_portable_scalar_path_matches_the_vector_path():
     """Machines without AVX2 compile the scalar loops; build them here (x86-64-v2, cached like

@@ -118,11 +118,11 @@ def test_the_int8_roof_is_at_least_what_our_quantized_kernel_does(monkeypatch):
     """The int8 roof holds the quantized engine's steps; where oneDNN's integer GEMM has no vector
     path (1.3 GFLOP/s on an AVX2 host) it must come from our kernel, or every decode step reads
     as thousands of percent of peak."""
-    from tokios.model.kernels import load_extension
+    from tokios.model.kernels import has_vector_kernels, load_extension
     from tokios.tools.roofline import microbench
 
     extension = load_extension()
-    if extension is None or not (extension.has_vnni() or extension.has_avx2()):
+    if extension is None or not has_vector_kernels(extension):
         pytest.skip("the kernel has no vector path here")
     assert microbench._measure_quantized_kernel_flops(256, num_repeats=1) > 0  # the real kernel runs
     # The roof is the larger figure: a kernel far beyond any integer GEMM is taken as it is.

@@ -70,6 +70,12 @@ def load_extension():
     return _extension
 
 
+def has_vector_kernels(extension) -> bool:
+    """Whether this build of the kernels has a vector path (AVX-512 VNNI or AVX2), not only the
+    portable scalar loops."""
+    return extension.has_vnni() or extension.has_avx2()
+
+
 def kernel_status() -> str:
     extension = load_extension()
     if extension is None:
@@ -175,8 +181,7 @@ class QuantizedLinear:
         x = x.float()
         if self.linear is None:
             return F.linear(x, self.weight, self.bias)
-        if (x.shape[0] > self.SCALAR_PATH_MAX_ROWS and not self.extension.has_vnni()
-                and not self.extension.has_avx2()):
+        if x.shape[0] > self.SCALAR_PATH_MAX_ROWS and not has_vector_kernels(self.extension):
             weight = self.dequantized_weight()
             out = F.linear(x.to(torch.bfloat16), weight.to(torch.bfloat16)).float()
             return out if self.bias is None else out + self.bias

@@ -86,10 +86,10 @@ def measure_matmul_flops(dtype: str, size: int = 2048, num_repeats: int = 3, wit
 def _measure_quantized_kernel_flops(size: int, num_repeats: int) -> float:
     """FLOP/s of the C++ Q8_0 kernel (8-bit activations, integer dot products) on a size x size
     weight and size rows; 0 where the kernel has no vector path (it then falls back to torch)."""
-    from tokios.model.kernels import load_extension, make_quantized_linear
+    from tokios.model.kernels import has_vector_kernels, load_extension, make_quantized_linear
 
     extension = load_extension()
-    if extension is None or not (extension.has_vnni() or extension.has_avx2()):
+    if extension is None or not has_vector_kernels(extension):
         return 0.0
     linear = make_quantized_linear(torch.randn(size, size), None, "int8")
     x = torch.randn(size, size)

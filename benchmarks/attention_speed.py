@@ -8,9 +8,9 @@ best of --repeats rounds of --iterations calls. GB/s counts the bytes of the for
 --layers N calls N caches in turn, as a step's layers are: with 30, a long context's KV comes
 from memory, not from L3 (one 4,096-token context is 3 MB a layer in bfloat16). --read-baseline
 adds a row per context: a plain read (torch.sum) of as many bytes per layer as its cache holds
-for the context, the layers in turn, timed the same way: what reading alone costs, against which the decode row's
-time (in cache with --layers 1, from memory with --layers 30) shows whether its reads overlap
-its arithmetic.
+for the context, the layers in turn, timed the same way. Against what reading alone costs, the
+decode row's time (in cache with --layers 1, from memory with --layers 30) shows whether its
+reads overlap its arithmetic.
 
     python benchmarks/attention_speed.py --contexts 512,4096,8192 --heads 9 --kv-heads 3 --head-dim 64
     python benchmarks/attention_speed.py --contexts 4096,8192 --kv-dtypes bfloat16 --layers 30
@@ -38,6 +38,17 @@ def block_slots(num_blocks: int, block: int, length: int, generator: torch.Gener
     else:
         blocks = torch.arange(first_block, first_block + count)
     return (blocks[:, None] * block + torch.arange(block)).reshape(-1)[:length]
+
+
+def best_seconds_per_layer(call, args) -> float:
+    """The best of --repeats rounds of --iterations calls, per call and per layer."""
+    best = float("inf")
+    for _ in range(args.repeats):
+        started = time.perf_counter()
+        for _ in range(args.iterations):
+            call()
+        best = min(best, (time.perf_counter() - started) / args.iterations / args.layers)
+    return best
 
 
 def main() -> None:
@@ -103,12 +114,7 @@ def main() -> None:
                                                head_dim ** -0.5)
 
             call()
-            best = float("inf")
-            for _ in range(args.repeats):
-                started = time.perf_counter()
-                for _ in range(args.iterations):
-                    call()
-                best = min(best, (time.perf_counter() - started) / args.iterations / args.layers)
+            best = best_seconds_per_layer(call, args)
             distinct_contexts = 1 if name.endswith("chunk") else rows
             kv_bytes = distinct_contexts * max(lengths) * kv_heads * head_dim * 2 * element_bytes
             pairs = sum(lengths) * heads
@@ -117,17 +123,15 @@ def main() -> None:
         if args.read_baseline:
             # As many bytes as each layer's K and V for `context` slots, in float32 buffers of their
             # own (the caches' bytes read as floats would hold denormals, which slow the sum).
-            words = [(torch.ones(keys[:context].numel() * keys.element_size() // 4),
-                      torch.ones(values[:context].numel() * values.element_size() // 4)) for keys, values in caches]
-            best = float("inf")
-            for _ in range(args.repeats):
-                started = time.perf_counter()
-                for _ in range(args.iterations):
-                    for keys, values in words:
-                        keys.sum()
-                        values.sum()
-                best = min(best, (time.perf_counter() - started) / args.iterations / args.layers)
-            kv_bytes = sum(t.numel() * 4 for t in words[0])
+            buffers = [torch.ones(cache[:context].numel() * cache.element_size() // 4)
+                       for pair in caches for cache in pair]
+
+            def read():
+                for buffer in buffers:
+                    buffer.sum()
+
+            best = best_seconds_per_layer(read, args)
+            kv_bytes = sum(buffer.numel() * 4 for buffer in buffers) / args.layers
             print(f"| {context} | {kv_dtype} | plain read of a decode row's bytes | {best * 1e3:.3f} | "
                   f"{kv_bytes / best / 1e9:.1f} | - |")
 

@@ -3,8 +3,11 @@
 Every operation the document lists gets generated requests, valid and invalid by the schema
 (hypothesis underneath, a bounded example budget per operation), sent to a real `tokios serve`.
 Each response must be no 5xx, match the documented status codes, content types and schemas,
-reject data the schema forbids with a 4xx, and carry an Allow header on a 405. After the run
-the server must still answer, hold no KV block and no request, and its invariants must hold.
+reject data the schema forbids with a 4xx, and carry an Allow header on a 405. Data the schema
+allows must reach the handler's logic: an operation that refuses every generated valid request
+documents a schema looser than its validation (schemathesis's "schema validation mismatch"),
+which fails the run. After the run the server must still answer, hold no KV block and no
+request, and its invariants must hold.
 The server runs with a short context so that a fuzzed `max_tokens` costs at most a few dozen
 decode steps.
 """
@@ -80,14 +83,43 @@ def test_every_operation_survives_fuzzing(api_schema, fuzz_server, method, path,
     if mode is GenerationMode.NEGATIVE and "requestBody" not in operation.definition.raw and path != "/health":
         pytest.skip("no input to make invalid")
 
+    answers: list[tuple[int, str]] = []
+
     @settings(max_examples=EXAMPLES_PER_OPERATION[mode], deadline=None, database=None,
               suppress_health_check=list(HealthCheck))
     @given(case=operation.as_strategy(generation_mode=mode))
     def fuzz(case):
-        case.call_and_validate(checks=CHECKS, timeout=60)
+        response = case.call_and_validate(checks=CHECKS, timeout=60)
+        answers.append((response.status_code, response.text[:300]))
 
     fuzz()
     assert fuzz_server.popen.poll() is None, fuzz_server.log_tail()
+    if mode is GenerationMode.POSITIVE:
+        assert not is_validation_mismatch([status for status, _ in answers]), (
+            f"{method} {path}: every request valid by the published schema was refused, so the schema is looser "
+            f"than the validation: {sorted(set(answers))[:5]}")
+
+
+# Statuses that say nothing about the data sent (schemathesis leaves them out of the same rule).
+_NOT_ABOUT_THE_DATA = {401, 403, 409, 429}
+
+
+def is_validation_mismatch(statuses: list[int]) -> bool:
+    """schemathesis's "schema validation mismatch": no valid case was served, and the refusals are
+    4xx about the data (not only 404s, which mean missing test data such as an unknown id)."""
+    if not statuses or any(status < 400 for status in statuses):
+        return False
+    refusals = [status for status in statuses if 400 <= status < 500 and status not in _NOT_ABOUT_THE_DATA]
+    other = [status for status in refusals if status != 404]
+    return bool(refusals) and len(other) / len(refusals) >= 0.1
+
+
+def test_the_mismatch_rule_flags_an_operation_that_refuses_all_valid_data():
+    assert is_validation_mismatch([400, 400, 422])
+    assert is_validation_mismatch([400, 404, 404])
+    assert not is_validation_mismatch([400, 200, 400])
+    assert not is_validation_mismatch([404, 404, 404])  # an unknown id: missing test data, not a loose schema
+    assert not is_validation_mismatch([401, 401])
 
 
 def test_the_server_is_clean_after_the_fuzzing(fuzz_server, statuses_before_fuzzing):

@@ -7,7 +7,7 @@ from pydantic import ValidationError
 
 from tokios.errors import InvalidRequestError
 from tokios.sampling_params import SamplingParams
-from tokios.server.protocol import (ChatCompletionRequest, CompletionRequest, TokenizeRequest, parse_logit_bias,
+from tokios.server.dialects.openai.protocol import (ChatCompletionRequest, CompletionRequest, TokenizeRequest, parse_logit_bias,
                                     sampling_kwargs)
 from tokios.server.serving import make_sampling_params
 

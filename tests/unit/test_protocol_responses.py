@@ -10,9 +10,11 @@ from starlette.exceptions import HTTPException
 
 from tokios.errors import ContextLengthExceededError, InvalidRequestError, OverloadedError
 from tokios.outputs import Logprob
-from tokios.server import responses
+from tokios.server.dialects import OPENAI
+from tokios.server.dialects.dialect import guarded_stream
+from tokios.server.dialects.openai import shapes as responses
+from tokios.server.dialects.openai.protocol import ChatCompletionRequest
 from tokios.server.errors import error_payload
-from tokios.server.protocol import ChatCompletionRequest
 
 TOKEN_TEXT = {1: "Hello", 2: " world", 3: "!", 4: " there"}
 
@@ -34,7 +36,7 @@ def parse_sse(text: str) -> list:
 
 
 def test_sse_frames_are_single_line_json_and_end_with_done():
-    text = responses.sse_event({"content": "line1\nline2", "emoji": "é🙂"}) + responses.SSE_DONE
+    text = OPENAI.encoder().encode({"content": "line1\nline2", "emoji": "é🙂"}) + OPENAI.done_marker
     assert text.count("\n\n") == 2
     assert parse_sse(text) == [{"content": "line1\nline2", "emoji": "é🙂"}, "[DONE]"]
 
@@ -115,14 +117,12 @@ def test_unexpected_errors_are_500_without_internals():
 
 
 def test_an_error_after_the_stream_started_is_an_error_event_then_done():
-    from tokios.server.serving import guarded_sse
-
     async def events():
-        yield responses.sse_event({"n": 1})
+        yield {"n": 1}
         raise InvalidRequestError("the engine refused this request mid-stream", param="stop")
 
     async def collect():
-        return [frame async for frame in guarded_sse(events())]
+        return [frame async for frame in guarded_stream(OPENAI, events())]
 
     import asyncio
     frames = parse_sse("".join(asyncio.run(collect())))
@@ -133,14 +133,12 @@ def test_an_error_after_the_stream_started_is_an_error_event_then_done():
 
 
 def test_a_clean_stream_ends_with_exactly_one_done():
-    from tokios.server.serving import guarded_sse
-
     async def events():
         for index in range(3):
-            yield responses.sse_event({"n": index})
+            yield {"n": index}
 
     async def collect():
-        return [frame async for frame in guarded_sse(events())]
+        return [frame async for frame in guarded_stream(OPENAI, events())]
 
     import asyncio
     frames = parse_sse("".join(asyncio.run(collect())))

@@ -36,7 +36,8 @@ from tokios.gateway.protocol import Frame, FrameKind
 from tokios.gateway.prefix_index import PrefixIndex, PrefixQuery, PromptHasher
 from tokios.gateway.router import BackendRouter, PrefixPolicy
 from tokios.server.connection_limits import RequestTimeoutError
-from tokios.server.errors import ANTHROPIC, OLLAMA, dialect_error_body, dialect_of_path
+from tokios.server.dialects import dialect_of_path
+from tokios.server.errors import error_payload
 from tokios.server.streams import run_watching_disconnect
 
 logger = logging.getLogger("tokios.gateway")
@@ -82,29 +83,19 @@ class GatewayConfig:
 
 
 def error_response(exc: TokiosError, path: str = "") -> JSONResponse:
-    """The error in the shape of the API the path belongs to (server/errors.py: OpenAI's,
+    """The error in the shape of the API the path belongs to (server/dialects/: OpenAI's,
     Anthropic's or Ollama's); the one place gateway errors become HTTP."""
-    body = dialect_error_body(exc, dialect_of_path(path))
-    headers = {}
-    if isinstance(exc, OverloadedError):
-        headers["Retry-After"] = str(int(exc.retry_after_s))
-    return JSONResponse(body, status_code=exc.status, headers=headers)
+    status, body, headers = error_payload(exc, dialect_of_path(path))
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
-def _stream_error_event(path: str, message: str, code: str) -> bytes:
-    """The last frame of a stream whose backend failed mid-way, in its API's framing."""
+def _stream_error_frames(path: str, message: str, code: str, num_events_sent: int) -> bytes:
+    """The frames that end a stream whose backend failed mid-way, in its API's framing (the error
+    frame, then the done marker where the API has one), numbered after the events already sent."""
     error = TokiosError(message, code=code)
     error.error_type = "backend_error"
     dialect = dialect_of_path(path)
-    body = json.dumps(dialect_error_body(error, dialect)).encode()
-    if dialect == OLLAMA:
-        return body + b"\n"
-    if dialect == ANTHROPIC:
-        return b"event: error\ndata: " + body + b"\n\n"
-    if path == "/v1/responses":
-        event = {"type": "error", "code": code, "message": message, "param": None}
-        return b"event: error\ndata: " + json.dumps(event).encode() + b"\n\n"
-    return b"data: " + body + b"\n\ndata: [DONE]\n\n"
+    return dialect.closing_frames(error, dialect.encoder(first_sequence_number=num_events_sent)).encode()
 
 
 def _bearer_token(headers: Any) -> str | None:
@@ -404,7 +395,7 @@ class Gateway:
                 # response.created, the stream's first event, carries the id.
                 self._remember_response(first.payload, stream.link.backend_id)
             # Where a frame ends: a blank line in SSE, a newline in Ollama's NDJSON.
-            frame_end = b"\n" if dialect_of_path(path) == OLLAMA else b"\n\n"
+            frame_end = dialect_of_path(path).frame_end.encode()
             while True:
                 if event.kind is FrameKind.BODY:
                     # Under load several chunks wait in the queue: one send to the client for
@@ -429,9 +420,9 @@ class Gateway:
                     # text, so the stream ends with an error event and [DONE].
                     outcome["status"] = "stream_error"
                     error = event.json()
-                    yield (b"" if ends_clean else frame_end) + _stream_error_event(
+                    yield (b"" if ends_clean else frame_end) + _stream_error_frames(
                         path, f"The backend failed mid-stream: {error.get('message', 'unknown error')}",
-                        str(error.get("code") or "backend_error"),
+                        str(error.get("code") or "backend_error"), outcome["num_events"],
                     )
                     return
                 event = await stream.next_event()

@@ -160,7 +160,7 @@ class PromptHasher:
         try:
             if path == "/v1/chat/completions":
                 from tokios.server.generation import ChatTurn
-                from tokios.server.protocol import ChatCompletionRequest
+                from tokios.server.dialects.openai.protocol import ChatCompletionRequest
                 from tokios.tool_calls import ToolSet
 
                 body = ChatCompletionRequest.model_validate(payload)

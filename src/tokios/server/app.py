@@ -2,8 +2,10 @@
 
 `create_app(settings, engine=..., engine_loader=...)` builds the app around a ready AsyncEngine
 or loads one in a worker thread after the server is listening (so `/health` answers 503 while
-loading). Routes parse bodies themselves (JSON object -> pydantic model) so that every malformed
-body becomes a 400 in OpenAI's shape via server/errors.py; endpoint logic is in server/serving.py.
+loading). The API routes are the dialects' (server/dialects/: each record lists its routes, which
+parse their bodies themselves so that every malformed body becomes a 400 in the dialect's error
+shape via server/errors.py); this module adds the server's own routes (health, metrics, engine
+stats, the web page).
 GuardMiddleware (pure ASGI, so streaming and disconnects pass through untouched) checks API keys,
 enforces --max-body-size and counts responses by status. `ServerState.drain()` is the SIGTERM path
 used by server/cli.py.
@@ -32,13 +34,13 @@ from tokios.errors import OverloadedError, TokiosError
 from tokios.server.admission import Admission
 from tokios.server.auth import ApiKeyChecker
 from tokios.server.connection_limits import BodyDeadline
-from tokios.server.dialects import DIALECT_ROUTES
-from tokios.server.errors import RequestTooLargeError, dialect_of_path, error_response
+from tokios.server.dialects import DIALECTS, dialect_of_path
+from tokios.server.dialects.openai_responses import ResponseStore
+from tokios.server.errors import RequestTooLargeError, error_response, retry_after_header
 from tokios.server.metrics import CONTENT_TYPE, ServerMetrics
-from tokios.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
-                                    TokenizeRequest, parse_body)
 from tokios.server.registry import UNLOADED, ModelEntry, ModelLease, ModelRegistry, ModelSpec
-from tokios.server.serving import SSEResponse, Serving, ServerSettings
+from tokios.server.serving import Serving, ServerSettings
+from tokios.server.streams import StreamedResponse
 from tokios.server.web_assets import (CONTENT_SECURITY_POLICY, STATIC_DIR, PageFiles, vendor_file,
                                      warn_if_vendor_files_missing)
 
@@ -57,6 +59,8 @@ class ServerState:
         self.metrics = ServerMetrics(self.engine_stats)
         self.admission = Admission(settings.max_num_seqs, settings.max_queued_requests, settings.retry_after_s)
         self.created = int(time.time())
+        # The OpenAI Responses API's stored responses (previous_response_id, GET /v1/responses/{id}).
+        self.responses_store = ResponseStore(settings.responses_store_size, settings.responses_store_ttl_s)
         registry.make_serving = lambda engine, spec: Serving(engine, self.settings, self.metrics, self.admission,
                                                              spec.names)
         registry.on_loaded = self._watch_engine
@@ -93,7 +97,7 @@ class ServerState:
         except BaseException:
             lease.release()
             raise
-        if not isinstance(response, SSEResponse):
+        if not isinstance(response, StreamedResponse):
             lease.release()
         return response
 
@@ -302,7 +306,7 @@ def create_app(settings: ServerSettings, *, registry: ModelRegistry | None = Non
     @app.get("/health")
     async def health(generate: bool = False) -> Response:
         status_code, body = await state.generation_probe() if generate else state.health()
-        headers = {} if status_code == 200 else {"Retry-After": str(int(max(1, settings.retry_after_s)))}
+        headers = {} if status_code == 200 else {"Retry-After": retry_after_header(settings.retry_after_s)}
         return JSONResponse(body, status_code=status_code, headers=headers)
 
     openapi_document: dict[str, Any] = {}
@@ -313,7 +317,8 @@ def create_app(settings: ServerSettings, *, registry: ModelRegistry | None = Non
             from tokios import __version__
             from tokios.server.openapi import build_openapi
 
-            openapi_document.update(build_openapi("tokios", __version__, settings.protect_metrics))
+            openapi_document.update(build_openapi("tokios", __version__, settings.protect_metrics,
+                                                  state.registry.names))
         return JSONResponse(openapi_document)
 
     @app.get("/metrics")
@@ -351,57 +356,9 @@ def create_app(settings: ServerSettings, *, registry: ModelRegistry | None = Non
                 stats["invariants_error"] = str(exc) or type(exc).__name__
         return JSONResponse(stats)
 
-    @app.get("/v1/models")
-    async def list_models() -> Response:
-        state.check_ready()
-        return JSONResponse({"object": "list", "data": state.registry.model_cards(state.created)})
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        state.check_ready()
-        body = await parse_body(request, ChatCompletionRequest)
-        return await state.respond(body.model, lambda lease: lease.serving.chat(request, body, lease))
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        state.check_ready()
-        body = await parse_body(request, CompletionRequest)
-        return await state.respond(body.model, lambda lease: lease.serving.completions(request, body, lease))
-
-    @app.post("/v1/embeddings")
-    async def embeddings(request: Request) -> Response:
-        state.check_ready()
-        body = await parse_body(request, EmbeddingRequest)
-        return await state.respond(body.model, lambda lease: lease.serving.embeddings(request, body, lease))
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        state.check_ready()
-        body = await parse_body(request, TokenizeRequest)
-
-        async def run(lease: ModelLease) -> Response:
-            return JSONResponse(lease.serving.tokenize(body))
-        return await state.respond(body.model, run)
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> Response:
-        state.check_ready()
-        body = await parse_body(request, DetokenizeRequest)
-
-        async def run(lease: ModelLease) -> Response:
-            return JSONResponse(lease.serving.detokenize(body))
-        return await state.respond(body.model, run)
-
-    @app.get("/tokenizer_info")
-    async def tokenizer_info(model: str | None = None) -> Response:
-        state.check_ready()
-
-        async def run(lease: ModelLease) -> Response:
-            return JSONResponse(lease.serving.tokenizer_info())
-        return await state.respond(model, run)
-
-    for install_routes in DIALECT_ROUTES:
-        install_routes(app, state)
+    for dialect in DIALECTS:
+        for route in dialect.routes:
+            app.add_api_route(route.path, route.handler, methods=[route.method.upper()])
 
     @app.get("/")
     async def index() -> Response:

@@ -1,18 +1,18 @@
 """The one place where errors become HTTP answers, in the shape of the API that was called.
 
 Maps tokios.errors types, pydantic validation errors, malformed bodies, unknown routes and
-anything unexpected to a status (and `Retry-After` for overload) and a body: OpenAI's
-`{"error": {"message", "type", "param", "code"}}` by default, Anthropic's
-`{"type": "error", "error": {"type", "message"}}` under `/v1/messages`, Ollama's
-`{"error": "message"}` under `/api/`. Used by server/app.py (exception handlers and middleware)
-and by the streams, which send the same body as an in-stream error event.
+anything unexpected to a status (and `Retry-After` for overload, rounded up to whole seconds)
+and a body in the dialect's shape (`Dialect.error_body`, server/dialects/): OpenAI's
+`{"error": {"message", "type", "param", "code"}}` when no dialect is named. Used by server/app.py
+(exception handlers and middleware), by the stream guard (server/dialects/dialect.py), which
+sends the same body as an in-stream error frame, and by the gateway.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
@@ -20,7 +20,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
 
 from tokios.errors import InvalidRequestError, NotFoundError, OverloadedError, TokiosError
-from tokios.server.protocol import ChatCompletionRequest, CompletionRequest
+
+if TYPE_CHECKING:
+    from tokios.server.dialects.dialect import Dialect
 
 logger = logging.getLogger("tokios.server")
 
@@ -36,9 +38,6 @@ _TYPE_BY_STATUS = {
     503: "service_unavailable",
 }
 
-_PARAM_NAMES = set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields) | {
-    "prompt_logprobs"}
-
 
 class RequestTooLargeError(TokiosError):
     status = 413
@@ -52,6 +51,23 @@ class RequestTooLargeError(TokiosError):
 def error_body(message: str, error_type: str, param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def openai_error_body(error: TokiosError) -> dict[str, Any]:
+    return error_body(error.message, error.error_type, error.param, error.code)
+
+
+def retry_after_header(retry_after_s: float) -> str:
+    """Whole seconds, rounded up and at least 1: `Retry-After: 0` would invite an instant retry."""
+    return str(max(1, math.ceil(retry_after_s)))
+
+
+def _param_names() -> set[str]:
+    # The OpenAI request fields a ValueError's first word may name (imported late: the dialects
+    # import this module).
+    from tokios.server.dialects.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+    return set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields) | {"prompt_logprobs"}
 
 
 def validation_error_to_invalid_request(exc: ValidationError) -> InvalidRequestError:
@@ -88,48 +104,24 @@ def to_tokios_error(exc: BaseException) -> TokiosError:
         # SamplingParams raises ValueError naming the field first ("temperature must be ...").
         message = str(exc)
         first_word = message.split(" ", 1)[0].strip(":,")
-        return InvalidRequestError(message, param=first_word if first_word in _PARAM_NAMES else None)
+        return InvalidRequestError(message, param=first_word if first_word in _param_names() else None)
     logger.exception("internal error while handling a request", exc_info=exc)
     return TokiosError("The server had an internal error while handling the request.")
 
 
-OPENAI, ANTHROPIC, OLLAMA = "openai", "anthropic", "ollama"
-
-_ANTHROPIC_TYPE_BY_STATUS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                             404: "not_found_error", 408: "invalid_request_error", 413: "request_too_large",
-                             429: "rate_limit_error", 499: "invalid_request_error", 503: "overloaded_error"}
-
-
-def dialect_of_path(path: str) -> str:
-    """Which API's error shape a route answers in."""
-    if path == "/v1/messages" or path.startswith("/v1/messages/"):
-        return ANTHROPIC
-    if path.startswith("/api/"):
-        return OLLAMA
-    return OPENAI
-
-
-def dialect_error_body(error: TokiosError, dialect: str) -> dict[str, Any]:
-    if dialect == ANTHROPIC:
-        error_type = _ANTHROPIC_TYPE_BY_STATUS.get(error.status, "api_error")
-        return {"type": "error", "error": {"type": error_type, "message": error.message}}
-    if dialect == OLLAMA:
-        return {"error": error.message}
-    return error_body(error.message, error.error_type, error.param, error.code)
-
-
-def error_payload(exc: BaseException, dialect: str = OPENAI) -> tuple[int, dict[str, Any], dict[str, str]]:
-    """(status, body, headers) for any exception."""
+def error_payload(exc: BaseException, dialect: Dialect | None = None) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """(status, body, headers) for any exception, the body in the dialect's shape (OpenAI's by default)."""
     error = to_tokios_error(exc)
     headers: dict[str, str] = {}
     if isinstance(exc, StarletteHTTPException) and exc.headers:
         headers.update(exc.headers)  # e.g. the Allow header of a 405
     if isinstance(error, OverloadedError):
-        headers["Retry-After"] = str(max(1, math.ceil(error.retry_after_s)))
-    return error.status, dialect_error_body(error, dialect), headers
+        headers["Retry-After"] = retry_after_header(error.retry_after_s)
+    body = openai_error_body(error) if dialect is None else dialect.error_body(error)
+    return error.status, body, headers
 
 
-def error_response(exc: BaseException, dialect: str = OPENAI) -> JSONResponse:
+def error_response(exc: BaseException, dialect: Dialect | None = None) -> JSONResponse:
     status, body, headers = error_payload(exc, dialect)
     return JSONResponse(body, status_code=status, headers=headers)
 

@@ -5,7 +5,8 @@ accumulates logprobs deltas, writes the request log line and the per-request met
 request ends, and aborts the engine request when the consumer stops early (client gone, error,
 shutdown). Job groups the streams of one HTTP request (one per prompt), holds its admission
 ticket, merges the streams, and `close()` releases everything on every exit path. Also here:
-`run_watching_disconnect`, which cancels work when the HTTP client goes away.
+`run_watching_disconnect`, which cancels work when the HTTP client goes away, and
+`StreamedResponse`, the HTTP answer of a streamed job (SSE or NDJSON), which closes the job.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from tokios.errors import TokiosError
 from tokios.outputs import CompletionOutput, RequestOutput, TokenLogprobs
@@ -291,3 +294,20 @@ class Job:
             self.ticket.release()
             if self.lease is not None:
                 self.lease.release()
+
+
+class StreamedResponse(StreamingResponse):
+    """A streamed answer (SSE, or Ollama's NDJSON) that always closes its job (aborting engine
+    work and releasing its model), even if never iterated."""
+
+    def __init__(self, content: AsyncIterator[str], job: Job, media_type: str = "text/event-stream"):
+        super().__init__(content, media_type=media_type,
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._job = job
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            await self._job.close()

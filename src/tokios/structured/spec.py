@@ -3,7 +3,7 @@
 Five kinds, as vLLM's `structured_outputs` names them: `json` (a JSON schema), `json_object` (any
 JSON object), `regex`, `choice` (one of a list of strings) and `grammar` (Lark, or llama.cpp's
 GBNF, told apart by llguidance). The server builds one from `response_format` or
-`structured_outputs` (server/protocol.py), tool calling builds one from the tools
+`structured_outputs` (server/dialects/openai/protocol.py), tool calling builds one from the tools
 (tool_calls/grammar.py). Whether the schema or grammar actually compiles is the compiler's
 question (compiler.py), answered before the request is queued; every error names `param`.
 """

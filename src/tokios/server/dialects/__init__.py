@@ -1,19 +1,26 @@
-"""The API dialects beside OpenAI's chat and completions: Ollama, Anthropic Messages and OpenAI
-Responses. Each module translates its bodies onto the shared chat path (server/generation.py)
-and shapes the answers and errors its clients expect; `DIALECT_ROUTES` installs them all on the
-app (server/app.py), and `DIALECT_OPENAPI_ROUTES` describes them for /openapi.json."""
+"""The four API dialects the server speaks, one record each (dialects/dialect.py): OpenAI's chat,
+completions and embeddings (dialects/openai), OpenAI Responses, Anthropic Messages and Ollama.
+Each translates its bodies onto the shared chat path (server/generation.py) and shapes the answers,
+errors and streams its clients expect. The app installs their routes, /openapi.json documents
+them, errors.py and the gateway find a path's error and stream shape with `dialect_of_path`."""
 
 from __future__ import annotations
 
-from tokios.server.dialects import anthropic, ollama, openai_responses
+from tokios.server.dialects.anthropic import ANTHROPIC
+from tokios.server.dialects.dialect import Dialect, Route
+from tokios.server.dialects.ollama import OLLAMA
+from tokios.server.dialects.openai import OPENAI
+from tokios.server.dialects.openai_responses import RESPONSES
+
+DIALECTS: tuple[Dialect, ...] = (OPENAI, RESPONSES, ANTHROPIC, OLLAMA)
 
 
-def _install_responses(app, state) -> None:
-    store = openai_responses.ResponseStore(state.settings.responses_store_size, state.settings.responses_store_ttl_s)
-    openai_responses.install(app, state, store)
+def dialect_of_path(path: str) -> Dialect:
+    """Which API answers at `path` (OpenAI's for every path no dialect claims)."""
+    for dialect in DIALECTS:
+        if dialect.owns(path):
+            return dialect
+    return OPENAI
 
 
-DIALECT_ROUTES = [ollama.install, anthropic.install, _install_responses]
-
-# path -> (method, summary, request body model or None, streamed media type or None)
-DIALECT_OPENAPI_ROUTES = {**ollama.OLLAMA_ROUTES, **anthropic.ANTHROPIC_ROUTES, **openai_responses.RESPONSES_ROUTES}
+__all__ = ["ANTHROPIC", "DIALECTS", "OLLAMA", "OPENAI", "RESPONSES", "Dialect", "Route", "dialect_of_path"]

@@ -5,8 +5,8 @@ A thin translation onto the shared chat path (server/generation.py): `system`, c
 and a ToolSet; the answer is a `message` with text and tool_use blocks, or the streamed event
 sequence (message_start, content_block_start, content_block_delta with text_delta or
 input_json_delta, content_block_stop, message_delta with stop_reason and usage, message_stop).
-Errors are Anthropic's `{"type": "error", "error": {...}}` (server/errors.py); `x-api-key` is
-accepted as the key by the guard middleware. `output_config.format` (a JSON schema) runs through
+Errors are Anthropic's `{"type": "error", "error": {...}}`, in a stream as an `error` event
+(the `ANTHROPIC` record at the end); `x-api-key` is accepted as the key by the guard middleware. `output_config.format` (a JSON schema) runs through
 the structured-output engine. Images, documents, extended thinking and `output_config.effort`
 are refused with a 400 naming the field. temperature, top_p and top_k are read when sent (older
 SDKs send them; newer ones through extra_body).
@@ -17,76 +17,93 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
-from fastapi import FastAPI
-from pydantic import Field
+from pydantic import ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tokios.errors import InvalidRequestError
-from tokios.server.errors import ANTHROPIC, error_payload
+from tokios.errors import InvalidRequestError, TokiosError
+from tokios.server.body import RequestBody, ResponseBody, parse_body
+from tokios.server.dialects.dialect import NAMED, SSE, Dialect, Route, guarded_stream, join_text_parts
 from tokios.server.generation import ChatRun, ChatTurn
-from tokios.server.protocol import _Body, parse_body
 from tokios.server.registry import ModelLease
-from tokios.server.serving import SSEResponse
+from tokios.server.streams import StreamedResponse
 from tokios.structured.spec import StructuredOutput
 from tokios.tool_calls import ToolSet
 
 
-class AnthropicMessage(_Body):
+# The content blocks the translation below takes, published as the schema of a message: text in
+# either role, tool_use blocks in assistant turns, tool_result blocks in user turns.
+_TEXT_BLOCK = {"type": "object", "required": ["type", "text"],
+               "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+_TOOL_USE_BLOCK = {"type": "object", "required": ["type", "name"], "properties": {
+    "type": {"const": "tool_use"}, "id": {"type": "string"}, "name": {"type": "string"}, "input": {"type": "object"}}}
+_TOOL_RESULT_BLOCK = {"type": "object", "required": ["type"], "properties": {
+    "type": {"const": "tool_result"}, "tool_use_id": {"type": "string"}, "is_error": {"type": "boolean"},
+    "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_BLOCK}, {"type": "null"}]}}}
+
+
+def _turn_schema(role: str, block: dict[str, Any]) -> dict[str, Any]:
+    blocks = {"type": "array", "items": {"anyOf": [_TEXT_BLOCK, block]}}
+    return {"type": "object", "required": ["role", "content"],
+            "properties": {"role": {"const": role}, "content": {"anyOf": [{"type": "string"}, blocks]}}}
+
+
+class AnthropicMessage(RequestBody):
+    model_config = ConfigDict(extra="ignore", json_schema_extra=lambda schema: schema.update(
+        {"anyOf": [_turn_schema("user", _TOOL_RESULT_BLOCK), _turn_schema("assistant", _TOOL_USE_BLOCK)]}))
+
     role: str
     content: str | list[dict[str, Any]]
 
 
-class AnthropicTool(_Body):
+class AnthropicTool(RequestBody):
     name: str
     description: str | None = None
     input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
-    type: str | None = None
+    type: str | None = Field(default=None, json_schema_extra={"enum": ["custom", None]})
 
 
-class CountTokensRequest(_Body):
+class CountTokensRequest(RequestBody):
     model: str = Field(min_length=1)
     messages: list[AnthropicMessage] = Field(min_length=1)
-    system: str | list[dict[str, Any]] | None = None
+    system: str | list[dict[str, Any]] | None = Field(default=None, json_schema_extra={
+        "anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_BLOCK}, {"type": "null"}]})
     tools: list[AnthropicTool] | None = None
-    tool_choice: dict[str, Any] | None = None
+    tool_choice: dict[str, Any] | None = Field(default=None, json_schema_extra={"anyOf": [
+        {"type": "object", "properties": {"type": {"enum": ["auto", "any", "tool", "none"]}, "name": {"type": "string"},
+                                          "disable_parallel_tool_use": {"type": "boolean"}}},
+        {"type": "null"}]})
 
 
 class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(ge=1)
-    stop_sequences: list[str] | None = None
+    stop_sequences: list[str] | None = Field(default=None, json_schema_extra={"items": {"type": "string",
+                                                                                        "minLength": 1}})
     temperature: float | None = Field(default=None, json_schema_extra={"minimum": 0, "maximum": 1})
     top_p: float | None = Field(default=None, json_schema_extra={"exclusiveMinimum": 0, "maximum": 1})
     top_k: int | None = Field(default=None, json_schema_extra={"minimum": 0})
     stream: bool = False
     metadata: dict[str, Any] | None = None
-    thinking: dict[str, Any] | None = None
-    # {"format": {"type": "json_schema", "schema": {...}}, "effort": ...}: structured output.
-    output_config: dict[str, Any] | None = None
+    # Only "disabled": this server runs no extended-thinking mode (a 400 otherwise).
+    thinking: dict[str, Any] | None = Field(default=None, json_schema_extra={"anyOf": [
+        {"type": "object", "properties": {"type": {"enum": ["disabled", None]}}}, {"type": "null"}]})
+    # {"format": {"type": "json_schema", "schema": {...}}}: structured output; no effort.
+    output_config: dict[str, Any] | None = Field(default=None, json_schema_extra={"anyOf": [
+        {"type": "object", "properties": {
+            "effort": {"type": "null"},
+            "format": {"anyOf": [{"type": "object", "required": ["type"], "properties": {
+                "type": {"const": "json_schema"}, "schema": {"type": "object"}}}, {"type": "null"}]}}},
+        {"type": "null"}]})
     ignore_eos: bool = False  # an extension (as on the OpenAI routes): benchmarks need fixed lengths
-
-
-def _text_of(blocks: str | list[dict[str, Any]], where: str) -> str:
-    """A string, or text blocks joined; other block types are refused."""
-    if isinstance(blocks, str):
-        return blocks
-    texts = []
-    for index, block in enumerate(blocks):
-        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
-            raise InvalidRequestError(f"{where}[{index}]: blocks of type {kind!r} are not supported here; "
-                                      "only text", param=where)
-        texts.append(block["text"])
-    return "\n".join(texts)
 
 
 def to_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
     """Anthropic's system + messages -> the OpenAI-shaped messages of a ChatTurn."""
     messages: list[dict[str, Any]] = []
     if body.system:
-        messages.append({"role": "system", "content": _text_of(body.system, "system")})
+        messages.append({"role": "system", "content": join_text_parts(body.system, "system", ("text",))})
     for index, message in enumerate(body.messages):
         where = f"messages.{index}"
         if message.role not in ("user", "assistant"):
@@ -110,7 +127,7 @@ def to_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
                               "function": {"name": block["name"], "arguments": block.get("input") or {}}})
             elif kind == "tool_result" and message.role == "user":
                 content = block.get("content", "")
-                text = _text_of(content, f"{block_where}.content") if content else ""
+                text = join_text_parts(content, f"{block_where}.content", ("text",)) if content else ""
                 if block.get("is_error"):
                     text = f"Error: {text}"
                 messages.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": text})
@@ -202,31 +219,18 @@ def _tool_use_id(call_id: str) -> str:
     return call_id if call_id.startswith("toolu_") else f"toolu_{call_id.removeprefix('call_')}"
 
 
-def _sse(event: str, payload: dict[str, Any]) -> str:
-    return f"event: {event}\ndata: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-async def _guarded_events(events: AsyncIterator[str]) -> AsyncIterator[str]:
-    try:
-        async for event in events:
-            yield event
-    except Exception as exc:  # the headers are gone: Anthropic's error event ends the stream
-        yield _sse("error", error_payload(exc, ANTHROPIC)[1])
-    finally:
-        await events.aclose()
-
-
-async def _stream(run: ChatRun, body: MessagesRequest, message_id: str, model: str) -> AsyncIterator[str]:
-    yield _sse("message_start", {"type": "message_start", "message": {
+async def _stream(run: ChatRun, body: MessagesRequest, message_id: str, model: str
+                  ) -> AsyncIterator[dict[str, Any]]:
+    yield {"type": "message_start", "message": {
         "id": message_id, "type": "message", "role": "assistant", "model": model, "content": [],
         "stop_reason": None, "stop_sequence": None,
-        "usage": {"input_tokens": run.num_prompt_tokens, "output_tokens": 0}}})
+        "usage": {"input_tokens": run.num_prompt_tokens, "output_tokens": 0}}}
     block_index = -1
     open_kind: str | None = None  # "text" or "tool_use": the block being written
     finish_reason = stop_reason = None
 
-    def close_block() -> str:
-        return _sse("content_block_stop", {"type": "content_block_stop", "index": block_index})
+    def close_block() -> dict[str, Any]:
+        return {"type": "content_block_stop", "index": block_index}
 
     async for delta in run.deltas():
         if delta.content:
@@ -235,74 +239,115 @@ async def _stream(run: ChatRun, body: MessagesRequest, message_id: str, model: s
                     yield close_block()
                 block_index += 1
                 open_kind = "text"
-                yield _sse("content_block_start", {"type": "content_block_start", "index": block_index,
-                                                   "content_block": {"type": "text", "text": ""}})
-            yield _sse("content_block_delta", {"type": "content_block_delta", "index": block_index,
-                                               "delta": {"type": "text_delta", "text": delta.content}})
+                yield {"type": "content_block_start", "index": block_index,
+                       "content_block": {"type": "text", "text": ""}}
+            yield {"type": "content_block_delta", "index": block_index,
+                   "delta": {"type": "text_delta", "text": delta.content}}
         for call in delta.tool_calls:
             if call.id is not None:  # a new call: its own block
                 if open_kind is not None:
                     yield close_block()
                 block_index += 1
                 open_kind = "tool_use"
-                yield _sse("content_block_start", {"type": "content_block_start", "index": block_index,
-                                                   "content_block": {"type": "tool_use", "id": _tool_use_id(call.id),
-                                                                     "name": call.name, "input": {}}})
+                yield {"type": "content_block_start", "index": block_index,
+                       "content_block": {"type": "tool_use", "id": _tool_use_id(call.id), "name": call.name,
+                                         "input": {}}}
             if call.arguments:
-                yield _sse("content_block_delta", {"type": "content_block_delta", "index": block_index,
-                                                   "delta": {"type": "input_json_delta",
-                                                             "partial_json": call.arguments}})
+                yield {"type": "content_block_delta", "index": block_index,
+                       "delta": {"type": "input_json_delta", "partial_json": call.arguments}}
         if delta.finish_reason:
             finish_reason, stop_reason = delta.finish_reason, delta.stop_reason
     if open_kind is not None:
         yield close_block()
     reason, sequence = _stop_reason(finish_reason, stop_reason, body.stop_sequences)
-    yield _sse("message_delta", {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                 "usage": {"input_tokens": run.num_prompt_tokens,
-                                           "output_tokens": run.num_completion_tokens}})
-    yield _sse("message_stop", {"type": "message_stop"})
+    yield {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+           "usage": {"input_tokens": run.num_prompt_tokens, "output_tokens": run.num_completion_tokens}}
+    yield {"type": "message_stop"}
 
 
-def install(app: FastAPI, state) -> None:
-    @app.post("/v1/messages")
-    async def messages(request: Request) -> Response:
-        state.check_ready()
-        body = await parse_body(request, MessagesRequest)
+async def _messages_route(request: Request) -> Response:
+    state = request.app.state.tokios
+    state.check_ready()
+    body = await parse_body(request, MessagesRequest)
 
-        async def run(lease: ModelLease) -> Response:
-            serving = lease.serving
-            turn = ChatTurn(to_messages(body), _sampling(body), body.max_tokens, to_toolset(body))
-            message_id = f"msg_{uuid.uuid4().hex}"
-            model = body.model
-            chat_run = await serving.start_chat(request, turn, lease, stream=body.stream, response_id=message_id)
-            if body.stream:
-                return SSEResponse(_guarded_events(_stream(chat_run, body, message_id, model)), chat_run.job)
-            result = (await chat_run.results())[0]
-            content: list[dict[str, Any]] = []
-            if result.content:
-                content.append({"type": "text", "text": result.content})
-            content.extend(_tool_use_block(call) for call in result.tool_calls)
-            reason, sequence = _stop_reason(result.finish_reason, result.stop_reason, body.stop_sequences)
-            return JSONResponse({"id": message_id, "type": "message", "role": "assistant", "model": model,
-                                 "content": content, "stop_reason": reason, "stop_sequence": sequence,
-                                 "usage": {"input_tokens": chat_run.num_prompt_tokens,
-                                           "output_tokens": chat_run.num_completion_tokens}})
-        return await state.respond(body.model, run)
-
-    @app.post("/v1/messages/count_tokens")
-    async def count_tokens(request: Request) -> Response:
-        state.check_ready()
-        body = await parse_body(request, CountTokensRequest)
-
-        async def run(lease: ModelLease) -> Response:
-            turn = ChatTurn(to_messages(body), {}, tools=to_toolset(body))
-            return JSONResponse({"input_tokens": len(turn.prompt_ids(lease.serving.tokenizer))})
-        return await state.respond(body.model, run)
+    async def run(lease: ModelLease) -> Response:
+        serving = lease.serving
+        turn = ChatTurn(to_messages(body), _sampling(body), body.max_tokens, to_toolset(body))
+        message_id = f"msg_{uuid.uuid4().hex}"
+        model = body.model
+        chat_run = await serving.start_chat(request, turn, lease, stream=body.stream, response_id=message_id)
+        if body.stream:
+            return StreamedResponse(guarded_stream(ANTHROPIC, _stream(chat_run, body, message_id, model)),
+                                    chat_run.job)
+        result = (await chat_run.results())[0]
+        content: list[dict[str, Any]] = []
+        if result.content:
+            content.append({"type": "text", "text": result.content})
+        content.extend(_tool_use_block(call) for call in result.tool_calls)
+        reason, sequence = _stop_reason(result.finish_reason, result.stop_reason, body.stop_sequences)
+        return JSONResponse({"id": message_id, "type": "message", "role": "assistant", "model": model,
+                             "content": content, "stop_reason": reason, "stop_sequence": sequence,
+                             "usage": {"input_tokens": chat_run.num_prompt_tokens,
+                                       "output_tokens": chat_run.num_completion_tokens}})
+    return await state.respond(body.model, run)
 
 
-ANTHROPIC_ROUTES = {
-    "/v1/messages": ("post", "Create a message (Anthropic Messages API); SSE events when stream is true",
-                     MessagesRequest, "text/event-stream"),
-    "/v1/messages/count_tokens": ("post", "Count a message request's input tokens (Anthropic)",
-                                  CountTokensRequest, None),
-}
+async def _count_tokens_route(request: Request) -> Response:
+    state = request.app.state.tokios
+    state.check_ready()
+    body = await parse_body(request, CountTokensRequest)
+
+    async def run(lease: ModelLease) -> Response:
+        turn = ChatTurn(to_messages(body), {}, tools=to_toolset(body))
+        return JSONResponse({"input_tokens": len(turn.prompt_ids(lease.serving.tokenizer))})
+    return await state.respond(body.model, run)
+
+
+_TYPE_BY_STATUS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 408: "invalid_request_error", 413: "request_too_large",
+                   429: "rate_limit_error", 499: "invalid_request_error", 503: "overloaded_error"}
+
+
+def error_body(error: TokiosError) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": _TYPE_BY_STATUS.get(error.status, "api_error"),
+                                       "message": error.message}}
+
+
+class Message(ResponseBody):
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[dict[str, Any]]
+    stop_reason: str | None
+    stop_sequence: str | None
+    usage: dict[str, int]
+
+
+class MessageEvent(ResponseBody):
+    """One event of a streamed message: `event:` names its `type`."""
+
+    type: str
+
+
+class TokenCount(ResponseBody):
+    input_tokens: int
+
+
+ANTHROPIC = Dialect(
+    name="anthropic",
+    routes=(
+        Route("post", "/v1/messages", _messages_route,
+              "Create a message (Anthropic Messages API); SSE events when stream is true", MessagesRequest, Message,
+              SSE, MessageEvent, generates=True),
+        Route("post", "/v1/messages/count_tokens", _count_tokens_route,
+              "Count a message request's input tokens (Anthropic)", CountTokensRequest, TokenCount),
+    ),
+    path_prefixes=("/v1/messages",),
+    error_body=error_body,
+    error_schema={"type": "object", "required": ["type", "error"], "properties": {
+        "type": {"const": "error"}, "error": {"type": "object", "required": ["type", "message"], "properties": {
+            "type": {"type": "string"}, "message": {"type": "string"}}}}},
+    frame_style=NAMED,
+    stream_error=error_body,
+)

@@ -4,7 +4,8 @@ A thin translation onto the shared chat path (server/generation.py): `options` b
 SamplingParams keyword arguments (`options_to_sampling`), `format` a structured output, `tools`
 a ToolSet, `keep_alive` the model's idle lifetime in the registry. Answers are Ollama's:
 NDJSON streams (`stream` defaults to true) whose last line has `done: true`, the done reason and
-the counts and nanosecond durations Ollama reports; errors are `{"error": "..."}`.
+the counts and nanosecond durations Ollama reports; errors are `{"error": "..."}`, in a stream
+as its last line (the `OLLAMA` record at the end).
 
 Options that would change the output and that Tokios cannot honour (mirostat, tfs_z,
 typical_p, repeat_last_n other than -1, per-request hardware settings) are a 400 naming the
@@ -17,28 +18,28 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator
 from functools import lru_cache
 from typing import Any
 
-from fastapi import FastAPI
-from pydantic import Field
+from pydantic import ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tokios import __version__
 from tokios.config import parse_duration
-from tokios.errors import InvalidRequestError
-from tokios.server.errors import OLLAMA, error_payload
+from tokios.errors import InvalidRequestError, TokiosError
+from tokios.server.body import MAX_TOP_LOGPROBS, RequestBody, ResponseBody, parse_body
+from tokios.server.dialects.dialect import JSON_LINES, NDJSON, Dialect, Route, guarded_stream
 from tokios.server.generation import ChatRun, ChatTurn
-from tokios.server.protocol import MAX_TOP_LOGPROBS, _Body, parse_body
+from tokios.server.logprobs import MIN_LOGPROB, finite_logprob, top_ranked
 from tokios.server.registry import LOADED, ModelEntry, ModelLease
-from tokios.server.serving import SSEResponse, make_sampling_params
+from tokios.server.serving import make_sampling_params
+from tokios.server.streams import StreamedResponse
 from tokios.structured.spec import StructuredOutput
 from tokios.tool_calls import ToolSet
-
-NDJSON = "application/x-ndjson"
 
 # options -> SamplingParams names; the values keep their meaning.
 _OPTION_TO_SAMPLING = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
@@ -60,22 +61,52 @@ _FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9
                18: "Q6_K", 32: "BF16"}
 
 
-class OllamaMessage(_Body):
-    role: str
+# What the handlers refuse, published in the schema as well (their own messages name the field):
+# a value that must be empty or absent, the message roles, the keep-alive forms, and `think`.
+_EMPTY_ONLY = {"maxLength": 0, "maxItems": 0, "description": "not supported: a non-empty value is a 400"}
+_DURATION = {"anyOf": [{"type": "string", "pattern": r"^\s*[+-]?( *[0-9]*\.?[0-9]+ *(ms|h|m|s)?)+ *$"},
+                       {"type": "number"}, {"type": "null"}],
+             "description": "a duration like 5m, 1h30m or 250ms, or a number of seconds; negative: forever"}
+_OFF_ONLY = {"enum": [False, "", "none", None], "description": "this server runs no reasoning mode"}
+
+
+def _options_schema() -> dict[str, Any]:
+    """`options` as the handler takes them: known names only, each with its type and range."""
+    number = {"type": "number"}
+    properties: dict[str, Any] = {
+        "temperature": {**number, "minimum": 0}, "top_p": {**number, "exclusiveMinimum": 0, "maximum": 1},
+        "top_k": {"type": "integer", "minimum": -1}, "min_p": {**number, "minimum": 0, "maximum": 1},
+        "seed": {"type": "integer"}, "repeat_penalty": {**number, "exclusiveMinimum": 0},
+        "frequency_penalty": {**number, "minimum": -2, "maximum": 2},
+        "presence_penalty": {**number, "minimum": -2, "maximum": 2},
+        "num_predict": {"type": "integer"}, "num_ctx": {"type": "integer", "minimum": 1},
+        "stop": {"anyOf": [{"type": "string", "minLength": 1},
+                           {"type": "array", "items": {"type": "string", "minLength": 1}}]},
+        "repeat_last_n": {"enum": [-1, None]}, "ignore_eos": {"type": "boolean"},
+    }
+    for name, off_value in _UNSUPPORTED_OPTIONS.items():
+        properties[name] = {"enum": [None] if off_value is None else [off_value, None]}
+    return {"anyOf": [{"type": "object", "properties": properties, "additionalProperties": False},
+                      {"type": "null"}]}
+
+
+class OllamaMessage(RequestBody):
+    role: str = Field(json_schema_extra={"enum": ["system", "user", "assistant", "tool"]})
     content: str | None = None
-    images: list[Any] | None = None
+    images: list[Any] | None = Field(default=None, json_schema_extra=_EMPTY_ONLY)
     tool_calls: list[dict[str, Any]] | None = None
     tool_name: str | None = None
     thinking: str | None = None
 
 
-class _OllamaBody(_Body):
+class _OllamaBody(RequestBody):
     model: str = Field(min_length=1)
-    format: str | dict[str, Any] | None = None
-    options: dict[str, Any] | None = None
+    format: str | dict[str, Any] | None = Field(default=None, json_schema_extra={
+        "anyOf": [{"enum": ["", "json"]}, {"type": "object"}, {"type": "null"}]})
+    options: dict[str, Any] | None = Field(default=None, json_schema_extra=_options_schema())
     stream: bool = True
-    keep_alive: str | float | None = None
-    think: bool | str | None = None
+    keep_alive: str | float | None = Field(default=None, json_schema_extra=_DURATION)
+    think: bool | str | None = Field(default=None, json_schema_extra=_OFF_ONLY)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
@@ -87,35 +118,42 @@ class OllamaChatRequest(_OllamaBody):
 
 class OllamaGenerateRequest(_OllamaBody):
     prompt: str = ""
-    suffix: str | None = None
+    suffix: str | None = Field(default=None, json_schema_extra=_EMPTY_ONLY)
     system: str | None = None
-    template: str | None = None
-    context: list[int] | None = None
+    template: str | None = Field(default=None, json_schema_extra=_EMPTY_ONLY)
+    context: list[int] | None = Field(default=None, json_schema_extra=_EMPTY_ONLY)
     raw: bool = False
-    images: list[Any] | None = None
+    images: list[Any] | None = Field(default=None, json_schema_extra=_EMPTY_ONLY)
 
 
-class OllamaEmbedRequest(_Body):
+class OllamaEmbedRequest(RequestBody):
     model: str = Field(min_length=1)
-    input: str | list[str]
+    input: str | list[str] = Field(json_schema_extra={"minLength": 1, "minItems": 1,
+                                                      "items": {"type": "string", "minLength": 1}})
     truncate: bool = True
-    options: dict[str, Any] | None = None
-    keep_alive: str | float | None = None
+    options: dict[str, Any] | None = Field(default=None, json_schema_extra={
+        "description": "only load-time options; a sampling option is a 400"})
+    keep_alive: str | float | None = Field(default=None, json_schema_extra=_DURATION)
     dimensions: int | None = Field(default=None, ge=1)
 
 
-class OllamaEmbeddingsRequest(_Body):
+class OllamaEmbeddingsRequest(RequestBody):
     """The older /api/embeddings: one prompt, one vector."""
 
     model: str = Field(min_length=1)
-    prompt: str
+    prompt: str = Field(min_length=1)
     options: dict[str, Any] | None = None
-    keep_alive: str | float | None = None
+    keep_alive: str | float | None = Field(default=None, json_schema_extra=_DURATION)
 
 
-class OllamaModelRequest(_Body):
+class OllamaModelRequest(RequestBody):
+    # One of the two names the model (older clients send `name`).
+    model_config = ConfigDict(extra="ignore", json_schema_extra={
+        "anyOf": [{"required": ["model"], "properties": {"model": {"type": "string"}}},
+                  {"required": ["name"], "properties": {"name": {"type": "string"}}}]})
+
     model: str | None = None
-    name: str | None = None  # older clients send `name`
+    name: str | None = None
     verbose: bool = False
 
 
@@ -245,10 +283,10 @@ def _logprobs(run: ChatRun, token_ids: list[int], positions, num_top: int) -> li
     entries = []
     for token_id, position in zip(token_ids, positions or []):
         sampled = position.get(token_id)
-        top = sorted(position.items(), key=lambda item: -item[1].logprob)[:num_top]
-        entries.append({"token": decode(token_id, sampled), "logprob": sampled.logprob if sampled else -9999.0,
-                        "top_logprobs": [{"token": decode(top_id, entry), "logprob": entry.logprob}
-                                         for top_id, entry in top]})
+        entries.append({"token": decode(token_id, sampled),
+                        "logprob": finite_logprob(sampled.logprob) if sampled else MIN_LOGPROB,
+                        "top_logprobs": [{"token": decode(top_id, entry), "logprob": finite_logprob(entry.logprob)}
+                                         for top_id, entry in top_ranked(position, num_top)]})
     return entries
 
 
@@ -273,20 +311,6 @@ def _ollama_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
             arguments = {"_incomplete": arguments}
         ollama_calls.append({"function": {"name": call["function"]["name"], "arguments": arguments}})
     return ollama_calls
-
-
-def _line(payload: dict[str, Any]) -> str:
-    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")) + "\n"
-
-
-async def _guarded_lines(lines: AsyncIterator[str]) -> AsyncIterator[str]:
-    try:
-        async for line in lines:
-            yield line
-    except Exception as exc:  # headers are gone: the error is the stream's last line
-        yield _line(error_payload(exc, OLLAMA)[1])
-    finally:
-        await lines.aclose()
 
 
 async def _respond(http_request: Request, lease: ModelLease, turn: ChatTurn, body: _OllamaBody, *, is_chat: bool,
@@ -314,7 +338,7 @@ async def _respond(http_request: Request, lease: ModelLease, turn: ChatTurn, bod
             payload["logprobs"] = _logprobs(run, result.token_ids, result.logprobs, num_top)
         return JSONResponse(payload)
 
-    async def lines() -> AsyncIterator[str]:
+    async def lines() -> AsyncIterator[dict[str, Any]]:
         calls: dict[int, dict[str, Any]] = {}
         finish_reason = None
         async for delta in run.deltas():
@@ -326,15 +350,14 @@ async def _respond(http_request: Request, lease: ModelLease, turn: ChatTurn, bod
                 if body.logprobs and delta.logprobs:
                     line["logprobs"] = _logprobs(run, delta.token_ids, delta.logprobs, num_top)
                 if delta.content or body.logprobs:
-                    yield _line(line)
+                    yield line
             finish_reason = delta.finish_reason or finish_reason
         if calls:
             whole = [{"function": call["function"]} for _, call in sorted(calls.items())]
-            yield _line({"model": model, "created_at": _now(),
-                         **piece("", _ollama_calls(whole)), "done": False})
-        yield _line({"model": model, "created_at": _now(), **piece(""), **_done_fields(run, _done_reason(finish_reason))})
+            yield {"model": model, "created_at": _now(), **piece("", _ollama_calls(whole)), "done": False}
+        yield {"model": model, "created_at": _now(), **piece(""), **_done_fields(run, _done_reason(finish_reason))}
 
-    return SSEResponse(_guarded_lines(lines()), run.job, media_type=NDJSON)
+    return StreamedResponse(guarded_stream(OLLAMA, lines()), run.job, media_type=NDJSON)
 
 
 # ---- model information --------------------------------------------------------------------------
@@ -400,161 +423,225 @@ def _model_info(metadata: dict[str, Any], verbose: bool) -> dict[str, Any]:
     return info
 
 
-def install(app: FastAPI, state) -> None:
-    registry = state.registry
+async def _chat_route(request: Request) -> Response:
+    state = request.app.state.tokios
+    state.check_ready()
+    body = await parse_body(request, OllamaChatRequest)
+    keep_alive_s = _keep_alive(body.keep_alive)
+    if not body.messages:  # Ollama: an empty chat loads (or, with keep_alive 0, unloads) the model
+        return await _load_or_unload(state, body.model, keep_alive_s, {"message": {"role": "assistant", "content": ""}})
 
-    @app.post("/api/chat")
-    async def chat(request: Request) -> Response:
-        state.check_ready()
-        body = await parse_body(request, OllamaChatRequest)
-        keep_alive_s = _keep_alive(body.keep_alive)
-        if not body.messages:  # Ollama: an empty chat loads (or, with keep_alive 0, unloads) the model
-            return await _load_or_unload(body.model, keep_alive_s, {"message": {"role": "assistant", "content": ""}})
-
-        async def run(lease: ModelLease) -> Response:
-            serving = lease.serving
-            sampling, num_predict, num_ctx = _common_sampling(body, serving.max_model_len)
-            tools = ToolSet.from_request(body.tools, "auto" if body.tools else None, True)
-            turn = ChatTurn(_messages(body.messages), sampling, None, tools)
-            make_sampling_params({**sampling, "max_tokens": 1})  # bad values are a 400 before the prompt is built
-            return await _respond(request, lease, turn, body, is_chat=True, num_predict=num_predict, num_ctx=num_ctx)
-        return await state.respond(body.model, run, keep_alive_s)
-
-    @app.post("/api/generate")
-    async def generate(request: Request) -> Response:
-        state.check_ready()
-        body = await parse_body(request, OllamaGenerateRequest)
-        keep_alive_s = _keep_alive(body.keep_alive)
-        for name in ("suffix", "template", "context", "images"):
-            if getattr(body, name):
-                raise InvalidRequestError(f"{name} is not supported by this server", param=name)
-        if not body.prompt:
-            return await _load_or_unload(body.model, keep_alive_s, {"response": ""})
-
-        async def run(lease: ModelLease) -> Response:
-            serving = lease.serving
-            sampling, num_predict, num_ctx = _common_sampling(body, serving.max_model_len)
-            make_sampling_params({**sampling, "max_tokens": 1})
-            # Without raw, the prompt goes through the model's template as a user turn (Ollama);
-            # a model without a template (a pretrained one) continues the text as it is.
-            if body.raw or not serving.tokenizer.chat_template:
-                text = body.prompt if not body.system else f"{body.system}\n\n{body.prompt}"
-                turn = ChatTurn([], sampling, raw_prompt=text)
-            else:
-                messages = ([{"role": "system", "content": body.system}] if body.system else []) + [
-                    {"role": "user", "content": body.prompt}]
-                turn = ChatTurn(messages, sampling)
-            return await _respond(request, lease, turn, body, is_chat=False, num_predict=num_predict, num_ctx=num_ctx)
-        return await state.respond(body.model, run, keep_alive_s)
-
-    async def _load_or_unload(model: str, keep_alive_s: float | None, piece: dict[str, Any]) -> Response:
-        if keep_alive_s == 0:
-            entry = registry.entry(model)
-            await registry.unload(entry)
-            return JSONResponse({"model": model, "created_at": _now(), **piece, "done": True, "done_reason": "unload"})
-        lease = await state.acquire(model, keep_alive_s)
-        lease.release()
-        return JSONResponse({"model": model, "created_at": _now(), **piece, "done": True, "done_reason": "load",
-                             "load_duration": int(lease.load_seconds * 1e9)})
-
-    async def embed_texts(request: Request, lease: ModelLease, texts: list[str], truncate: bool,
-                          options: dict[str, Any] | None) -> tuple[list[list[float]], int]:
+    async def run(lease: ModelLease) -> Response:
         serving = lease.serving
-        if options:
-            sampling, _, _ = options_to_sampling(options, serving.max_model_len)
-            if sampling:
-                raise InvalidRequestError(f"options: {sorted(sampling)} do not apply to embeddings", param="options")
-        prompt_ids_list = []
-        for index, text in enumerate(texts):
-            ids = serving.tokenizer.encode(text, add_special_tokens=True)
-            if len(ids) >= serving.max_model_len:
-                if not truncate:
-                    raise InvalidRequestError(f"input[{index}] has {len(ids)} tokens, over the context of "
-                                              f"{serving.max_model_len} (truncate is false)", param="input")
-                ids = ids[:serving.max_model_len - 1]
-            prompt_ids_list.append(ids)
-        return await serving.embed(request, prompt_ids_list, lease), sum(len(ids) for ids in prompt_ids_list)
-
-    @app.post("/api/embed")
-    async def embed(request: Request) -> Response:
-        state.check_ready()
-        body = await parse_body(request, OllamaEmbedRequest)
-        texts = [body.input] if isinstance(body.input, str) else body.input
-        if not texts:
-            raise InvalidRequestError("input must not be empty", param="input")
-
-        async def run(lease: ModelLease) -> Response:
-            import time
-
-            started = time.monotonic()
-            hidden_size = lease.serving.engine.model_config.hidden_size
-            if body.dimensions is not None and body.dimensions != hidden_size:
-                raise InvalidRequestError(f"dimensions: this model's embeddings have {hidden_size} dimensions",
-                                          param="dimensions")
-            vectors, num_tokens = await embed_texts(request, lease, texts, body.truncate, body.options)
-            return JSONResponse({"model": body.model, "embeddings": vectors,
-                                 "total_duration": int((time.monotonic() - started + lease.load_seconds) * 1e9),
-                                 "load_duration": int(lease.load_seconds * 1e9), "prompt_eval_count": num_tokens})
-        return await state.respond(body.model, run, _keep_alive(body.keep_alive))
-
-    @app.post("/api/embeddings")
-    async def embeddings(request: Request) -> Response:
-        state.check_ready()
-        body = await parse_body(request, OllamaEmbeddingsRequest)
-
-        async def run(lease: ModelLease) -> Response:
-            vectors, _ = await embed_texts(request, lease, [body.prompt], True, body.options)
-            return JSONResponse({"embedding": vectors[0]})
-        return await state.respond(body.model, run, _keep_alive(body.keep_alive))
-
-    @app.get("/api/tags")
-    async def tags() -> Response:
-        return JSONResponse({"models": [_model_summary(entry, name) for entry in registry.entries
-                                        for name in entry.spec.names]})
-
-    @app.post("/api/show")
-    async def show(request: Request) -> Response:
-        body = await parse_body(request, OllamaModelRequest)
-        name = body.model or body.name
-        if not name:
-            raise InvalidRequestError("model is required", param="model")
-        entry = registry.entry(name)
-        facts = _file_facts(entry.spec.path)
-        metadata = facts["metadata"]
-        template = metadata.get("tokenizer.chat_template") or ""
-        capabilities = ["completion", "embedding"] + (["tools"] if template else [])
-        return JSONResponse({"license": str(metadata.get("general.license", "")), "modelfile": "",
-                             "parameters": "", "template": template, "details": facts["details"],
-                             "model_info": _model_info(metadata, body.verbose), "capabilities": capabilities,
-                             "modified_at": facts["modified_at"]})
-
-    @app.get("/api/ps")
-    async def ps() -> Response:
-        import time
-
-        models = []
-        for entry in registry.entries:
-            if entry.state != LOADED:
-                continue
-            expires_at = registry.expires_at(entry)
-            # Ollama reports a far-future time for a model that never unloads (or is in use).
-            until = (time.time() + (expires_at - time.monotonic())) if expires_at is not None else 4102444800.0
-            models.append({**_model_summary(entry, entry.name), "expires_at": _iso(until),
-                           "size_vram": 0, "context_length": entry.serving.max_model_len})
-        return JSONResponse({"models": models})
-
-    @app.get("/api/version")
-    async def version() -> Response:
-        return JSONResponse({"version": __version__})
+        sampling, num_predict, num_ctx = _common_sampling(body, serving.max_model_len)
+        tools = ToolSet.from_request(body.tools, "auto" if body.tools else None, True)
+        turn = ChatTurn(_messages(body.messages), sampling, None, tools)
+        make_sampling_params({**sampling, "max_tokens": 1})  # bad values are a 400 before the prompt is built
+        return await _respond(request, lease, turn, body, is_chat=True, num_predict=num_predict, num_ctx=num_ctx)
+    return await state.respond(body.model, run, keep_alive_s)
 
 
-OLLAMA_ROUTES = {
-    "/api/chat": ("post", "Chat (Ollama): NDJSON stream by default", OllamaChatRequest, NDJSON),
-    "/api/generate": ("post", "Generate (Ollama): NDJSON stream by default", OllamaGenerateRequest, NDJSON),
-    "/api/embed": ("post", "Embeddings: pooled, normalized final hidden states (Ollama)", OllamaEmbedRequest, None),
-    "/api/embeddings": ("post", "One prompt's embedding (Ollama's older route)", OllamaEmbeddingsRequest, None),
-    "/api/tags": ("get", "Every model this server can serve (Ollama)", None, None),
-    "/api/show": ("post", "One model's details, metadata and capabilities (Ollama)", OllamaModelRequest, None),
-    "/api/ps": ("get", "Loaded models and when they unload (Ollama)", None, None),
-    "/api/version": ("get", "Server version (Ollama)", None, None),
-}
+async def _generate_route(request: Request) -> Response:
+    state = request.app.state.tokios
+    state.check_ready()
+    body = await parse_body(request, OllamaGenerateRequest)
+    keep_alive_s = _keep_alive(body.keep_alive)
+    for name in ("suffix", "template", "context", "images"):
+        if getattr(body, name):
+            raise InvalidRequestError(f"{name} is not supported by this server", param=name)
+    if not body.prompt:
+        return await _load_or_unload(state, body.model, keep_alive_s, {"response": ""})
+
+    async def run(lease: ModelLease) -> Response:
+        serving = lease.serving
+        sampling, num_predict, num_ctx = _common_sampling(body, serving.max_model_len)
+        make_sampling_params({**sampling, "max_tokens": 1})
+        # Without raw, the prompt goes through the model's template as a user turn (Ollama);
+        # a model without a template (a pretrained one) continues the text as it is.
+        if body.raw or not serving.tokenizer.chat_template:
+            text = body.prompt if not body.system else f"{body.system}\n\n{body.prompt}"
+            turn = ChatTurn([], sampling, raw_prompt=text)
+        else:
+            messages = ([{"role": "system", "content": body.system}] if body.system else []) + [
+                {"role": "user", "content": body.prompt}]
+            turn = ChatTurn(messages, sampling)
+        return await _respond(request, lease, turn, body, is_chat=False, num_predict=num_predict, num_ctx=num_ctx)
+    return await state.respond(body.model, run, keep_alive_s)
+
+
+async def _load_or_unload(state, model: str, keep_alive_s: float | None, piece: dict[str, Any]) -> Response:
+    if keep_alive_s == 0:
+        entry = state.registry.entry(model)
+        await state.registry.unload(entry)
+        return JSONResponse({"model": model, "created_at": _now(), **piece, "done": True, "done_reason": "unload"})
+    lease = await state.acquire(model, keep_alive_s)
+    lease.release()
+    return JSONResponse({"model": model, "created_at": _now(), **piece, "done": True, "done_reason": "load",
+                         "load_duration": int(lease.load_seconds * 1e9)})
+
+
+async def _embed_texts(request: Request, lease: ModelLease, texts: list[str], truncate: bool,
+                      options: dict[str, Any] | None) -> tuple[list[list[float]], int]:
+    serving = lease.serving
+    if options:
+        sampling, _, _ = options_to_sampling(options, serving.max_model_len)
+        if sampling:
+            raise InvalidRequestError(f"options: {sorted(sampling)} do not apply to embeddings", param="options")
+    prompt_ids_list = []
+    for index, text in enumerate(texts):
+        ids = serving.tokenizer.encode(text, add_special_tokens=True)
+        if len(ids) >= serving.max_model_len:
+            if not truncate:
+                raise InvalidRequestError(f"input[{index}] has {len(ids)} tokens, over the context of "
+                                          f"{serving.max_model_len} (truncate is false)", param="input")
+            ids = ids[:serving.max_model_len - 1]
+        prompt_ids_list.append(ids)
+    return await serving.embed(request, prompt_ids_list, lease), sum(len(ids) for ids in prompt_ids_list)
+
+
+async def _embed_route(request: Request) -> Response:
+    state = request.app.state.tokios
+    state.check_ready()
+    body = await parse_body(request, OllamaEmbedRequest)
+    texts = [body.input] if isinstance(body.input, str) else body.input
+    if not texts:
+        raise InvalidRequestError("input must not be empty", param="input")
+
+    async def run(lease: ModelLease) -> Response:
+        started = time.monotonic()
+        hidden_size = lease.serving.engine.model_config.hidden_size
+        if body.dimensions is not None and body.dimensions != hidden_size:
+            raise InvalidRequestError(f"dimensions: this model's embeddings have {hidden_size} dimensions",
+                                      param="dimensions")
+        vectors, num_tokens = await _embed_texts(request, lease, texts, body.truncate, body.options)
+        return JSONResponse({"model": body.model, "embeddings": vectors,
+                             "total_duration": int((time.monotonic() - started + lease.load_seconds) * 1e9),
+                             "load_duration": int(lease.load_seconds * 1e9), "prompt_eval_count": num_tokens})
+    return await state.respond(body.model, run, _keep_alive(body.keep_alive))
+
+
+async def _embeddings_route(request: Request) -> Response:
+    state = request.app.state.tokios
+    state.check_ready()
+    body = await parse_body(request, OllamaEmbeddingsRequest)
+
+    async def run(lease: ModelLease) -> Response:
+        vectors, _ = await _embed_texts(request, lease, [body.prompt], True, body.options)
+        return JSONResponse({"embedding": vectors[0]})
+    return await state.respond(body.model, run, _keep_alive(body.keep_alive))
+
+
+async def _tags_route(request: Request) -> Response:
+    state = request.app.state.tokios
+    return JSONResponse({"models": [_model_summary(entry, name) for entry in state.registry.entries
+                                    for name in entry.spec.names]})
+
+
+async def _show_route(request: Request) -> Response:
+    state = request.app.state.tokios
+    body = await parse_body(request, OllamaModelRequest)
+    name = body.model or body.name
+    if not name:
+        raise InvalidRequestError("model is required", param="model")
+    entry = state.registry.entry(name)
+    facts = _file_facts(entry.spec.path)
+    metadata = facts["metadata"]
+    template = metadata.get("tokenizer.chat_template") or ""
+    capabilities = ["completion", "embedding"] + (["tools"] if template else [])
+    return JSONResponse({"license": str(metadata.get("general.license", "")), "modelfile": "",
+                         "parameters": "", "template": template, "details": facts["details"],
+                         "model_info": _model_info(metadata, body.verbose), "capabilities": capabilities,
+                         "modified_at": facts["modified_at"]})
+
+
+async def _ps_route(request: Request) -> Response:
+    state = request.app.state.tokios
+    models = []
+    for entry in state.registry.entries:
+        if entry.state != LOADED:
+            continue
+        expires_at = state.registry.expires_at(entry)
+        # Ollama reports a far-future time for a model that never unloads (or is in use).
+        until = (time.time() + (expires_at - time.monotonic())) if expires_at is not None else 4102444800.0
+        models.append({**_model_summary(entry, entry.name), "expires_at": _iso(until),
+                       "size_vram": 0, "context_length": entry.serving.max_model_len})
+    return JSONResponse({"models": models})
+
+
+async def _version_route(request: Request) -> Response:
+    return JSONResponse({"version": __version__})
+
+
+def error_body(error: TokiosError) -> dict[str, Any]:
+    return {"error": error.message}
+
+
+class ChatLine(ResponseBody):
+    """A chat answer, or one line of its NDJSON stream (the last with done: true and the counts)."""
+
+    model: str
+    created_at: str
+    message: dict[str, Any]
+    done: bool
+    done_reason: str | None = None
+
+
+class GenerateLine(ResponseBody):
+    """A generate answer, or one line of its NDJSON stream."""
+
+    model: str
+    created_at: str
+    response: str
+    done: bool
+    done_reason: str | None = None
+
+
+class EmbedAnswer(ResponseBody):
+    model: str
+    embeddings: list[list[float]]
+    prompt_eval_count: int
+
+
+class EmbeddingAnswer(ResponseBody):
+    embedding: list[float]
+
+
+class ModelListing(ResponseBody):
+    models: list[dict[str, Any]]
+
+
+class ModelDetails(ResponseBody):
+    details: dict[str, Any]
+    model_info: dict[str, Any]
+    capabilities: list[str]
+    template: str
+
+
+class Version(ResponseBody):
+    version: str
+
+
+OLLAMA = Dialect(
+    name="ollama",
+    routes=(
+        Route("post", "/api/chat", _chat_route, "Chat (Ollama): NDJSON stream by default", OllamaChatRequest,
+              ChatLine, NDJSON, ChatLine, generates=True),
+        Route("post", "/api/generate", _generate_route, "Generate (Ollama): NDJSON stream by default",
+              OllamaGenerateRequest, GenerateLine, NDJSON, GenerateLine, generates=True),
+        Route("post", "/api/embed", _embed_route, "Embeddings: pooled, normalized final hidden states (Ollama)",
+              OllamaEmbedRequest, EmbedAnswer, generates=True),
+        Route("post", "/api/embeddings", _embeddings_route, "One prompt's embedding (Ollama's older route)",
+              OllamaEmbeddingsRequest, EmbeddingAnswer, generates=True),
+        Route("get", "/api/tags", _tags_route, "Every model this server can serve (Ollama)", answer=ModelListing),
+        Route("post", "/api/show", _show_route, "One model's details, metadata and capabilities (Ollama)",
+              OllamaModelRequest, ModelDetails),
+        Route("get", "/api/ps", _ps_route, "Loaded models and when they unload (Ollama)", answer=ModelListing),
+        Route("get", "/api/version", _version_route, "Server version (Ollama)", answer=Version),
+    ),
+    # Unknown routes under /api/ answer in Ollama's shape too.
+    path_prefixes=("/api/",),
+    error_body=error_body,
+    error_schema={"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}},
+    frame_style=JSON_LINES,
+    stream_error=error_body,
+)

@@ -22,27 +22,28 @@ import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from fastapi import FastAPI
 from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tokios.errors import InvalidRequestError, NotFoundError
-from tokios.server.errors import error_payload
+from tokios.errors import InvalidRequestError, NotFoundError, TokiosError
+from tokios.server.body import RequestBody, ResponseBody, parse_body
+from tokios.server.dialects.dialect import SEQUENCED, SSE, Dialect, Route, guarded_stream, join_text_parts
+from tokios.server.errors import openai_error_body
 from tokios.server.generation import ChatRun, ChatTurn, ChoiceResult
-from tokios.server.protocol import _Body, parse_body
 from tokios.server.registry import ModelLease
-from tokios.server.serving import SSEResponse
+from tokios.server.streams import StreamedResponse
 from tokios.structured.spec import StructuredOutput
 from tokios.tool_calls import ToolSet
 
 DEFAULT_STORE_SIZE = 1000
 DEFAULT_STORE_TTL_S = 3600.0
+_TEXT_PART_TYPES = ("input_text", "output_text", "text")
 
 
-class ResponsesRequest(_Body):
+class ResponsesRequest(RequestBody):
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -106,21 +107,6 @@ class ResponseStore:
         return len(self._responses)
 
 
-def _content_text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise InvalidRequestError(f"{where} must be a string or a list of text parts", param=where)
-    texts = []
-    for index, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
-            raise InvalidRequestError(f"{where}[{index}]: parts of type {kind!r} are not supported; only "
-                                      "input_text and output_text", param=where)
-        texts.append(part["text"])
-    return "\n".join(texts)
-
-
 def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     """`input` -> OpenAI-shaped chat messages (function calls join the assistant turn before them)."""
     if isinstance(items, str):
@@ -134,7 +120,8 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             if role not in ("user", "assistant", "system", "developer"):
                 raise InvalidRequestError(f"{where}.role must be user, assistant, system or developer, got {role!r}",
                                           param=f"{where}.role")
-            messages.append({"role": role, "content": _content_text(item.get("content", ""), f"{where}.content")})
+            messages.append({"role": role, "content": join_text_parts(item.get("content", ""), f"{where}.content",
+                                                                      _TEXT_PART_TYPES)})
         elif kind == "function_call":
             if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments", ""), str):
                 raise InvalidRequestError(f"{where}: a function_call item needs name and arguments (a JSON string)",
@@ -262,133 +249,154 @@ def _output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [message]
 
 
-def _sse(payload: dict[str, Any]) -> str:
-    return f"event: {payload['type']}\ndata: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+async def _events(builder: ResponseBuilder, on_done) -> AsyncIterator[dict[str, Any]]:
+    """The typed events; the encoder (SEQUENCED) numbers them with `sequence_number`."""
+
+    def event(kind: str, **fields: Any) -> dict[str, Any]:
+        return {"type": kind, **fields}
+
+    yield event("response.created", response=builder.envelope("in_progress", []))
+    yield event("response.in_progress", response=builder.envelope("in_progress", []))
+    output: list[dict[str, Any]] = []
+    text = ""
+    message_index: int | None = None
+    call_index: int | None = None  # output index of the call being written
+    finish_reason = None
+
+    def close_message() -> list[dict[str, Any]]:
+        item = builder.message_item(text)
+        output[message_index] = item
+        part = item["content"][0]
+        return [event("response.output_text.done", item_id=builder.message_id, output_index=message_index,
+                      content_index=0, text=text, logprobs=[]),
+                event("response.content_part.done", item_id=builder.message_id, output_index=message_index,
+                      content_index=0, part=part),
+                event("response.output_item.done", output_index=message_index, item=item)]
+
+    def close_call() -> list[dict[str, Any]]:
+        item = {**output[call_index], "status": "completed"}
+        output[call_index] = item
+        return [event("response.function_call_arguments.done", item_id=item["id"], output_index=call_index,
+                      arguments=item["arguments"]),
+                event("response.output_item.done", output_index=call_index, item=item)]
+
+    async for delta in builder.run.deltas():
+        if delta.content:
+            if message_index is None:
+                message_index = len(output)
+                output.append(builder.message_item("", status="in_progress"))
+                yield event("response.output_item.added", output_index=message_index, item=output[message_index])
+                yield event("response.content_part.added", item_id=builder.message_id, output_index=message_index,
+                            content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+            text += delta.content
+            yield event("response.output_text.delta", item_id=builder.message_id, output_index=message_index,
+                        content_index=0, delta=delta.content, logprobs=[])
+        for call in delta.tool_calls:
+            if call.id is not None:
+                if call_index is not None:
+                    for line in close_call():
+                        yield line
+                call_index = len(output)
+                output.append(builder.call_item(call.id, call.name, "", status="in_progress"))
+                yield event("response.output_item.added", output_index=call_index, item=output[call_index])
+            if call.arguments:
+                output[call_index] = {**output[call_index],
+                                      "arguments": output[call_index]["arguments"] + call.arguments}
+                yield event("response.function_call_arguments.delta", item_id=output[call_index]["id"],
+                            output_index=call_index, delta=call.arguments)
+        finish_reason = delta.finish_reason or finish_reason
+    if message_index is None and call_index is None:  # an empty answer is still one message
+        message_index = 0
+        output.append(builder.message_item("", status="in_progress"))
+        yield event("response.output_item.added", output_index=0, item=output[0])
+        yield event("response.content_part.added", item_id=builder.message_id, output_index=0, content_index=0,
+                    part={"type": "output_text", "text": "", "annotations": []})
+    if message_index is not None:
+        for line in close_message():
+            yield line
+    if call_index is not None:
+        for line in close_call():
+            yield line
+    response = builder.envelope("completed", output, finish_reason)
+    on_done(response)
+    kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+    yield event(kind, response=response)
 
 
-async def _events(builder: ResponseBuilder, on_done) -> AsyncIterator[str]:
-    sequence_number = 0
+async def _create_route(request: Request) -> Response:
+    state = request.app.state.tokios
+    state.check_ready()
+    store: ResponseStore = state.responses_store
+    body = await parse_body(request, ResponsesRequest)
+    history: list[dict[str, Any]] = []
+    if body.previous_response_id is not None:
+        history = list(store.get(body.previous_response_id, "previous_response_id").messages)
+    conversation = history + input_messages(body.input)
+    if not conversation:
+        raise InvalidRequestError("input must not be empty", param="input")
 
-    def event(kind: str, **fields: Any) -> str:
-        nonlocal sequence_number
-        payload = {"type": kind, "sequence_number": sequence_number, **fields}
-        sequence_number += 1
-        return _sse(payload)
+    async def run(lease: ModelLease) -> Response:
+        serving = lease.serving
+        instructions = [{"role": "system", "content": body.instructions}] if body.instructions else []
+        turn = ChatTurn(instructions + conversation, _sampling(body), body.max_output_tokens, _toolset(body))
+        model = serving.response_model_name(body.model)
+        chat_run = await serving.start_chat(request, turn, lease, stream=body.stream,
+                                            response_id=f"resp-{uuid.uuid4().hex}")
+        builder = ResponseBuilder(body, model, chat_run)
 
-    try:
-        yield event("response.created", response=builder.envelope("in_progress", []))
-        yield event("response.in_progress", response=builder.envelope("in_progress", []))
-        output: list[dict[str, Any]] = []
-        text = ""
-        message_index: int | None = None
-        call_index: int | None = None  # output index of the call being written
-        finish_reason = None
+        def keep(response: dict[str, Any]) -> None:
+            if body.store:
+                store.put(response["id"], response, conversation + _output_messages(response["output"]))
 
-        def close_message() -> list[str]:
-            item = builder.message_item(text)
-            output[message_index] = item
-            part = item["content"][0]
-            return [event("response.output_text.done", item_id=builder.message_id, output_index=message_index,
-                          content_index=0, text=text, logprobs=[]),
-                    event("response.content_part.done", item_id=builder.message_id, output_index=message_index,
-                          content_index=0, part=part),
-                    event("response.output_item.done", output_index=message_index, item=item)]
-
-        def close_call() -> list[str]:
-            item = {**output[call_index], "status": "completed"}
-            output[call_index] = item
-            return [event("response.function_call_arguments.done", item_id=item["id"], output_index=call_index,
-                          arguments=item["arguments"]),
-                    event("response.output_item.done", output_index=call_index, item=item)]
-
-        async for delta in builder.run.deltas():
-            if delta.content:
-                if message_index is None:
-                    message_index = len(output)
-                    output.append(builder.message_item("", status="in_progress"))
-                    yield event("response.output_item.added", output_index=message_index, item=output[message_index])
-                    yield event("response.content_part.added", item_id=builder.message_id, output_index=message_index,
-                                content_index=0, part={"type": "output_text", "text": "", "annotations": []})
-                text += delta.content
-                yield event("response.output_text.delta", item_id=builder.message_id, output_index=message_index,
-                            content_index=0, delta=delta.content, logprobs=[])
-            for call in delta.tool_calls:
-                if call.id is not None:
-                    if call_index is not None:
-                        for line in close_call():
-                            yield line
-                    call_index = len(output)
-                    output.append(builder.call_item(call.id, call.name, "", status="in_progress"))
-                    yield event("response.output_item.added", output_index=call_index, item=output[call_index])
-                if call.arguments:
-                    output[call_index] = {**output[call_index],
-                                          "arguments": output[call_index]["arguments"] + call.arguments}
-                    yield event("response.function_call_arguments.delta", item_id=output[call_index]["id"],
-                                output_index=call_index, delta=call.arguments)
-            finish_reason = delta.finish_reason or finish_reason
-        if message_index is None and call_index is None:  # an empty answer is still one message
-            message_index = 0
-            output.append(builder.message_item("", status="in_progress"))
-            yield event("response.output_item.added", output_index=0, item=output[0])
-            yield event("response.content_part.added", item_id=builder.message_id, output_index=0, content_index=0,
-                        part={"type": "output_text", "text": "", "annotations": []})
-        if message_index is not None:
-            for line in close_message():
-                yield line
-        if call_index is not None:
-            for line in close_call():
-                yield line
-        response = builder.envelope("completed", output, finish_reason)
-        on_done(response)
-        kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
-        yield event(kind, response=response)
-    except Exception as exc:  # the headers are gone: a typed error event ends the stream
-        error = error_payload(exc)[1]["error"]
-        yield event("error", code=error.get("code") or error.get("type"), message=error["message"],
-                    param=error.get("param"))
+        if body.stream:
+            return StreamedResponse(guarded_stream(RESPONSES, _events(builder, keep)), chat_run.job)
+        result = (await chat_run.results())[0]
+        response = builder.envelope("completed", builder.output_of(result), result.finish_reason)
+        keep(response)
+        return JSONResponse(response)
+    return await state.respond(body.model, run)
 
 
-def install(app: FastAPI, state, store: ResponseStore) -> None:
-    @app.post("/v1/responses")
-    async def create(request: Request) -> Response:
-        state.check_ready()
-        body = await parse_body(request, ResponsesRequest)
-        history: list[dict[str, Any]] = []
-        if body.previous_response_id is not None:
-            history = list(store.get(body.previous_response_id, "previous_response_id").messages)
-        conversation = history + input_messages(body.input)
-        if not conversation:
-            raise InvalidRequestError("input must not be empty", param="input")
-
-        async def run(lease: ModelLease) -> Response:
-            serving = lease.serving
-            instructions = [{"role": "system", "content": body.instructions}] if body.instructions else []
-            turn = ChatTurn(instructions + conversation, _sampling(body), body.max_output_tokens, _toolset(body))
-            model = serving.check_model(body.model)
-            chat_run = await serving.start_chat(request, turn, lease, stream=body.stream,
-                                                response_id=f"resp-{uuid.uuid4().hex}")
-            builder = ResponseBuilder(body, model, chat_run)
-
-            def keep(response: dict[str, Any]) -> None:
-                if body.store:
-                    store.put(response["id"], response, conversation + _output_messages(response["output"]))
-
-            if body.stream:
-                return SSEResponse(_events(builder, keep), chat_run.job)
-            result = (await chat_run.results())[0]
-            response = builder.envelope("completed", builder.output_of(result), result.finish_reason)
-            keep(response)
-            return JSONResponse(response)
-        return await state.respond(body.model, run)
-
-    @app.get("/v1/responses/{response_id}")
-    async def retrieve(response_id: str) -> Response:
-        state.check_ready()
-        return JSONResponse(store.get(response_id).body)
+async def _retrieve_route(request: Request) -> Response:
+    state = request.app.state.tokios
+    state.check_ready()
+    return JSONResponse(state.responses_store.get(request.path_params["response_id"]).body)
 
 
-RESPONSES_ROUTES = {
-    "/v1/responses": ("post", "Create a response (OpenAI Responses API); typed SSE events when stream is true",
-                      ResponsesRequest, "text/event-stream"),
-    "/v1/responses/{response_id}": ("get", "A stored response", None, None),
-}
+def stream_error(error: TokiosError) -> dict[str, Any]:
+    """The typed `error` event that ends a stream after a failure."""
+    return {"type": "error", "code": error.code or error.error_type, "message": error.message, "param": error.param}
+
+
+class ResponseObject(ResponseBody):
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: str
+    model: str
+    output: list[dict[str, Any]]
+    usage: dict[str, Any] | None
+
+
+class ResponseEvent(ResponseBody):
+    """One typed event of a streamed response: `event:` names its `type`."""
+
+    type: str
+    sequence_number: int
+
+
+RESPONSES = Dialect(
+    name="openai_responses",
+    routes=(
+        Route("post", "/v1/responses", _create_route,
+              "Create a response (OpenAI Responses API); typed SSE events when stream is true", ResponsesRequest,
+              ResponseObject, SSE, ResponseEvent, generates=True),
+        Route("get", "/v1/responses/{response_id}", _retrieve_route, "A stored response", answer=ResponseObject,
+              parameters=({"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}},)),
+    ),
+    path_prefixes=("/v1/responses",),
+    error_body=openai_error_body,
+    error_schema={"$ref": "#/components/schemas/ErrorResponse"},
+    frame_style=SEQUENCED,
+    stream_error=stream_error,
+)

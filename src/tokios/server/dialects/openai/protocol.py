@@ -1,57 +1,34 @@
 """The OpenAI-compatible request bodies and how they become SamplingParams.
 
-Owns the pydantic models of `/v1/chat/completions`, `/v1/completions`, `/tokenize` and
-`/detokenize` (OpenAI field names plus vLLM-style extensions), and `sampling_kwargs`, which turns
-a validated request into the keyword arguments of tokios.sampling_params.SamplingParams. Range
-checks that need the model (logit_bias token ids) take the vocabulary size as an argument; the
-rest of the range checks live in SamplingParams itself. Talks to nothing: server/app.py parses
-bodies with these models and server/responses.py shapes the answers.
+Owns the pydantic models of `/v1/chat/completions`, `/v1/completions`, `/v1/embeddings`,
+`/tokenize` and `/detokenize` (OpenAI field names plus vLLM-style extensions), and
+`sampling_kwargs`, which turns a validated request into the keyword arguments of
+tokios.sampling_params.SamplingParams. Range checks that need the model (logit_bias token ids)
+take the vocabulary size as an argument; the rest of the range checks live in SamplingParams
+itself. Talks to nothing: dialects/openai/endpoints.py parses bodies with these models (the same
+models /openapi.json publishes) and dialects/openai/shapes.py shapes the answers.
 """
 
 from __future__ import annotations
 
-import json
-from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
+from typing import Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, field_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from tokios.errors import InvalidRequestError
+from tokios.server.body import MAX_TOP_LOGPROBS, JsonFloat, JsonInt, RequestBody, TokenId
+from tokios.server.dialects.dialect import join_text_parts
 from tokios.structured.spec import StructuredOutput
 
-if TYPE_CHECKING:
-    from starlette.requests import Request
-
-# OpenAI caps top_logprobs at 20 and completions' logprobs at 5; we allow 20 for both (as vLLM).
-MAX_TOP_LOGPROBS = 20
 MAX_N = 16
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
-BodyT = TypeVar("BodyT", bound=BaseModel)
-# A token id is a JSON integer: pydantic's lax mode would take true as 1 (found by fuzzing).
-TokenId = StrictInt
 
 
-def _not_a_boolean(value: Any) -> Any:
-    if isinstance(value, bool):
-        raise ValueError("must be a number, not a boolean")
-    return value
-
-
-# Numbers in request bodies: pydantic's lax mode otherwise takes true as 1 (fuzzing found `"n":
-# true` answered). Kept lax otherwise, so 256.0 still reads as 256.
-JsonInt = Annotated[int, BeforeValidator(_not_a_boolean)]
-JsonFloat = Annotated[float, BeforeValidator(_not_a_boolean)]
-
-
-class _Body(BaseModel):
-    # Unknown fields are ignored, as OpenAI's SDKs send fields a local server may not know.
-    model_config = ConfigDict(extra="ignore")
-
-
-class StreamOptions(_Body):
+class StreamOptions(RequestBody):
     include_usage: bool = False
 
 
-class SamplingFields(_Body):
+class SamplingFields(RequestBody):
     """Fields shared by chat and completions; all optional so that defaults stay in one place."""
 
     model: str | None = None
@@ -105,23 +82,29 @@ class SamplingFields(_Body):
         return StructuredOutput.from_structured_outputs(self.structured_outputs)
 
 
-class ContentPart(_Body):
+class ContentPart(RequestBody):
     type: str
     text: str | None = None
 
 
-class ToolCallFunction(_Body):
+class ToolCallFunction(RequestBody):
     name: str
     arguments: str | dict[str, Any] = "{}"
 
 
-class MessageToolCall(_Body):
+class MessageToolCall(RequestBody):
     id: str | None = None
     type: Literal["function"] = "function"
     function: ToolCallFunction
 
 
-class ChatMessage(_Body):
+class ChatMessage(RequestBody):
+    # A tool result names the call it answers (OpenAI refuses one without): in the published
+    # schema as well as in validation.
+    model_config = ConfigDict(extra="ignore", json_schema_extra={
+        "if": {"properties": {"role": {"const": "tool"}}, "required": ["role"]},
+        "then": {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string"}}}})
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -129,20 +112,15 @@ class ChatMessage(_Body):
     tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
 
+    @model_validator(mode="after")
+    def _tool_results_name_their_call(self) -> ChatMessage:
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
+
     def text(self) -> str:
         """The message's text; only text parts are supported."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        texts: list[str] = []
-        for part in self.content:
-            if part.type != "text" or part.text is None:
-                raise InvalidRequestError(
-                    f"messages: content parts of type {part.type!r} are not supported; only 'text' is",
-                    param="messages")
-            texts.append(part.text)
-        return "\n".join(texts)
+        return join_text_parts(self.content, "messages", ("text",))
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -210,11 +188,21 @@ def prompt_list(value: PromptInput, param: str) -> list[str | list[int]]:
 
 
 class CompletionRequest(SamplingFields):
+    # check_supported's refusals, published too: max_tokens 0 only with echo (prompt scoring),
+    # no prompt logprobs in a stream.
+    model_config = ConfigDict(extra="ignore", json_schema_extra={"allOf": [
+        {"if": {"properties": {"max_tokens": {"const": 0}}, "required": ["max_tokens"]},
+         "then": {"properties": {"echo": {"const": True}}, "required": ["echo"]}},
+        {"if": {"properties": {"stream": {"const": True}, "echo": {"const": True},
+                               "logprobs": {"type": "integer"}}, "required": ["stream", "echo", "logprobs"]},
+         "then": False}]})
+
     prompt: PromptInput
     echo: bool = False
     logprobs: JsonInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    suffix: str | None = None
-    best_of: JsonInt | None = None
+    suffix: str | None = Field(default=None, json_schema_extra={"maxLength": 0,
+                                                                "description": "not supported: a non-empty one is a 400"})
+    best_of: JsonInt | None = Field(default=None, json_schema_extra={"description": "absent or equal to n"})
 
     def check_supported(self) -> None:
         if self.suffix:
@@ -239,7 +227,7 @@ class CompletionRequest(SamplingFields):
         return self.logprobs
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -251,7 +239,7 @@ class TokenizeRequest(_Body):
             raise InvalidRequestError("exactly one of prompt and messages must be given", param="prompt")
 
 
-class EmbeddingRequest(_Body):
+class EmbeddingRequest(RequestBody):
     model: str | None = None
     input: PromptInput
     encoding_format: Literal["float", "base64"] = "float"
@@ -262,7 +250,7 @@ class EmbeddingRequest(_Body):
         return prompt_list(self.input, "input")
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[TokenId]
 
@@ -324,16 +312,3 @@ def sampling_kwargs(request: ChatCompletionRequest | CompletionRequest, *, vocab
     if isinstance(request, CompletionRequest) and request.echo and request.logprobs is not None:
         kwargs["prompt_logprobs"] = request.logprobs
     return kwargs
-
-
-async def parse_body(request: Request, model: type[BodyT]) -> BodyT:
-    raw = await request.body()
-    if not raw.strip():
-        raise InvalidRequestError("The request body is empty; send a JSON object.", param=None)
-    try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidRequestError(f"The request body is not valid JSON: {exc}", param=None) from exc
-    if not isinstance(data, dict):
-        raise InvalidRequestError(f"The request body must be a JSON object, got {type(data).__name__}.", param=None)
-    return model.model_validate(data)

@@ -1,51 +1,26 @@
-"""Shapes engine outputs into OpenAI response bodies, stream chunks and SSE frames.
+"""Shapes engine outputs into OpenAI response bodies and stream chunks, and describes them.
 
 Owns the JSON shapes of chat.completion, chat.completion.chunk and text_completion (plus usage
-and the two logprobs formats: chat's `content` list and completions' parallel lists), and the SSE
-framing (`data: {...}\\n\\n`, `data: [DONE]\\n\\n`). Pure functions over tokios.outputs types and a
-token decoder; server/serving.py calls them.
+and the two logprobs formats: chat's `content` list and completions' parallel lists) and the
+done marker that ends their streams. Pure functions over tokios.outputs types and a token
+decoder (server/logprobs.py ranks and clamps the values); dialects/openai/endpoints.py calls them.
+The models at the end are the same shapes as schemas, for /openapi.json (server/openapi.py).
 """
 
 from __future__ import annotations
 
-import json
-import math
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
-from tokios.outputs import Logprob, TokenLogprobs
+from tokios.outputs import TokenLogprobs
+from tokios.server.body import ResponseBody
+from tokios.server.logprobs import MIN_LOGPROB, TokenDecoder, finite_logprob, ranked, top_ranked
 
 SSE_DONE = "data: [DONE]\n\n"
-# JSON has no -Infinity; OpenAI-compatible servers clamp to this floor.
-MIN_LOGPROB = -9999.0
-
-# token id -> the token's text, for logprobs (decoded_token when the engine supplied it).
-TokenDecoder = Callable[[int, Logprob | None], str]
-
-
-def sse_event(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
             "total_tokens": num_prompt_tokens + num_completion_tokens}
-
-
-def finite_logprob(value: float) -> float:
-    return MIN_LOGPROB if math.isnan(value) or value < MIN_LOGPROB else float(value)
-
-
-def _ranked(position: TokenLogprobs) -> list[tuple[int, Logprob]]:
-    """Entries best first: by rank where the engine gave one, else by logprob."""
-    return sorted(position.items(), key=lambda item: (
-        item[1].rank if item[1].rank is not None else math.inf, -item[1].logprob))
-
-
-def _top(position: TokenLogprobs, num_top: int) -> list[tuple[int, Logprob]]:
-    ranked = _ranked(position)
-    # The sampled token is added to the dict even when it is outside the top k; keep only the top k.
-    return ranked[:num_top]
 
 
 def chat_logprobs(token_ids: list[int], positions: list[TokenLogprobs], num_top: int,
@@ -62,7 +37,7 @@ def chat_logprobs(token_ids: list[int], positions: list[TokenLogprobs], num_top:
             "top_logprobs": [
                 {"token": (text := decode(top_id, top)), "logprob": finite_logprob(top.logprob),
                  "bytes": list(text.encode("utf-8"))}
-                for top_id, top in _top(position, num_top)],
+                for top_id, top in top_ranked(position, num_top)],
         })
     return {"content": content}
 
@@ -91,7 +66,7 @@ def completion_logprobs(token_ids: list[int], positions: list[TokenLogprobs | No
             continue
         token_logprobs.append(finite_logprob(actual.logprob) if actual else MIN_LOGPROB)
         top_logprobs.append({decode(top_id, top): finite_logprob(top.logprob)
-                             for top_id, top in _ranked(position)})
+                             for top_id, top in ranked(position)})
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": text_offsets}
 
@@ -150,3 +125,112 @@ def usage_chunk(response_id: str, created: int, model: str, obj: str, num_prompt
                 num_completion_tokens: int) -> dict[str, Any]:
     return {"id": response_id, "object": obj, "created": created, "model": model, "choices": [],
             "usage": usage(num_prompt_tokens, num_completion_tokens), "system_fingerprint": None}
+
+
+# ---- the answers' schemas, as /openapi.json publishes them -----------------------------------------
+
+class Usage(ResponseBody):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatMessageOut(ResponseBody):
+    role: Literal["assistant"]
+    content: str | None
+
+
+class ChatChoice(ResponseBody):
+    index: int
+    message: ChatMessageOut
+    finish_reason: str | None
+    logprobs: dict[str, Any] | None = None
+
+
+class ChatCompletion(ResponseBody):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatChunkChoice(ResponseBody):
+    index: int
+    delta: dict[str, Any]
+    finish_reason: str | None
+    logprobs: dict[str, Any] | None = None
+
+
+class ChatCompletionChunk(ResponseBody):
+    """One event of a streamed chat completion (the last may carry only usage)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChoice(ResponseBody):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: dict[str, Any] | None = None
+
+
+class TextCompletion(ResponseBody):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(ResponseBody):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    state: Literal["unloaded", "loading", "loaded"]
+    max_model_len: int | None = None  # known once loaded
+
+
+class ModelList(ResponseBody):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class TokenizeResponse(ResponseBody):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(ResponseBody):
+    prompt: str
+
+
+class Embedding(ResponseBody):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingList(ResponseBody):
+    object: Literal["list"]
+    data: list[Embedding]
+    model: str
+    usage: dict[str, int]
+
+
+class TokenizerInfo(ResponseBody):
+    model: str
+    bos_token: str | None
+    eos_token: str | None
+    pad_token: str | None
+    chat_template: str | None
+    model_max_length: int

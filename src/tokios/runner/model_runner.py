@@ -285,7 +285,7 @@ class ModelRunner:
         runs as two forwards when the model has the fused all-layer decode step: the decode rows
         through it, the spans through the per-op path. In one forward every decode row would
         take the per-op path, about 5x the fused step's time for 8 streams, so while a long
-        prompt was prefilled every stream's inter-token latency was 5x its own whatever chunk
+        prompt is prefilled every stream's inter-token latency would be 5x its own whatever chunk
         size the step budget chose (docs/benchmarks.md, Fairness). Rows belong to different
         requests, so the two forwards compute exactly what one would (each writes its own
         requests' cache slots; no row attends to another request's)."""
@@ -318,11 +318,11 @@ class ModelRunner:
         output.embeddings[request.request_id] = pooled.tolist()
 
     # A prompt chunk with at most this many (query x context) pairs is laid out as decode rows.
-    # Measured in int4 on 2 threads: 16 prompts of 158 tokens, 1.70 -> 1.40 s; the same with 144
-    # tokens of each cached, 217 -> 147 ms. Since the C++ attention sums 16 scores at a time,
-    # rows also beat SDPA spans on long chunks (AVX-512 EPYC, spans vs rows, alternating in one
-    # process): a 1,000-token prompt 1.08 -> 0.97 s, Gemma 3 1.09 -> 1.00 s, a 4,000-token
-    # prompt 8.2 -> 7.8 s. The bound keeps the rows' slot tables (8 bytes per pair) at 16 MiB: a
+    # Rows against SDPA spans, int4 on 2 threads: 16 prompts of 158 tokens 1.40 against 1.70 s;
+    # the same with 144 tokens of each cached, 147 against 217 ms. The C++ attention sums 16
+    # scores at a time, so rows beat spans on long chunks too (AVX-512 EPYC, alternating in one
+    # process): a 1,000-token prompt 0.97 against 1.08 s, Gemma 3 1.00 against 1.09 s, a
+    # 4,000-token prompt 7.8 against 8.2 s. The bound keeps the rows' slot tables (8 bytes per pair) at 16 MiB: a
     # 512-token chunk up to 4,096 tokens of context.
     MAX_DECODE_ROW_PAIRS = 1 << 21
 

@@ -55,16 +55,12 @@ from tokios.scheduler.step_cost import StepCostModel
 
 # The fewest prompt tokens a prefilling request gets in a step that has a time budget: the floor
 # that keeps a long prompt moving when the budget holds fewer. Late in a long prompt the floor is
-# what a step carries, so it sets the other streams' p99: `tokios bench fairness` (8 streams, a
-# 5,500-token prompt, --max-step-ms auto), floors alternating, one round each: 8 tokens p99 during
-# 111, 111 ms (3.05x, 3.38x the p99 before), TTFT 40, 36 s; 4 tokens 68, 58, 78 ms (1.68x,
-# 1.42x, 2.54x), TTFT 41, 31, 40 s; 2 tokens 70, 76 ms (2.73x, 2.30x), TTFT 43, 50 s. Three more
-# rounds each, alternating: 2 tokens 67, 54, 53 ms (2.09x, 1.67x, 2.05x), TTFT 28-38 s; 4 tokens
-# 78, 63, 61 ms (2.63x, 1.64x, 1.92x), TTFT 29-37 s: 2 is lower in absolute p99, the same in the
-# ratio, within this host's noise. A chunk's
-# cost late in the prompt is mostly reading its context's KV once per step (at 4,500 tokens one
-# token adds 16 ms to a 27 ms step, four 25 ms, eight 50 ms), so below 4 tokens the step barely
-# shrinks while the prompt slows.
+# what a step carries, so it sets the other streams' p99. A chunk's cost late in the prompt is
+# mostly reading its context's KV once per step (at 4,500 tokens of context on 2 cores one token
+# adds 16 ms to a 27 ms step, four 25 ms, eight 50 ms), so above 4 tokens the streams' p99 grows
+# with the floor (`tokios bench fairness`, --max-step-ms auto: 8 tokens about 3x the p99 before
+# the prompt, 4 tokens about 2x) and below 4 the step barely shrinks while the prompt slows
+# (2 tokens: the same ratio within the host's noise, a later first token).
 MIN_PREFILL_CHUNK = 4
 # A prompt chunk run through the layers over several steps (layer slices). Larger chunks share
 # the fixed cost of a pass more widely, but even one layer of the chunk must fit a step.

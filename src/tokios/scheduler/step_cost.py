@@ -17,9 +17,9 @@ its query x context product grows, runner/model_runner.py):
   steps predict the next one well; the weight on each new step (0.3) lets a kernel switch be
   followed within a few steps.
 
-A global least-squares fit of step time on rows and attention pairs was tried first: while the
-streams decode, every step has nearly the same rows, so the fixed and per-row costs cannot be
-told apart and the fit drifted to predictions off by 2-3x (measured on SmolLM2 with 4 streams
+Not a global least-squares fit of step time on rows and attention pairs: while the streams
+decode, every step has nearly the same rows, so the fixed and per-row costs cannot be told apart
+and such a fit drifts to predictions off by 2-3x (measured on SmolLM2 with 4 streams
 and a 2,000-token prompt).
 """
 

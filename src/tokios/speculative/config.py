@@ -43,12 +43,11 @@ class SpeculativeConfig:
     draft_dtype: str = "auto"
     enable_adaptive: bool = True  # adapt k to the acceptance rate; switch off below break-even
     # Cost of one extra verify row, as a fraction of a plain decode step (the c of the break-even
-    # formula adds the draft's measured cost to it). benchmarks/speculative_speed.py measures it:
-    # 0.18-0.25 for the fused kernels alone since the matrix kernel interleaves 16 features per
-    # vector and prefetches (0.31-0.41 before). The default is an estimate a little below that
-    # for whole engine steps, which also pay a fixed per-step cost that speculation amortizes
-    # (the second session measured 0.26 for whole steps against 0.31-0.41 for the kernels).
-    # Default model, int4, 2 cores.
+    # formula adds the draft's measured cost to it). benchmarks/speculative_speed.py measures it
+    # for the fused kernels alone: 0.18-0.25 (default model, int4, 2 cores). The default is a
+    # little below that because whole engine steps also pay a fixed per-step cost that
+    # speculation amortizes, so a whole step's c is lower than its kernels' (0.26 against
+    # 0.31-0.41 where both were measured).
     verify_token_cost: float = 0.15
 
     def __post_init__(self) -> None:

@@ -214,7 +214,7 @@ def precise_activations(model_dtype: str) -> bool:
     """Whether a model in this --dtype runs its kernels on precise (~15-bit) activations rather than
     8-bit ones (cpu_kernels.cpp, QuantizedActivations). int4 is the speed format and takes 8-bit,
     as llama.cpp does. int8 is the accuracy format, and its requantized weights leave no room for
-    the 8-bit error: on the perplexity gate's text, int8 was 1.21% from transformers float32 with
-    8-bit activations (gate 1%), against 0.68% with float ones; int4 was 0.60%."""
+    the 8-bit error: on the perplexity gate's text, int8 is 1.21% from transformers float32 with
+    8-bit activations (the gate is 1%), against 0.68% with float ones; int4 with 8-bit is 0.60%."""
     return model_dtype == "int8"
 

@@ -148,7 +148,7 @@ void rope_and_write(float* qkv, int64_t num_tokens, const int64_t* positions, co
 }
 
 #if TOKIOS_AVX2
-// exp on 8 lanes for AVX2 machines, the polynomial of exp16 (below): std::exp was 6% of a
+// exp on 8 lanes for AVX2 machines, the polynomial of exp16 (below): std::exp costs 6% of a
 // 1,000-token prefill inside SiLU, and most of the softmax in decode attention.
 // 2^n is built in the exponent field: n is within [-127, 128] after the clamp; -127 gives 0 and
 // 128 infinity, which silu's sigmoid turns into the right limits.
@@ -188,7 +188,7 @@ inline __m256 load8(const int8_t* p) {
 
 #if TOKIOS_VNNI
 // exp on 16 lanes (Cephes' single-precision polynomial, about 1 ulp): std::exp one element at a
-// time was 8% of a 128-token prefill and 3% of a 16-row decode step inside SiLU.
+// time costs 8% of a 128-token prefill and 3% of a 16-row decode step inside SiLU.
 inline __m512 exp16(__m512 x) {
   x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-88.3762626647949f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
@@ -372,9 +372,9 @@ inline void accumulate_values(const float* const* weights, const KV* value_cache
 // Keys per segment. A context longer than this is attended one segment at a time, each with its
 // own maximum and sum, merged in order afterwards (segment_results). Every segment is a work
 // item, so one long decode row keeps both threads busy: split by KV head alone, SmolLM2's 3 heads
-// left one of 2 threads two thirds of the work. Single-stream decode at 4,096 tokens, the engine's
-// step, old and new alternating: bfloat16 cache 20.0 -> 17.8 ms, int8 18.9 -> 14.3 ms; 4 streams
-// 55.5 -> 47.6 ms. Boundaries are fixed positions, never a thread count, so a query's result does
+// left one of 2 threads two thirds of the work. The engine's step at 4,096 tokens, split by KV
+// head against by segment: one stream with a bfloat16 cache 20.0 against 17.8 ms, int8 18.9
+// against 14.3 ms; 4 streams 55.5 against 47.6 ms. Boundaries are fixed positions, never a thread count, so a query's result does
 // not depend on what else the step holds. 512 keys: 1,024 left a chunk just past 1,024 tokens
 // with 3 big items for 2 threads.
 constexpr int64_t kSegmentKeys = 512;
@@ -520,9 +520,9 @@ void attend_segment(const float* const* queries, const int64_t* lengths, int num
 // attend_segment for a bfloat16 cache on a CPU with bfloat16 dot products (vdpbf16ps: 32
 // products summed pairwise into 16 float32 lanes, one instruction): the queries and the softmax
 // weights are rounded to bfloat16 (as GPU attention kernels take them), the keys and values are
-// multiplied as stored, never widened. The float32 path widened every block of keys and values
-// into float32 and read it back, and with the 4 FMAs per pair that was 28 cycles per query-key
-// pair for a decode row. Products are exact in float32 and summed in float32; the weights'
+// multiplied as stored, never widened. The float32 path widens every block of keys and values
+// into float32 and reads it back, and with the 4 FMAs per pair that costs 28 cycles per
+// query-key pair for a decode row. Products are exact in float32 and summed in float32; the weights'
 // sum is taken over the rounded weights, so each output is a weighted mean of its values.
 // PAIRS = head_dim / 32. Same contract and arguments as attend_segment.
 template <int PAIRS>
@@ -899,7 +899,8 @@ void check_f32(const at::Tensor& t, const char* name) {
 // to be backed by transparent huge pages before it is first written (this host's THP mode is
 // "madvise": nothing is huge unless asked). A decode step streams every weight once; on 4 KiB
 // pages the hardware prefetcher stops at every page boundary and each page costs a TLB walk.
-// Measured on Gemma 3's 178 MB Q8_0 output head: 10.0-10.5 -> 8.6-9.4 ms. Carving the smaller
+// Gemma 3's 178 MB Q8_0 output head streams in 10.0-10.5 ms on 4 KiB pages, 8.6-9.4 ms on 2 MiB
+// ones. Carving the smaller
 // per-layer weights out of shared huge-page chunks showed no gain above this machine's noise.
 at::Tensor weight_buffer(int64_t rows, int64_t row_bytes) {
   const size_t bytes = static_cast<size_t>(rows * row_bytes);

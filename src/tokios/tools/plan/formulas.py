@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-from tokios.tools.plan.model_presets import ModelShape
+from tokios.model.shape import ModelShape
 
 KIB = 2**10
 GIB = 2**30

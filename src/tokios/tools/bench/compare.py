@@ -93,14 +93,14 @@ LLAMA_CACHE_TYPE_BYTES = {"f16": 2.0, "q8_0": 34 / 32}
 
 
 def kv_bytes_per_token(model_path: str, kv_dtype: str | float) -> int:
-    """2 x layers x kv_heads x head_dim x bytes of a tokios KV dtype (kv_cache/dtypes.py, int8's
+    """KV bytes of one token (kv_cache/dtypes.py kv_bytes_per_token), of a tokios KV dtype (int8's
     scales included) or of a given bytes per element, for the model file's shape."""
-    from tokios.kv_cache.dtypes import kv_bytes_per_element
+    from tokios.kv_cache.dtypes import kv_bytes_per_element, kv_bytes_per_token as bytes_per_token
     from tokios.model.shape import read_model_shape
 
     shape = read_model_shape(model_path)
     bytes_per_element = kv_dtype if isinstance(kv_dtype, float) else kv_bytes_per_element(kv_dtype, shape.head_dim)
-    return round(2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * bytes_per_element)
+    return round(bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, bytes_per_element))
 
 
 def ratio_table(tokios: list[ServeSummary], llama: list[ServeSummary]) -> str:

@@ -3,7 +3,8 @@
 Owns pure functions (no I/O, no torch) shared by tools/plan/capacity.py (capacity by formula) and
 tools/roofline/ (measured utilization): KV bytes per token, weight bytes, FLOPs of a prefill
 and of a decode step, bytes a decode step reads, the decode ridge batch size, KV capacity, and
-the speculative-decoding expectation. Units: bytes, FLOPs, seconds.
+the speculative-decoding expectation. Units: bytes, FLOPs, seconds. KV bytes per token is the
+engine's formula (kv_cache/dtypes.py), applied here.
 
 Conventions (why): a multiply-add is 2 FLOPs. Logits are computed for the last position of each
 request only (as vLLM and llama.cpp do), so prefill pays the output projection once. A decode
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import math
 
+from tokios.kv_cache import dtypes
 from tokios.model.shape import ModelShape
 
 KIB = 2**10
@@ -24,8 +26,8 @@ GIB = 2**30
 def kv_bytes_per_token(model: ModelShape, kv_bytes_per_element: float, *, tp: int = 1) -> float:
     """2 (K and V) x layers x KV heads x head dim x bytes. With tensor parallelism wider than
     the KV heads, each device keeps a copy of a head, so the replica holds `tp` heads."""
-    num_kv_heads = max(model.num_kv_heads, tp)
-    return 2 * model.num_layers * num_kv_heads * model.head_dim * kv_bytes_per_element
+    return dtypes.kv_bytes_per_token(model.num_layers, max(model.num_kv_heads, tp), model.head_dim,
+                                     kv_bytes_per_element)
 
 
 def kv_bytes_per_sequence(model: ModelShape, kv_bytes_per_element: float, context_len: int, *,

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokios.errors import InvalidRequestError
-from tokios.kv_cache.dtypes import ENGINE_KV_DTYPES
+from tokios.kv_cache.dtypes import ENGINE_KV_DTYPES, kv_bytes_per_token
 from tokios.speculative.config import SpeculativeConfig
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "int8", "int4")
@@ -70,7 +70,8 @@ def _require(condition: bool, field_name: str, message: str) -> None:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shapes and constants of a decoder-only transformer, read from the model file."""
+    """Shapes and constants of a decoder-only transformer, as the model code reads them: made by
+    model/loader.py from the file's ModelShape (model/shape.py)."""
 
     architecture: str
     num_layers: int
@@ -104,13 +105,7 @@ class ModelConfig:
     def kv_bytes_per_token(self, bytes_per_element: float) -> int:
         """Every layer's K and V of one token (what a context shorter than every window costs).
         bytes_per_element: kv_cache/dtypes.py kv_bytes_per_element (an int8 head's scale included)."""
-        return round(2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element)
-
-    def kv_bytes_for_context(self, context_len: int, bytes_per_element: float) -> int:
-        """K and V bytes one request of context_len tokens keeps: a sliding layer holds at most its window."""
-        per_layer_token = round(2 * self.num_kv_heads * self.head_dim * bytes_per_element)
-        return sum(per_layer_token * (context_len if self.window_of(i) is None else min(context_len, self.window_of(i)))
-                   for i in range(self.num_layers))
+        return round(kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, bytes_per_element))
 
 
 @dataclass(frozen=True)

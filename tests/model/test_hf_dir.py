@@ -33,7 +33,7 @@ def hf_dir_engine(tmp_path_factory, engine_float32):
     directory = tmp_path_factory.mktemp("smollm2-hf")
     path = default_gguf()
     gguf = GGUFFile(path)
-    config = model_config_from_gguf(gguf.metadata, str(path), "output.weight" in gguf.tensors)
+    config = model_config_from_gguf(gguf)
     write_hf_directory(directory, engine_float32.tokenizer, config, weights_from_gguf(gguf, config))
     return LLM(model=str(directory), dtype="float32", kv_cache_memory="64MiB")
 

@@ -116,7 +116,7 @@ def test_prefill_flops_count_causal_attention_and_one_logits_row():
 
 
 def test_sliding_window_layers_hold_only_their_window():
-    from tokios.tools.plan.model_presets import ModelShape
+    from tokios.model.shape import ModelShape
 
     windows = tuple(None if (i + 1) % 6 == 0 else 512 for i in range(18))
     gemma = ModelShape("gemma3-like", 18, 640, 2048, 4, 1, 256, 262144, 32768, layer_windows=windows)

@@ -9,8 +9,9 @@ tensor: the prefix cache's copy-on-write, the disk tier's spills and loads and t
 gathers move scales with their values, with no second tensor to keep in step. It is the same
 68 bytes per 64 values as llama.cpp's q8_0 cache, 0.53 of bfloat16.
 
-The engine (engine/core.py: how many blocks fit in --kv-cache-memory) and the planner
-(tools/plan/capacity.py) both size the cache with kv_bytes_per_element.
+The engine (engine/core.py: how many blocks fit in --kv-cache-memory), the planner
+(tools/plan/) and `bench compare` all size the cache with kv_bytes_per_element and
+kv_bytes_per_token.
 """
 
 from __future__ import annotations
@@ -37,6 +38,12 @@ def kv_bytes_per_element(name, head_dim: int) -> float:
     if name in ELEMENT_BYTES:
         return ELEMENT_BYTES[name]
     raise ValueError(f"unknown KV cache dtype {name!r}")
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, bytes_per_element: float) -> float:
+    """K and V of one token in every layer: 2 x layers x KV heads x head_dim x bytes per element
+    (kv_bytes_per_element's, an int8 head's scale included)."""
+    return 2 * num_layers * num_kv_heads * head_dim * bytes_per_element
 
 
 def slot_width(dtype, head_dim: int) -> int:

@@ -1,6 +1,6 @@
 """What a Gemma 3 GGUF says beyond the Llama shape: per-layer sliding windows, the local RoPE
-base, the attention scale, softcapping. No torch here: the model loader (model/loader.py) and the
-planner's fast header reader (tools/plan/model_presets.py) both read it.
+base, the attention scale, softcapping. No torch here: read by model/shape.py, the one
+description of a model file.
 """
 
 from __future__ import annotations

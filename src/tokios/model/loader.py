@@ -1,5 +1,6 @@
 """Model loading: a GGUF file or a Hugging Face directory -> ModelConfig + model + tokenizer source.
 
+The file's shape is read by model/shape.py (ModelShape), and ModelConfig is made from it here.
 Both paths produce weights in Hugging Face names and layout, so one model file per
 architecture serves both. The architecture registry maps the file's architecture name to that
 model class; anything else is an UnsupportedError naming it.
@@ -7,7 +8,6 @@ model class; anything else is an UnsupportedError naming it.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -21,14 +21,12 @@ from tokios.errors import ModelLoadError, UnsupportedError
 from tokios.gguf_file import GGUFFile
 from tokios.model.decoder import ModelPart
 from tokios.model.gemma3 import Gemma3Model
-from tokios.model.gemma3_metadata import gemma3_fields
 from tokios.model.llama import LlamaModel
 from tokios.model.quant import PACKABLE_TYPES, PackedWeight, dequantize
+from tokios.model.shape import ModelShape, gguf_architecture, shape_from_gguf, shape_from_hf_directory
 
 # GGUF architecture name / HF model_type -> model class.
 ARCHITECTURES = {"llama": LlamaModel, "mistral": LlamaModel, "qwen2": LlamaModel, "gemma3": Gemma3Model}
-HF_ARCHITECTURE_TO_TYPE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                           "Qwen2ForCausalLM": "qwen2"}
 
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -74,47 +72,35 @@ def _architecture_class(name: str):
     return ARCHITECTURES[name]
 
 
-def model_config_from_gguf(metadata: dict[str, Any], path: str, has_output_weight: bool = False) -> ModelConfig:
-    arch = metadata.get("general.architecture")
-    if arch is None:
-        raise ModelLoadError(f"{path}: GGUF metadata has no general.architecture")
-    _architecture_class(arch)
-
-    def get(key: str, default: Any = None) -> Any:
-        value = metadata.get(f"{arch}.{key}", default)
-        if value is None:
-            raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.{key}")
-        return value
-
-    hidden_size = int(get("embedding_length"))
-    num_heads = int(get("attention.head_count"))
-    head_dim = int(get("attention.key_length", hidden_size // num_heads))
-    vocab_size = int(metadata.get(f"{arch}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens", [])))
-    scaling_type = metadata.get(f"{arch}.rope.scaling.type")
-    rope_scaling = None
-    if scaling_type not in (None, "none"):
-        rope_scaling = {"type": scaling_type, "factor": float(get("rope.scaling.factor", 1.0)),
-                        "original_max_position_embeddings":
-                            int(get("rope.scaling.original_context_length", get("context_length")))}
-    num_layers = int(get("block_count"))
+def model_config_from_shape(shape: ModelShape) -> ModelConfig:
+    """The engine's ModelConfig: the file's shape under the names the model code reads."""
     return ModelConfig(
-        architecture=arch,
-        num_layers=num_layers,
-        hidden_size=hidden_size,
-        intermediate_size=int(get("feed_forward_length")),
-        num_heads=num_heads,
-        num_kv_heads=int(get("attention.head_count_kv", num_heads)),
-        head_dim=head_dim,
-        vocab_size=vocab_size,
-        max_model_len=int(get("context_length")),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        rope_scaling=rope_scaling,
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-        tie_word_embeddings=not has_output_weight,
-        attention_bias=False,
-        name=str(metadata.get("general.name", os.path.basename(path))),
-        **gemma3_fields(metadata, path, num_layers) if arch == "gemma3" else {},
+        architecture=shape.architecture,
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        vocab_size=shape.vocab_size,
+        max_model_len=shape.max_context_len,
+        rope_theta=shape.rope_theta,
+        rope_scaling=shape.rope_scaling,
+        rms_norm_eps=shape.rms_norm_eps,
+        tie_word_embeddings=shape.tie_word_embeddings,
+        attention_bias=shape.has_qkv_bias,
+        name=shape.name,
+        layer_windows=shape.layer_windows,
+        rope_local_theta=shape.rope_local_theta,
+        query_pre_attn_scalar=shape.query_pre_attn_scalar,
+        final_logit_softcapping=shape.final_logit_softcapping,
     )
+
+
+def model_config_from_gguf(gguf: GGUFFile) -> ModelConfig:
+    # The architecture first: an unsupported one is named, not its first missing key.
+    _architecture_class(gguf_architecture(gguf.metadata, gguf.path))
+    return model_config_from_shape(shape_from_gguf(gguf))
 
 
 def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -165,47 +151,13 @@ def weights_from_gguf(gguf: GGUFFile, config: ModelConfig,
 
 
 def model_config_from_hf(directory: str) -> ModelConfig:
-    config_path = os.path.join(directory, "config.json")
-    if not os.path.exists(config_path):
-        raise ModelLoadError(f"{directory}: no config.json (a Hugging Face model directory needs one)")
-    with open(config_path) as handle:
-        hf = json.load(handle)
-    architectures = hf.get("architectures") or []
-    model_type = hf.get("model_type") or (HF_ARCHITECTURE_TO_TYPE.get(architectures[0]) if architectures else None)
-    _architecture_class(model_type or str(architectures))
-    num_heads = int(hf["num_attention_heads"])
-    rope_theta, rope_scaling = _rope_from_hf(hf, config_path)
-    return ModelConfig(
-        architecture=model_type,
-        num_layers=int(hf["num_hidden_layers"]),
-        hidden_size=int(hf["hidden_size"]),
-        intermediate_size=int(hf["intermediate_size"]),
-        num_heads=num_heads,
-        num_kv_heads=int(hf.get("num_key_value_heads", num_heads)),
-        head_dim=int(hf.get("head_dim") or hf["hidden_size"] // num_heads),
-        vocab_size=int(hf["vocab_size"]),
-        max_model_len=int(hf.get("max_position_embeddings", 2048)),
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
-        name=os.path.basename(os.path.normpath(directory)),
-    )
-
-
-def _rope_from_hf(hf: dict, config_path: str) -> tuple[float, dict | None]:
-    """RoPE base and scaling from a config.json: transformers before 5 writes `rope_theta` and
-    `rope_scaling`, 5 and later one `rope_parameters` holding both (read only the old keys, a
-    directory saved by today's transformers would silently run at the default base)."""
-    parameters = hf.get("rope_parameters")
-    if parameters is None:
-        return float(hf.get("rope_theta", 10000.0)), hf.get("rope_scaling")
-    if "rope_theta" not in parameters:
-        raise UnsupportedError(f"{config_path}: rope_parameters without rope_theta (per layer type: "
-                               f"{sorted(parameters)}) is not supported for this architecture")
-    scaling = {key: value for key, value in parameters.items() if key != "rope_theta"}
-    return float(parameters["rope_theta"]), (None if scaling.get("rope_type", "default") == "default" else scaling)
+    shape = shape_from_hf_directory(directory)
+    _architecture_class(shape.architecture)
+    if shape.rope_theta is None:
+        raise UnsupportedError(f"{os.path.join(directory, 'config.json')}: rope_parameters without rope_theta "
+                               f"(per layer type: {sorted(shape.rope_scaling or ())}) is not supported for this "
+                               "architecture")
+    return model_config_from_shape(shape)
 
 
 def weights_from_hf(directory: str, keep: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
@@ -235,7 +187,7 @@ def read_model_file(path: str, part_of: Callable[[ModelConfig], ModelPart] | Non
         tokenizer_source: Any = path
     else:
         gguf = GGUFFile(path)
-        config = model_config_from_gguf(gguf.metadata, path, "output.weight" in gguf.tensors)
+        config = model_config_from_gguf(gguf)
         keep = _weights_to_read(part_of, config)
         weights = weights_from_gguf(gguf, config, keep)
         tokenizer_source = gguf.metadata

@@ -251,11 +251,11 @@ def _engine_loader(config):
 
 
 def _estimated_bytes(path: str, kv_cache_bytes: int) -> int | None:
-    """The file's weight bytes (tokios plan's reading of it) plus the KV cache it will allocate."""
-    from tokios.tools.plan.model_presets import load_model_shape
+    """The file's weight bytes (its shape's count) plus the KV cache it will allocate."""
+    from tokios.model.shape import read_model_shape
 
     try:
-        shape = load_model_shape(path)
+        shape = read_model_shape(path)
     except Exception:  # the load reports what is wrong with the file
         return None
     if shape.file_weight_bytes is None:

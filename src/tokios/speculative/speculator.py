@@ -11,7 +11,7 @@ Per engine step (EngineCore.step):
 
 Adaptive k: per request, the acceptance rate a is estimated from its verifications (accepted
 tokens / positions tried, with a weak prior). k is chosen to maximize the expected speedup
-(1 - a^(k+1)) / (1 - a) / (1 + k c), where c = the draft's measured seconds per token / a plain
+(1 - a^(k+1)) / (1 - a) / (1 + k c) (speculative/speedup.py), where c = the draft's measured seconds per token / a plain
 step's measured seconds + the configured cost of a verify row. When even the best k is below
 1 (break-even) after a few verifications, speculation is switched off for that request.
 
@@ -31,6 +31,7 @@ from tokios.errors import InvalidRequestError
 from tokios.request import Request
 from tokios.speculative.config import SpeculativeConfig
 from tokios.speculative.proposers import Proposer
+from tokios.speculative.speedup import expected_speedup
 
 # Prior for a request's acceptance estimate: as if PRIOR_TRIED positions had been tried with
 # PRIOR_ACCEPTANCE of them accepted (optimistic enough to start with the full k).
@@ -40,15 +41,6 @@ PRIOR_ACCEPTANCE = 0.7
 MIN_VERIFICATIONS_BEFORE_OFF = 4
 # Weight of a new timing in the moving averages of step and draft time.
 TIMING_WEIGHT = 0.1
-
-
-def expected_speedup(acceptance: float, num_tokens: int, cost: float) -> float:
-    """(1 - a^(k+1)) / (1 - a) / (1 + k c): tokens per verification over its relative cost."""
-    if acceptance >= 1.0:
-        tokens = num_tokens + 1.0
-    else:
-        tokens = (1.0 - acceptance ** (num_tokens + 1)) / (1.0 - acceptance)
-    return tokens / (1.0 + num_tokens * cost)
 
 
 @dataclass

@@ -366,7 +366,7 @@ async def _respond(http_request: Request, lease: ModelLease, turn: ChatTurn, bod
 def _file_facts(path: str) -> dict[str, Any]:
     """What /api/tags, /api/show and /api/ps say about a model file: details, size, metadata."""
     from tokios.gguf_file import read_gguf_metadata
-    from tokios.tools.plan.model_presets import load_model_shape
+    from tokios.model.shape import read_model_shape
 
     facts: dict[str, Any] = {"size": 0, "modified_at": _now(), "metadata": {}, "details": {
         "parent_model": "", "format": "gguf" if path.endswith(".gguf") else "safetensors", "family": "",
@@ -380,7 +380,7 @@ def _file_facts(path: str) -> dict[str, Any]:
     facts["modified_at"] = _iso(os.path.getmtime(path))
     details = facts["details"]
     try:
-        shape = load_model_shape(path)
+        shape = read_model_shape(path)
     except Exception:  # unreadable files fail when they load; the listing stays up
         return facts
     num_params = shape.num_params if hasattr(shape, "num_params") else None

@@ -93,26 +93,14 @@ LLAMA_CACHE_TYPE_BYTES = {"f16": 2.0, "q8_0": 34 / 32}
 
 
 def kv_bytes_per_token(model_path: str, kv_dtype: str | float) -> int:
-    """2 x layers x kv_heads x head_dim x bytes of a tokios KV dtype (kv_cache/dtypes.py, int8's
-    scales included) or of a given bytes per element, from the GGUF metadata."""
-    from tokios.kv_cache.dtypes import kv_bytes_per_element
+    """KV bytes of one token (kv_cache/dtypes.py kv_bytes_per_token), of a tokios KV dtype (int8's
+    scales included) or of a given bytes per element, for the model file's shape."""
+    from tokios.kv_cache.dtypes import kv_bytes_per_element, kv_bytes_per_token as bytes_per_token
+    from tokios.model.shape import read_model_shape
 
-    from gguf import GGUFReader
-
-    reader = GGUFReader(model_path)
-    arch = _field(reader, "general.architecture")
-    num_layers = int(_field(reader, f"{arch}.block_count"))
-    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
-    num_kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv") or num_heads)
-    head_dim = int(_field(reader, f"{arch}.attention.key_length")
-                   or int(_field(reader, f"{arch}.embedding_length")) // num_heads)
-    bytes_per_element = kv_dtype if isinstance(kv_dtype, float) else kv_bytes_per_element(kv_dtype, head_dim)
-    return round(2 * num_layers * num_kv_heads * head_dim * bytes_per_element)
-
-
-def _field(reader, key: str):
-    field = reader.fields.get(key)
-    return None if field is None else field.contents()
+    shape = read_model_shape(model_path)
+    bytes_per_element = kv_dtype if isinstance(kv_dtype, float) else kv_bytes_per_element(kv_dtype, shape.head_dim)
+    return round(bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, bytes_per_element))
 
 
 def ratio_table(tokios: list[ServeSummary], llama: list[ServeSummary]) -> str:

@@ -2,7 +2,7 @@
 
 Owns `PlanInputs` (validated), `Plan` (every figure `tokios plan` prints) and `make_plan`, plus
 the advice when it does not fit (`Suggestion`). Pure arithmetic over tools/plan/formulas.py, given a
-ModelShape (tools/plan/model_presets.py) and a HardwareSpec (tools/plan/hardware.py); the command line and
+ModelShape (model/shape.py) and a HardwareSpec (tools/plan/hardware.py); the command line and
 table live in tools/plan/cli.py. No torch, no I/O.
 
 Memory model (why each term): the devices of one tensor-parallel group hold one full copy of the
@@ -19,9 +19,9 @@ import math
 
 from tokios.errors import InvalidRequestError
 from tokios.kv_cache.dtypes import kv_bytes_per_element
+from tokios.model.shape import ModelShape
 from tokios.tools.plan import formulas
 from tokios.tools.plan.hardware import HardwareSpec
-from tokios.tools.plan.model_presets import ModelShape
 
 MAX_BATCHED_TOKENS = 2048  # prefill chunk the activation estimate is sized for (vLLM's default)
 MAX_LOGITS_ROWS = 256  # logits rows sized for (vLLM's default max_num_seqs)

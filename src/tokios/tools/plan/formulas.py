@@ -3,7 +3,9 @@
 Owns pure functions (no I/O, no torch) shared by tools/plan/capacity.py (capacity by formula) and
 tools/roofline/ (measured utilization): KV bytes per token, weight bytes, FLOPs of a prefill
 and of a decode step, bytes a decode step reads, the decode ridge batch size, KV capacity, and
-the speculative-decoding expectation. Units: bytes, FLOPs, seconds.
+the speculative-decoding expectation. Units: bytes, FLOPs, seconds. Two formulas belong to the
+engine's layers and are only applied here: KV bytes per token (kv_cache/dtypes.py) and the
+speculative speed-up (speculative/speedup.py).
 
 Conventions (why): a multiply-add is 2 FLOPs. Logits are computed for the last position of each
 request only (as vLLM and llama.cpp do), so prefill pays the output projection once. A decode
@@ -15,7 +17,11 @@ from __future__ import annotations
 
 import math
 
-from tokios.tools.plan.model_presets import ModelShape
+from tokios.kv_cache import dtypes
+from tokios.model.shape import ModelShape
+# The speculator's own formula, under the names the plan reports it by.
+from tokios.speculative.speedup import expected_speedup as speculative_speedup  # noqa: F401
+from tokios.speculative.speedup import expected_tokens_per_verify  # noqa: F401
 
 KIB = 2**10
 GIB = 2**30
@@ -24,8 +30,8 @@ GIB = 2**30
 def kv_bytes_per_token(model: ModelShape, kv_bytes_per_element: float, *, tp: int = 1) -> float:
     """2 (K and V) x layers x KV heads x head dim x bytes. With tensor parallelism wider than
     the KV heads, each device keeps a copy of a head, so the replica holds `tp` heads."""
-    num_kv_heads = max(model.num_kv_heads, tp)
-    return 2 * model.num_layers * num_kv_heads * model.head_dim * kv_bytes_per_element
+    return dtypes.kv_bytes_per_token(model.num_layers, max(model.num_kv_heads, tp), model.head_dim,
+                                     kv_bytes_per_element)
 
 
 def kv_bytes_per_sequence(model: ModelShape, kv_bytes_per_element: float, context_len: int, *,
@@ -119,17 +125,3 @@ def decode_ridge_batch_size(model: ModelShape, step_weights: float, kv_per_token
 def kv_capacity_tokens(free_bytes: float, kv_per_token: float) -> int:
     """Tokens of KV cache that fit in `free_bytes` (0 when nothing is free)."""
     return max(0, int(free_bytes // kv_per_token))
-
-
-def expected_tokens_per_verify(acceptance: float, num_speculative_tokens: int) -> float:
-    """(1 - a^(k+1)) / (1 - a): the accepted draft prefix plus the one token the target adds."""
-    if acceptance >= 1.0:
-        return float(num_speculative_tokens + 1)
-    return (1 - acceptance ** (num_speculative_tokens + 1)) / (1 - acceptance)
-
-
-def speculative_speedup(acceptance: float, num_speculative_tokens: int, draft_cost: float) -> float:
-    """Tokens per verify over the cost of one verify plus k draft steps (each `draft_cost` of a
-    target step)."""
-    return (expected_tokens_per_verify(acceptance, num_speculative_tokens)
-            / (1 + num_speculative_tokens * draft_cost))

@@ -24,8 +24,8 @@ import time
 from typing import Any, Callable, Sequence
 
 from tokios.errors import InvalidRequestError, TokiosError
+from tokios.model.shape import ModelShape
 from tokios.tools.plan import formulas
-from tokios.tools.plan.model_presets import ModelShape
 from tokios.tools.roofline.roofs import RooflinePoint
 
 _DTYPE_TO_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,

@@ -15,8 +15,8 @@ from __future__ import annotations
 import dataclasses
 
 from tokios.errors import InvalidRequestError
+from tokios.model.shape import ModelShape
 from tokios.tools.plan import formulas
-from tokios.tools.plan.model_presets import ModelShape
 
 BANDWIDTH_BOUND = "bandwidth-bound"
 COMPUTE_BOUND = "compute-bound"

@@ -32,8 +32,8 @@ import dataclasses
 import math
 
 from tokios.errors import InvalidRequestError
+from tokios.model.shape import ModelShape
 from tokios.tools.plan import formulas
-from tokios.tools.plan.model_presets import ModelShape
 from tokios.tools.plan.capacity import PlanInputs, make_plan
 
 

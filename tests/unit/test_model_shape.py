@@ -1,0 +1,141 @@
+"""model/shape.py: one description of a model file, the same one the loader, the planner, bench
+compare and the server read. On the real files: SmolLM2 (Q4_1, Llama) and Gemma 3 270M (Q4_K_M,
+sliding windows), their published shapes, the engine's ModelConfig made from them, and byte
+counts that account for the file's tensor data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import struct
+
+import numpy as np
+import pytest
+from gguf import GGUFWriter
+
+from tokios.errors import ModelLoadError, UnsupportedError
+from tokios.gguf_file import GGUFFile
+from tokios.kv_cache.dtypes import kv_bytes_per_element
+from tokios.model.shape import read_model_shape
+from tokios.model_files import default_model_path, gemma3_model_path
+from tokios.tools.plan import formulas
+from tokios.tools.plan.model_presets import NAME_TO_PRESET, load_model_shape
+
+# ModelConfig field -> the ModelShape field it is made from, where the names differ.
+CONFIG_TO_SHAPE_FIELD = {"max_model_len": "max_context_len", "attention_bias": "has_qkv_bias"}
+
+
+def gemma3_path():
+    try:
+        return gemma3_model_path()
+    except ModelLoadError as exc:
+        pytest.skip(str(exc))
+
+
+def loader_config(path):
+    from tokios.model.loader import model_config_from_gguf
+
+    return model_config_from_gguf(GGUFFile(path))
+
+
+def assert_config_is_the_shape(config, shape):
+    from tokios.config import ModelConfig
+
+    for field in dataclasses.fields(ModelConfig):
+        assert getattr(config, field.name) == getattr(shape, CONFIG_TO_SHAPE_FIELD.get(field.name, field.name)), \
+            field.name
+
+
+def test_smollm2_shape_is_the_published_one_and_the_loaders_config():
+    path = default_model_path()
+    shape = read_model_shape(path)
+    assert (shape.architecture, shape.num_layers, shape.hidden_size, shape.intermediate_size) == ("llama", 30, 576, 1536)
+    assert (shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.vocab_size) == (9, 3, 64, 49152)
+    assert shape.tie_word_embeddings and not shape.has_qkv_bias and shape.layer_windows is None
+    config = loader_config(path)
+    assert_config_is_the_shape(config, shape)
+    assert config.max_model_len == NAME_TO_PRESET["smollm2-135m"].max_context_len
+    # Both KV formulas are the one in kv_cache/dtypes.py: the engine's, rounded, and the planner's.
+    for dtype in ("bfloat16", "int8", "float32"):
+        per_element = kv_bytes_per_element(dtype, shape.head_dim)
+        assert config.kv_bytes_per_token(per_element) == round(formulas.kv_bytes_per_token(shape, per_element))
+    assert config.kv_bytes_per_token(2.0) == 2 * 30 * 3 * 64 * 2
+
+
+def test_gemma3_shape_has_its_windows_constants_and_block_types():
+    path = gemma3_path()
+    shape = read_model_shape(path)
+    assert (shape.architecture, shape.num_layers, shape.hidden_size) == ("gemma3", 18, 640)
+    assert (shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.vocab_size) == (4, 1, 256, 262144)
+    assert shape.layer_windows == tuple(None if (i + 1) % 6 == 0 else 512 for i in range(18))
+    assert shape.query_pre_attn_scalar == 256.0 and shape.rope_local_theta == 10000.0
+    assert sorted(shape.block_type_to_num_bytes) == ["F32", "Q4_K", "Q5_0", "Q6_K", "Q8_0"]
+    assert_config_is_the_shape(loader_config(path), shape)
+
+
+@pytest.mark.parametrize("which", ["smollm2", "gemma3"])
+def test_byte_counts_are_the_files_tensor_data(which):
+    path = default_model_path() if which == "smollm2" else gemma3_path()
+    gguf = GGUFFile(path)
+    shape = read_model_shape(path)
+    assert sum(shape.block_type_to_num_bytes.values()) == shape.file_weight_bytes
+    # The data section holds every tensor, each padded to the alignment at most.
+    padding = len(gguf.tensors) * gguf.metadata.get("general.alignment", 32)
+    assert shape.file_weight_bytes <= os.path.getsize(path) - gguf.data_offset <= shape.file_weight_bytes + padding
+    embedding = gguf.tensors["token_embd.weight"].num_bytes
+    expected_step = shape.file_weight_bytes - (0 if shape.tie_word_embeddings else embedding)
+    assert shape.file_step_weight_bytes == expected_step
+    assert load_model_shape(str(path)) == shape  # the planner's --model reads the same description
+
+
+def test_any_architecture_has_a_shape_but_only_registered_ones_load(tmp_path):
+    path = tmp_path / "foo.gguf"
+    writer = GGUFWriter(str(path), arch="foo")
+    for add, value in ((writer.add_block_count, 2), (writer.add_embedding_length, 8), (writer.add_feed_forward_length, 16),
+                       (writer.add_head_count, 2), (writer.add_context_length, 64)):
+        add(value)
+    writer.add_tensor("token_embd.weight", np.ones((16, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    shape = read_model_shape(path)
+    assert (shape.architecture, shape.num_layers, shape.head_dim) == ("foo", 2, 4)
+    assert shape.vocab_size == 16  # neither vocab_size nor a vocabulary: the embedding's rows
+    assert shape.block_type_to_num_bytes == {"F32": 16 * 8 * 4}
+    with pytest.raises(UnsupportedError, match="'foo'"):
+        loader_config(path)
+
+
+def test_hf_directory_shape_and_the_loaders_config(tmp_path):
+    config = {"architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 2, "hidden_size": 64,
+              "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
+              "max_position_embeddings": 512, "rope_theta": 1e6, "rms_norm_eps": 1e-6}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    header = json.dumps({"model.embed_tokens.weight": {"dtype": "BF16", "shape": [100, 64], "data_offsets": [0, 0]},
+                         "lm_head.weight": {"dtype": "F32", "shape": [100, 64], "data_offsets": [0, 0]}}).encode()
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    shape = read_model_shape(tmp_path)
+    assert (shape.architecture, shape.has_qkv_bias, shape.max_context_len, shape.rope_theta) == ("qwen2", True, 512, 1e6)
+    assert shape.block_type_to_num_bytes == {"BF16": 100 * 64 * 2, "F32": 100 * 64 * 4}
+    assert shape.file_step_weight_bytes == 100 * 64 * 4  # untied: the embedding is gathered, not read
+
+    from tokios.model.loader import model_config_from_hf
+
+    assert_config_is_the_shape(model_config_from_hf(str(tmp_path)), shape)
+
+
+def test_rope_bases_per_layer_type_are_described_and_refused_only_by_the_loader(tmp_path):
+    config = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
+              "num_attention_heads": 4, "vocab_size": 100,
+              "rope_parameters": {"full_attention": {"rope_theta": 1e6}, "sliding_attention": {"rope_theta": 1e4}}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shape = load_model_shape(str(tmp_path))
+    assert shape.rope_theta is None and sorted(shape.rope_scaling) == ["full_attention", "sliding_attention"]
+
+    from tokios.model.loader import model_config_from_hf
+
+    with pytest.raises(UnsupportedError, match="rope_parameters without rope_theta"):
+        model_config_from_hf(str(tmp_path))

@@ -134,7 +134,7 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory_bytes: int = 512 * 1024**2
     enable_prefix_caching: bool = True
-    # auto: float32 for float32 weights, bfloat16 otherwise (model/llama.py kv_cache_dtype)
+    # auto: float32 for float32 weights, bfloat16 otherwise (model/dtypes.py kv_cache_dtype)
     kv_cache_dtype: str = "auto"
     # The prefix cache's disk tier (kv_cache/disk_tier.py): a directory and its size limit.
     kv_cache_disk: str | None = None

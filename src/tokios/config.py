@@ -13,7 +13,6 @@ from typing import Any
 
 from tokios.errors import InvalidRequestError
 from tokios.kv_cache.dtypes import ENGINE_KV_DTYPES
-from tokios.speculative.config import SpeculativeConfig
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "int8", "int4")
 SUPPORTED_KV_CACHE_DTYPES = ("auto", *ENGINE_KV_DTYPES)
@@ -180,6 +179,63 @@ class SchedulerConfig:
                  f"must be >= 1, got {self.max_num_batched_tokens}")
         _require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
                  f"must be >= 2, got {self.max_model_len}")
+
+
+SPECULATIVE_METHODS = ("ngram", "self_draft", "draft_model")
+MAX_NUM_SPECULATIVE_TOKENS = 16
+
+
+def check_speculative_method(method: object, param: str) -> str | None:
+    """A speculative method's name (the engine's default or a request's), or None for off."""
+    if method in (None, "none", "off"):
+        return None
+    if method not in SPECULATIVE_METHODS:
+        raise InvalidRequestError(f"{param} must be one of {('none',) + SPECULATIVE_METHODS}, got {method!r}",
+                                  param=param)
+    return method
+
+
+def check_num_speculative_tokens(value: object, param: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_NUM_SPECULATIVE_TOKENS:
+        raise InvalidRequestError(f"{param} must be an integer in [1, {MAX_NUM_SPECULATIVE_TOKENS}], got {value!r}",
+                                  param=param)
+    return value
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (speculative/, docs/speculative.md): the method requests get when
+    they do not choose (a request's own choice is sampling_params.SpeculativeParams), how many
+    tokens a verification may take, and the proposers' settings."""
+
+    method: str | None = None  # the default for requests that do not choose; None: off
+    num_speculative_tokens: int = 4  # k: proposed tokens per verification, the most a request may ask
+    ngram_min_n: int = 1
+    ngram_max_n: int = 4
+    self_draft_num_layers: int = 6  # early exit after this many of the target's layers
+    draft_model: str | None = None  # path of a separate draft model (method draft_model)
+    draft_dtype: str = "auto"
+    enable_adaptive: bool = True  # adapt k to the acceptance rate; switch off below break-even
+    # Cost of one extra verify row, as a fraction of a plain decode step (the c of the break-even
+    # formula adds the draft's measured cost to it). benchmarks/speculative_speed.py measures the
+    # fused kernels alone at 0.18-0.25 on the default model in int4 on 2 cores; a whole engine
+    # step also pays a fixed cost that speculation amortizes, so the default sits a little below.
+    verify_token_cost: float = 0.15
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "method", check_speculative_method(self.method, "speculative_method"))
+        check_num_speculative_tokens(self.num_speculative_tokens, "num_speculative_tokens")
+        if not 1 <= self.ngram_min_n <= self.ngram_max_n:
+            raise InvalidRequestError(f"ngram sizes must satisfy 1 <= ngram_min_n <= ngram_max_n, got "
+                                      f"{self.ngram_min_n} and {self.ngram_max_n}", param="ngram_max_n")
+        if self.self_draft_num_layers < 1:
+            raise InvalidRequestError(f"self_draft_num_layers must be >= 1, got {self.self_draft_num_layers}",
+                                      param="self_draft_num_layers")
+        if self.method == "draft_model" and not self.draft_model:
+            raise InvalidRequestError("speculative_method draft_model needs --draft-model PATH", param="draft_model")
+        if not 0.0 <= self.verify_token_cost < 1.0:
+            raise InvalidRequestError(f"verify_token_cost must be in [0, 1), got {self.verify_token_cost}",
+                                      param="verify_token_cost")
 
 
 @dataclass(frozen=True)

@@ -14,12 +14,12 @@ import itertools
 from typing import Sequence
 
 from tokios.config import CacheConfig, EngineConfig, LoadConfig, ParallelConfig, SchedulerConfig, parse_size
+from tokios.config import SpeculativeConfig
 from tokios.engine.core import EngineCore, EngineStats
 from tokios.engine.output_processor import OutputProcessor, sequence_ids
 from tokios.errors import InvalidRequestError
 from tokios.outputs import RequestOutput
 from tokios.sampling_params import SamplingParams
-from tokios.speculative.config import SpeculativeConfig
 
 Prompt = str | Sequence[int]
 

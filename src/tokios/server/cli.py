@@ -152,7 +152,7 @@ def parse_step_budget(text: str) -> float | str | None:
 
 def _engine_config(args: argparse.Namespace, model: str | None):
     from tokios.config import CacheConfig, EngineConfig, LoadConfig, SchedulerConfig, parse_size
-    from tokios.speculative.config import SpeculativeConfig
+    from tokios.config import SpeculativeConfig
 
     return EngineConfig(
         load=LoadConfig(model=model, dtype=args.dtype, chat_template=args.chat_template, num_threads=args.threads),

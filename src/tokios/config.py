@@ -8,7 +8,7 @@ ModelConfig is not user-set: the loaders derive it from the model file.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from tokios.errors import InvalidRequestError
@@ -294,3 +294,55 @@ class EngineConfig:
                      "is not available with tensor or pipeline parallel: the ranks hold the cache's blocks")
             _require(self.parallel.node_rank == 0, "node_rank",
                      "of the server is 0; the other machines run `tokios worker --node-rank N`")
+
+    @classmethod
+    def from_options(cls, *, model: str | None = None, dtype: str = "auto", device: str = "auto",
+                     num_threads: int | None = None, chat_template: str | None = None,
+                     kv_cache_memory: str | int = "512MiB", kv_cache_dtype: str = "auto",
+                     kv_cache_disk: str | None = None, kv_cache_disk_size: str | int = "4GiB", block_size: int = 16,
+                     enable_prefix_caching: bool = True, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
+                     max_model_len: int | None = None, max_step_ms: float | str | None = DEFAULT_MAX_STEP_MS,
+                     prefill_layer_slices: bool = True, speculative_method: str | None = None,
+                     num_speculative_tokens: int = 4, draft_model: str | None = None, self_draft_num_layers: int = 6,
+                     tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, master_addr: str = "127.0.0.1",
+                     master_port: int | None = None, nnodes: int = 1, dist_timeout: float = 60.0,
+                     speculative_config: SpeculativeConfig | None = None,
+                     parallel_config: ParallelConfig | None = None, seed: int = 0) -> EngineConfig:
+        """The engine's options as one flat set of names: the engine flags' dests
+        (commands/engine_flags.py) and LLM's keywords. Sizes may be strings (512MiB).
+        speculative_config / parallel_config give a whole sub-config instead (with the settings
+        that have no flag: n-gram sizes, adaptive k, node_rank); an option of the same group may
+        then only repeat what the sub-config says."""
+        speculative = SpeculativeConfig(method=speculative_method, num_speculative_tokens=num_speculative_tokens,
+                                        draft_model=draft_model, self_draft_num_layers=self_draft_num_layers)
+        parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size,
+                                  pipeline_parallel_size=pipeline_parallel_size, master_addr=master_addr,
+                                  master_port=master_port, nnodes=nnodes, timeout_s=dist_timeout)
+        if speculative_config is None:
+            speculative = replace(speculative, draft_dtype=dtype)  # a draft model is held as the target is
+        else:
+            _require_same_or_default(speculative, speculative_config, "speculative_config")
+            speculative = speculative_config
+        if parallel_config is not None:
+            _require_same_or_default(parallel, parallel_config, "parallel_config")
+            parallel = parallel_config
+        return cls(
+            load=LoadConfig(model=model, dtype=dtype, device=device, num_threads=num_threads,
+                            chat_template=chat_template),
+            cache=CacheConfig(block_size=block_size,
+                              kv_cache_memory_bytes=parse_size(kv_cache_memory, field_name="kv_cache_memory"),
+                              enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype,
+                              kv_cache_disk=kv_cache_disk,
+                              kv_cache_disk_bytes=parse_size(kv_cache_disk_size, field_name="kv_cache_disk_size")),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                      max_model_len=max_model_len, max_step_ms=max_step_ms,
+                                      prefill_layer_slices=prefill_layer_slices),
+            speculative=speculative, parallel=parallel, seed=seed)
+
+
+def _require_same_or_default(from_options, given, param: str) -> None:
+    """`given` (a whole sub-config) wins; an option that set the same field otherwise must agree."""
+    default = type(given)()
+    differing = [f.name for f in fields(given) if getattr(from_options, f.name) != getattr(default, f.name)
+                 and getattr(from_options, f.name) != getattr(given, f.name)]
+    _require(not differing, param, f"and the options {differing} disagree: give each setting once")

@@ -48,7 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, model_help="GGUF file (default: the default model), or a Hugging Face directory "
                                            "when llama.cpp is not among --systems")
     parser.add_argument("--systems", default="tokios,llama.cpp,transformers",
-                        help=f"comma-separated subset of {', '.join(SYSTEM_NAMES)}")
+                        help=f"comma-separated subset of {', '.join(SYSTEM_NAMES)}; llama.cpp runs with --threads "
+                             f"threads (default {DEFAULT_LLAMA_CPP_THREADS})")
     parser.add_argument("--dtype", default="auto", help="tokios --dtype values, comma-separated (one row each)")
     # tokios runs as LLM does (no step budget: no stream waits on a batch run); --threads is
     # both systems' threads, so that they compare on the same cores.

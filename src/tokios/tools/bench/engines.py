@@ -43,7 +43,8 @@ class TokiosSystem:
         started = time.perf_counter()
         self.llm = LLM(model=model_path, dtype=dtype, **engine_options)
         self.load_s = time.perf_counter() - started
-        self.name = f"tokios ({dtype if dtype != 'auto' else 'auto=' + _auto_dtype()})"
+        # What auto became on the device the engine chose (config.AUTO_DTYPE_BY_DEVICE).
+        self.name = f"tokios ({dtype if dtype != 'auto' else 'auto=' + self.llm.core.weight_format})"
 
     def _params(self, max_tokens: int):
         from tokios.sampling_params import SamplingParams
@@ -173,12 +174,3 @@ class _TimingStreamer:
 
     def end(self) -> None:
         pass
-
-
-def _auto_dtype() -> str:
-    """What dtype="auto" becomes on this device (config.AUTO_DTYPE_BY_DEVICE)."""
-    import torch
-
-    from tokios.config import AUTO_DTYPE_BY_DEVICE
-
-    return AUTO_DTYPE_BY_DEVICE["cuda" if torch.cuda.is_available() else "cpu"]

@@ -3,8 +3,9 @@
 Owns the command, plus the pieces `tokios chat` shares with it: the model and sampling flags
 (the engine's own are commands/engine_flags.py's), loading an EngineCore from them and closing
 it, and streaming one request's text deltas. Talks to tokios.engine (EngineCore steps the model;
-OutputProcessor turns token ids into text deltas) and the tokenizer's chat template. The text goes to stdout;
-load time, TTFT, prompt tok/s and decode tok/s go to stderr, so stdout stays pipeable.
+OutputProcessor turns token ids into text deltas) and the tokenizer's chat template. The text
+goes to stdout; load time, TTFT, prompt tok/s and decode tok/s go to stderr, so stdout stays
+pipeable.
 """
 
 from __future__ import annotations

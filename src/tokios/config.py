@@ -2,7 +2,9 @@
 
 Every sub-config validates itself in __post_init__ and raises InvalidRequestError naming the
 field, so a bad command-line flag or LLM(...) argument fails before anything is loaded.
-ModelConfig is not user-set: the loaders derive it from the model file.
+EngineConfig.from_options builds one from the flat option names that the engine flags
+(commands/engine_flags.py) and LLM share. ModelConfig is not user-set: the loaders derive it
+from the model file.
 """
 
 from __future__ import annotations

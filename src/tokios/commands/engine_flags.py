@@ -111,7 +111,8 @@ def engine_option_names() -> list[str]:
 
 
 def engine_options(args: argparse.Namespace, **overrides) -> dict[str, object]:
-    """LLM's (and EngineConfig.from_options's) keywords from parsed engine flags."""
+    """LLM's (and EngineConfig.from_options's) keywords from parsed engine flags; a dest the
+    command defines itself (add_engine_arguments's own) comes from overrides."""
     return {**{name: getattr(args, name) for name in engine_option_names()}, **overrides}
 
 

@@ -15,11 +15,11 @@ import time
 
 import torch
 
+from tokios.config import SpeculativeConfig
 from tokios.engine import LLM
 from tokios.model.attention import AttentionMetadata
 from tokios.model_files import default_model_path
 from tokios.sampling_params import SamplingParams
-from tokios.speculative.config import SpeculativeConfig
 
 CODE = "\n".join(f"def step_{i}(total, value):\n    total = total + value * {i}\n    return total\n" for i in range(6))
 TASKS = {"input-grounded": [{"role": "user", "content": "Repeat this code with the variable total renamed to running_sum:\n" + CODE}],

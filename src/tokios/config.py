@@ -2,18 +2,19 @@
 
 Every sub-config validates itself in __post_init__ and raises InvalidRequestError naming the
 field, so a bad command-line flag or LLM(...) argument fails before anything is loaded.
-ModelConfig is not user-set: the loaders derive it from the model file.
+EngineConfig.from_options builds one from the flat option names that the engine flags
+(commands/engine_flags.py) and LLM share. ModelConfig is not user-set: the loaders derive it
+from the model file.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from tokios.errors import InvalidRequestError
 from tokios.kv_cache.dtypes import ENGINE_KV_DTYPES, kv_bytes_per_token
-from tokios.speculative.config import SpeculativeConfig
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "int8", "int4")
 SUPPORTED_KV_CACHE_DTYPES = ("auto", *ENGINE_KV_DTYPES)
@@ -129,7 +130,7 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory_bytes: int = 512 * 1024**2
     enable_prefix_caching: bool = True
-    # auto: float32 for float32 weights, bfloat16 otherwise (model/llama.py kv_cache_dtype)
+    # auto: float32 for float32 weights, bfloat16 otherwise (model/dtypes.py kv_cache_dtype)
     kv_cache_dtype: str = "auto"
     # The prefix cache's disk tier (kv_cache/disk_tier.py): a directory and its size limit.
     kv_cache_disk: str | None = None
@@ -175,6 +176,63 @@ class SchedulerConfig:
                  f"must be >= 1, got {self.max_num_batched_tokens}")
         _require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
                  f"must be >= 2, got {self.max_model_len}")
+
+
+SPECULATIVE_METHODS = ("ngram", "self_draft", "draft_model")
+MAX_NUM_SPECULATIVE_TOKENS = 16
+
+
+def check_speculative_method(method: object, param: str) -> str | None:
+    """A speculative method's name (the engine's default or a request's), or None for off."""
+    if method in (None, "none", "off"):
+        return None
+    if method not in SPECULATIVE_METHODS:
+        raise InvalidRequestError(f"{param} must be one of {('none',) + SPECULATIVE_METHODS}, got {method!r}",
+                                  param=param)
+    return method
+
+
+def check_num_speculative_tokens(value: object, param: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_NUM_SPECULATIVE_TOKENS:
+        raise InvalidRequestError(f"{param} must be an integer in [1, {MAX_NUM_SPECULATIVE_TOKENS}], got {value!r}",
+                                  param=param)
+    return value
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (speculative/, docs/speculative.md): the method requests get when
+    they do not choose (a request's own choice is sampling_params.SpeculativeParams), how many
+    tokens a verification may take, and the proposers' settings."""
+
+    method: str | None = None  # the default for requests that do not choose; None: off
+    num_speculative_tokens: int = 4  # k: proposed tokens per verification, the most a request may ask
+    ngram_min_n: int = 1
+    ngram_max_n: int = 4
+    self_draft_num_layers: int = 6  # early exit after this many of the target's layers
+    draft_model: str | None = None  # path of a separate draft model (method draft_model)
+    draft_dtype: str = "auto"
+    enable_adaptive: bool = True  # adapt k to the acceptance rate; switch off below break-even
+    # Cost of one extra verify row, as a fraction of a plain decode step (the c of the break-even
+    # formula adds the draft's measured cost to it). benchmarks/speculative_speed.py measures the
+    # fused kernels alone at 0.18-0.25 on the default model in int4 on 2 cores; a whole engine
+    # step also pays a fixed cost that speculation amortizes, so the default sits a little below.
+    verify_token_cost: float = 0.15
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "method", check_speculative_method(self.method, "speculative_method"))
+        check_num_speculative_tokens(self.num_speculative_tokens, "num_speculative_tokens")
+        if not 1 <= self.ngram_min_n <= self.ngram_max_n:
+            raise InvalidRequestError(f"ngram sizes must satisfy 1 <= ngram_min_n <= ngram_max_n, got "
+                                      f"{self.ngram_min_n} and {self.ngram_max_n}", param="ngram_max_n")
+        if self.self_draft_num_layers < 1:
+            raise InvalidRequestError(f"self_draft_num_layers must be >= 1, got {self.self_draft_num_layers}",
+                                      param="self_draft_num_layers")
+        if self.method == "draft_model" and not self.draft_model:
+            raise InvalidRequestError("speculative_method draft_model needs --draft-model PATH", param="draft_model")
+        if not 0.0 <= self.verify_token_cost < 1.0:
+            raise InvalidRequestError(f"verify_token_cost must be in [0, 1), got {self.verify_token_cost}",
+                                      param="verify_token_cost")
 
 
 @dataclass(frozen=True)
@@ -233,3 +291,55 @@ class EngineConfig:
                      "is not available with tensor or pipeline parallel: the ranks hold the cache's blocks")
             _require(self.parallel.node_rank == 0, "node_rank",
                      "of the server is 0; the other machines run `tokios worker --node-rank N`")
+
+    @classmethod
+    def from_options(cls, *, model: str | None = None, dtype: str = "auto", device: str = "auto",
+                     num_threads: int | None = None, chat_template: str | None = None,
+                     kv_cache_memory: str | int = "512MiB", kv_cache_dtype: str = "auto",
+                     kv_cache_disk: str | None = None, kv_cache_disk_size: str | int = "4GiB", block_size: int = 16,
+                     enable_prefix_caching: bool = True, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
+                     max_model_len: int | None = None, max_step_ms: float | str | None = DEFAULT_MAX_STEP_MS,
+                     prefill_layer_slices: bool = True, speculative_method: str | None = None,
+                     num_speculative_tokens: int = 4, draft_model: str | None = None, self_draft_num_layers: int = 6,
+                     tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, master_addr: str = "127.0.0.1",
+                     master_port: int | None = None, nnodes: int = 1, dist_timeout: float = 60.0,
+                     speculative_config: SpeculativeConfig | None = None,
+                     parallel_config: ParallelConfig | None = None, seed: int = 0) -> EngineConfig:
+        """The engine's options as one flat set of names: the engine flags' dests
+        (commands/engine_flags.py) and LLM's keywords. Sizes may be strings (512MiB).
+        speculative_config / parallel_config give a whole sub-config instead (with the settings
+        that have no flag: n-gram sizes, adaptive k, node_rank); an option of the same group may
+        then only repeat what the sub-config says."""
+        speculative = SpeculativeConfig(method=speculative_method, num_speculative_tokens=num_speculative_tokens,
+                                        draft_model=draft_model, self_draft_num_layers=self_draft_num_layers)
+        parallel = ParallelConfig(tensor_parallel_size=tensor_parallel_size,
+                                  pipeline_parallel_size=pipeline_parallel_size, master_addr=master_addr,
+                                  master_port=master_port, nnodes=nnodes, timeout_s=dist_timeout)
+        if speculative_config is None:
+            speculative = replace(speculative, draft_dtype=dtype)  # a draft model is held as the target is
+        else:
+            _require_same_or_default(speculative, speculative_config, "speculative_config")
+            speculative = speculative_config
+        if parallel_config is not None:
+            _require_same_or_default(parallel, parallel_config, "parallel_config")
+            parallel = parallel_config
+        return cls(
+            load=LoadConfig(model=model, dtype=dtype, device=device, num_threads=num_threads,
+                            chat_template=chat_template),
+            cache=CacheConfig(block_size=block_size,
+                              kv_cache_memory_bytes=parse_size(kv_cache_memory, field_name="kv_cache_memory"),
+                              enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype,
+                              kv_cache_disk=kv_cache_disk,
+                              kv_cache_disk_bytes=parse_size(kv_cache_disk_size, field_name="kv_cache_disk_size")),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                      max_model_len=max_model_len, max_step_ms=max_step_ms,
+                                      prefill_layer_slices=prefill_layer_slices),
+            speculative=speculative, parallel=parallel, seed=seed)
+
+
+def _require_same_or_default(from_options, given, param: str) -> None:
+    """`given` (a whole sub-config) wins; an option that set the same field otherwise must agree."""
+    default = type(given)()
+    differing = [f.name for f in fields(given) if getattr(from_options, f.name) != getattr(default, f.name)
+                 and getattr(from_options, f.name) != getattr(given, f.name)]
+    _require(not differing, param, f"and the options {differing} disagree: give each setting once")

@@ -17,8 +17,8 @@ import math
 import numbers
 from dataclasses import dataclass
 
+from tokios.config import check_num_speculative_tokens, check_speculative_method
 from tokios.errors import InvalidRequestError
-from tokios.speculative.config import SpeculativeParams
 from tokios.structured.spec import StructuredOutput
 
 MAX_N = 128
@@ -31,6 +31,30 @@ MAX_SEED = 2**64 - 1
 # temperature overflows float32 to inf (and inf - inf = nan in softmax), and the
 # distribution is indistinguishable from argmax long before that (vLLM uses the same cut).
 GREEDY_TEMPERATURE_EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class SpeculativeParams:
+    """A request's choice of speculative decoding: method (None turns speculation off for it;
+    "default" or a missing key takes the engine's SpeculativeConfig) and k (None: the engine's)."""
+
+    method: str | None = "default"
+    num_tokens: int | None = None
+
+    @classmethod
+    def from_value(cls, value: object) -> SpeculativeParams | None:
+        """Accepts None, a SpeculativeParams, or the API body's {"method": ..., "num_tokens": ...}."""
+        if value is None or isinstance(value, SpeculativeParams):
+            return value
+        if not isinstance(value, dict) or set(value) - {"method", "num_tokens"}:
+            raise InvalidRequestError(
+                f"speculative must be an object with keys method and num_tokens, got {value!r}", param="speculative")
+        method = "default" if value.get("method", "default") == "default" else check_speculative_method(
+            value["method"], "speculative.method")
+        num_tokens = value.get("num_tokens")
+        if num_tokens is not None:
+            num_tokens = check_num_speculative_tokens(num_tokens, "speculative.num_tokens")
+        return cls(method, num_tokens)
 
 
 def _is_integer(value: object) -> bool:

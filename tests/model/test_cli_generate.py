@@ -47,6 +47,17 @@ def test_generate_applies_the_chat_template_by_default(engine_float32):
     assert result.stdout.strip()
 
 
+def test_generate_takes_the_engine_flags_and_tensor_parallel_keeps_the_text():
+    """The engine's flags are every engine-building command's (commands/engine_flags.py): three
+    ranks splitting each layer give the single process's greedy text, and the ranks stop with it."""
+    prompt = ["generate", "The capital of France is", "--raw", "--temperature", "0", "--max-tokens", str(MAX_TOKENS)]
+    single = run_cli(*prompt)
+    parallel = run_cli(*prompt, "--tensor-parallel-size", "3")
+    assert single.returncode == 0, single.stderr
+    assert parallel.returncode == 0, parallel.stderr
+    assert parallel.stdout == single.stdout and single.stdout.strip()
+
+
 def test_chat_keeps_the_conversation_and_stops_at_exit():
     turns = "My name is Ola.\n\nWhat is my name?\n/exit\nThis line is never read.\n"
     result = run_cli("chat", "--dtype", "float32", "--max-tokens", str(MAX_TOKENS), "--stats", stdin=turns)

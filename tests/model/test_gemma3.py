@@ -276,7 +276,7 @@ def test_stored_blocks_part_from_one_by_one_only_at_near_ties(gemma_stored, inva
 @pytest.mark.parametrize("method", ["ngram", "self_draft"])
 def test_speculative_decoding_is_lossless(gemma_path, invariance_prompts, method):
     from tokios.engine import LLM
-    from tokios.speculative.config import SpeculativeConfig
+    from tokios.config import SpeculativeConfig
 
     # No prefix cache: a repeated prompt would then compute its tail as decode rows instead of one
     # span, which rounds differently in the file's blocks (speculation is not what differs).

@@ -148,7 +148,7 @@ def test_speculative_self_draft_runs_the_first_layers_across_stages():
     """The self-draft asks for the model's first 20 layers: stage 0 runs its 15, stage 1 five of
     its own, and the verified tokens are plain greedy decoding's."""
     from tokios.engine import LLM
-    from tokios.speculative.config import SpeculativeConfig
+    from tokios.config import SpeculativeConfig
 
     single = LLM(kv_cache_memory="32MiB", num_threads=1)
     try:

@@ -21,10 +21,10 @@ import random
 
 import pytest
 
+from tokios.config import SpeculativeConfig
 from tokios.errors import InvalidRequestError
 from tokios.model_files import default_model_path
 from tokios.sampling_params import SamplingParams
-from tokios.speculative.config import SpeculativeConfig
 from tokios.speculative.proposers import check_tokenizers_compatible
 
 MAX_TOKENS = 16

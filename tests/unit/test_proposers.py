@@ -8,12 +8,12 @@ import random
 
 import pytest
 
+from tokios.config import SpeculativeConfig
 from tokios.errors import InvalidRequestError
 from tokios.kv_cache.manager import KVCacheManager
 from tokios.request import Request
 from tokios.sampling_params import SamplingParams
 from tokios.scheduler.scheduler import Scheduler
-from tokios.speculative.config import SpeculativeConfig
 from tokios.speculative.proposers import NgramIndex, NgramProposer
 from tokios.speculative.speculator import Speculator, expected_speedup
 

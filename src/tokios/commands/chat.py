@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tokios.commands.generate import (add_model_arguments, add_sampling_arguments, load_engine,
+from tokios.commands.generate import (add_model_arguments, add_sampling_arguments, close_engine, load_engine,
                                       prompt_token_ids_for, sampling_params_from_args, stream_completion)
 from tokios.errors import ContextLengthExceededError
 
@@ -30,6 +30,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     params = sampling_params_from_args(args)
     core = load_engine(args)
+    try:
+        converse(core, params, args)
+    finally:
+        close_engine(core)
+    return 0
+
+
+def converse(core, params, args: argparse.Namespace) -> None:
+    """Read turns from stdin and stream each reply until /exit or end of input."""
     interactive = sys.stdin.isatty()
     opening = [{"role": "system", "content": args.system}] if args.system is not None else []
     messages = list(opening)
@@ -66,4 +75,3 @@ def run(args: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": result.text})
         if args.stats:
             print(result.stats_line(), file=sys.stderr)
-    return 0

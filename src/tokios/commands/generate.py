@@ -1,10 +1,11 @@
 """`tokios generate PROMPT`: one completion, streamed to the terminal as it is produced.
 
-Owns the command, plus the pieces `tokios chat` shares with it: the model and sampling flags,
-loading an EngineCore from them, and streaming one request's text deltas. Talks to
-tokios.engine (EngineCore steps the model; OutputProcessor turns token ids into text deltas),
-tokios.config (flag validation) and the tokenizer's chat template. The text goes to stdout;
-load time, TTFT, prompt tok/s and decode tok/s go to stderr, so stdout stays pipeable.
+Owns the command, plus the pieces `tokios chat` shares with it: the model and sampling flags
+(the engine's own are commands/engine_flags.py's), loading an EngineCore from them and closing
+it, and streaming one request's text deltas. Talks to tokios.engine (EngineCore steps the model;
+OutputProcessor turns token ids into text deltas) and the tokenizer's chat template. The text
+goes to stdout; load time, TTFT, prompt tok/s and decode tok/s go to stderr, so stdout stays
+pipeable.
 """
 
 from __future__ import annotations
@@ -16,25 +17,17 @@ import time
 from dataclasses import dataclass
 from typing import TextIO
 
+from tokios.commands.engine_flags import add_engine_arguments, engine_config_from_args
 from tokios.errors import InvalidRequestError
 
 DEFAULT_MAX_TOKENS = 256
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """--model and the engine's flags."""
     parser.add_argument("--model", default=None,
                         help="a .gguf file or a Hugging Face directory (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default="auto",
-                        help="how weights are held: auto, float32, bfloat16, int8 or int4 (default auto)")
-    parser.add_argument("--kv-cache-memory", default="512MiB", help="memory for the KV cache (default 512MiB)")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
-    add_chat_template_argument(parser)
-
-
-def add_chat_template_argument(parser) -> None:
-    parser.add_argument("--chat-template", default=None,
-                        help="a Jinja chat template file, or a built-in: chatml, gemma (default: the model "
-                        "file's own; a pretrained model has none)")
+    add_engine_arguments(parser)
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,22 +57,29 @@ def sampling_params_from_args(args: argparse.Namespace):
 
 
 def load_engine(args: argparse.Namespace, err: TextIO = sys.stderr):
-    """EngineCore for the model flags; reports where the model came from and how long it took."""
-    from tokios.config import CacheConfig, EngineConfig, LoadConfig, parse_size
-
+    """EngineCore for the model flags; reports where the model came from and how long it took.
+    The caller closes it (close_engine): a parallel group's ranks are processes of their own."""
     # Validate the flags before paying for torch and the model (callers validate sampling first).
-    load = LoadConfig(model=args.model, dtype=args.dtype, num_threads=args.threads, chat_template=args.chat_template)
-    cache = CacheConfig(kv_cache_memory_bytes=parse_size(args.kv_cache_memory, field_name="kv_cache_memory"))
+    config = engine_config_from_args(args, model=args.model, seed=args.seed or 0)
     started = time.perf_counter()
     from tokios.engine import EngineCore
 
-    core = EngineCore(EngineConfig(load=load, cache=cache, seed=args.seed or 0))
+    core = EngineCore(config)
     total_seconds = time.perf_counter() - started
     # Every token takes a block slot in each KV group (a sliding group only within its window).
     capacity = core.kv.pool.num_blocks // len(core.kv.groups) * core.kv.block_size
     print(f"loaded {core.model_path} ({core.weight_format}) in {total_seconds:.2f} s "
           f"(weights {core.load_seconds:.2f} s); KV cache holds {capacity} tokens", file=err)
     return core
+
+
+def close_engine(core) -> None:
+    """Write the prefix cache to its disk tier (--kv-cache-disk), so the next run starts warm, and
+    stop a parallel group's ranks."""
+    try:
+        core.save_prefix_cache()
+    finally:
+        core.close()
 
 
 @dataclass
@@ -152,16 +152,19 @@ def run(args: argparse.Namespace) -> int:
     if not args.prompt:
         raise InvalidRequestError("the prompt is empty; give some text", param="prompt")
     params = sampling_params_from_args(args)
+    if args.raw and args.system is not None:
+        raise InvalidRequestError("--system needs the chat template; drop --raw", param="system")
     core = load_engine(args)
-    if args.raw:
-        if args.system is not None:
-            raise InvalidRequestError("--system needs the chat template; drop --raw", param="system")
-        token_ids = prompt_token_ids_for(core, None, args.prompt)
-    else:
-        messages = [{"role": "system", "content": args.system}] if args.system is not None else []
-        messages.append({"role": "user", "content": args.prompt})
-        token_ids = prompt_token_ids_for(core, messages, None)
-    result = stream_completion(core, token_ids, params, sys.stdout)
+    try:
+        if args.raw:
+            token_ids = prompt_token_ids_for(core, None, args.prompt)
+        else:
+            messages = [{"role": "system", "content": args.system}] if args.system is not None else []
+            messages.append({"role": "user", "content": args.prompt})
+            token_ids = prompt_token_ids_for(core, messages, None)
+        result = stream_completion(core, token_ids, params, sys.stdout)
+    finally:
+        close_engine(core)
     if not result.text.endswith("\n"):
         sys.stdout.write("\n")
     sys.stdout.flush()

@@ -33,6 +33,7 @@ from tokios.distributed import messages
 from tokios.distributed.plan import ParallelPlan
 from tokios.distributed.worker import RankLaunch, WorkerSpec
 from tokios.errors import TokiosError
+from tokios.platform import physical_core_count
 
 logger = logging.getLogger("tokios.distributed")
 
@@ -78,8 +79,6 @@ def free_port_pair(host: str) -> int:
 
 def rank_threads(ranks_here: int) -> int:
     """CPU threads of each of this machine's ranks: its physical cores, shared."""
-    from tokios.engine.core import physical_core_count
-
     return max(1, physical_core_count() // ranks_here)
 
 

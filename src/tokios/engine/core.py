@@ -24,9 +24,10 @@ from tokios.kv_cache.layout import KVCacheLayout
 from tokios.kv_cache.manager import KVCacheManager
 from tokios.distributed.plan import ParallelPlan
 from tokios.model.decoder import ModelPart
-from tokios.model.llama import kv_cache_dtype
+from tokios.model.dtypes import kv_cache_dtype
 from tokios.model.loader import load_model
 from tokios.model_files import resolve_model_path
+from tokios.platform import physical_core_count, resolve_device
 from tokios.request import Request, RequestStatus
 from tokios.runner.model_runner import ModelRunner
 from tokios.sampling_params import SamplingParams
@@ -76,26 +77,6 @@ class EngineStats:
     disk_cache_rejected: int = 0
     disk_cache_files: int = 0
     disk_cache_bytes: int = 0
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def physical_core_count() -> int:
-    try:
-        logical = len(os.sched_getaffinity(0))
-    except AttributeError:
-        logical = os.cpu_count() or 1
-    try:
-        with open("/sys/devices/system/cpu/cpu0/topology/thread_siblings_list") as handle:
-            siblings = handle.read().strip()
-        threads_per_core = len(siblings.replace("-", ",").split(",")) if siblings else 1
-    except OSError:
-        threads_per_core = 1
-    return max(1, logical // max(1, threads_per_core))
 
 
 class EngineCore:

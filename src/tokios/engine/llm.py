@@ -4,8 +4,8 @@
     outputs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
     outputs[0].outputs[0].text
 
-    # speculative decoding (docs/speculative.md)
-    llm = LLM(speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=4))
+    # any engine flag, by its dest: speculative decoding (docs/speculative.md), tensor parallel
+    llm = LLM(speculative_method="ngram", num_speculative_tokens=4, tensor_parallel_size=3)
 """
 
 from __future__ import annotations
@@ -13,50 +13,26 @@ from __future__ import annotations
 import itertools
 from typing import Sequence
 
-from tokios.config import CacheConfig, EngineConfig, LoadConfig, ParallelConfig, SchedulerConfig, parse_size
+from tokios.config import EngineConfig
 from tokios.engine.core import EngineCore, EngineStats
 from tokios.engine.output_processor import OutputProcessor, sequence_ids
 from tokios.errors import InvalidRequestError
 from tokios.outputs import RequestOutput
 from tokios.sampling_params import SamplingParams
-from tokios.speculative.config import SpeculativeConfig
 
 Prompt = str | Sequence[int]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "auto",
-                 kv_cache_memory: str | int = "512MiB", block_size: int = 16, enable_prefix_caching: bool = True,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512, max_model_len: int | None = None,
-                 num_threads: int | None = None, seed: int = 0,
-                 speculative_config: SpeculativeConfig | None = None, kv_cache_dtype: str = "auto",
-                 chat_template: str | None = None, max_step_ms: float | str | None = None,
-                 kv_cache_disk: str | None = None, kv_cache_disk_size: str | int = "4GiB",
-                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                 parallel_config: ParallelConfig | None = None, prefill_layer_slices: bool = True):
-        if parallel_config is not None and (tensor_parallel_size, pipeline_parallel_size) != (1, 1) and \
-                (tensor_parallel_size, pipeline_parallel_size) != (parallel_config.tensor_parallel_size,
-                                                                   parallel_config.pipeline_parallel_size):
-            raise InvalidRequestError("give the parallel sizes either as tensor_parallel_size / "
-                                      "pipeline_parallel_size or in parallel_config, not both differently",
-                                      param="parallel_config")
-        # max_step_ms defaults to None here, unlike the server: a batch run has no one waiting
+    def __init__(self, model: str | None = None, *, max_step_ms: float | str | None = None, **options):
+        """options: EngineConfig.from_options's (config.py), named as the engine flags' dests
+        (commands/engine_flags.py): dtype, device, num_threads, kv_cache_memory ("512MiB"),
+        kv_cache_dtype, block_size, enable_prefix_caching, max_num_seqs, max_num_batched_tokens,
+        max_model_len, tensor_parallel_size, speculative_method, ..., seed; or a whole
+        speculative_config / parallel_config, for the settings that have no flag."""
+        # max_step_ms defaults to None here, unlike the commands: a batch run has no one waiting
         # on a stream, so prefill chunks are cut by the token budget alone (SchedulerConfig).
-        self.engine_config = EngineConfig(
-            load=LoadConfig(model=model, dtype=dtype, device=device, num_threads=num_threads,
-                            chat_template=chat_template),
-            cache=CacheConfig(block_size=block_size,
-                              kv_cache_memory_bytes=parse_size(kv_cache_memory, field_name="kv_cache_memory"),
-                              enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype,
-                              kv_cache_disk=kv_cache_disk,
-                              kv_cache_disk_bytes=parse_size(kv_cache_disk_size, field_name="kv_cache_disk_size")),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      max_model_len=max_model_len, max_step_ms=max_step_ms,
-                                      prefill_layer_slices=prefill_layer_slices),
-            speculative=speculative_config or SpeculativeConfig(),
-            parallel=parallel_config or ParallelConfig(tensor_parallel_size=tensor_parallel_size,
-                                                       pipeline_parallel_size=pipeline_parallel_size),
-            seed=seed)
+        self.engine_config = EngineConfig.from_options(model=model, max_step_ms=max_step_ms, **options)
         self.core = EngineCore(self.engine_config)
         self.tokenizer = self.core.tokenizer
         self.model_config = self.core.model_config

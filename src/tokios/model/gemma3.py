@@ -21,7 +21,7 @@ from tokios.config import ModelConfig
 from tokios.model.attention import AttentionMetadata
 from tokios.model.kernels import precise_activations
 from tokios.model.linear import make_linear
-from tokios.model.llama import ACTIVATION_DTYPE
+from tokios.model.dtypes import ACTIVATION_DTYPE
 from tokios.model.decoder import DecoderModel, ModelPart
 from tokios.model.quant import EmbeddingTable, as_dense, concat_rows
 from tokios.model.rope import RotaryEmbedding

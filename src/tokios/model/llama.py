@@ -16,23 +16,9 @@ from tokios.model.attention import AttentionMetadata
 from tokios.model.kernels import precise_activations
 from tokios.model.linear import make_linear
 from tokios.model.decoder import DecoderModel, ModelPart
+from tokios.model.dtypes import ACTIVATION_DTYPE
 from tokios.model.quant import as_dense, concat_rows
 from tokios.model.rope import RotaryEmbedding
-
-# Weight format -> dtype of activations.
-ACTIVATION_DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16,
-                    "int8": torch.float32, "int4": torch.float32, "stored": torch.float32}
-
-
-def kv_cache_dtype(weight_format: str, requested: str = "auto") -> torch.dtype:
-    """The KV cache's element type. auto: float32 only for float32 weights (the exact reference);
-    bfloat16 otherwise, which halves the cache (the quantized formats keep float32 activations,
-    and the C++ attention widens bf16 keys and values exactly on load). Measured on the default
-    model in int4: perplexity 29.640 with a float32 cache, 29.622 with bfloat16 (transformers
-    float32: 29.655). int8 is asked for, never automatic (kv_cache/dtypes.py)."""
-    if requested != "auto":
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}[requested]
-    return torch.float32 if weight_format == "float32" else torch.bfloat16
 
 
 class LlamaLayer:

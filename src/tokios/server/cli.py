@@ -1,10 +1,12 @@
 """`tokios serve`: flags -> EngineConfig + ServerSettings -> uvicorn on a bound socket.
 
-Owns the command line of the server, the listening socket (bound before the model loads, so the
-port is known at once and `/health` answers 503 while loading; `--port 0` picks a free port,
-printed as `tokios serve: listening on http://HOST:PORT`), logging setup, and signal handling:
-the first SIGTERM/SIGINT starts draining (server/app.py ServerState.drain) and the process exits
-when in-flight requests are done or --shutdown-timeout has passed; a second signal exits at once.
+Owns the command line of the server (the engine's flags are commands/engine_flags.py's, shared
+with the other commands that build an engine), the listening socket (bound before the model
+loads, so the port is known at once and `/health` answers 503 while loading; `--port 0` picks a
+free port, printed as `tokios serve: listening on http://HOST:PORT`), logging setup, and signal
+handling: the first SIGTERM/SIGINT starts draining (server/app.py ServerState.drain) and the
+process exits when in-flight requests are done or --shutdown-timeout has passed; a second signal
+exits at once.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import math
 import os
 import socket
 import sys
@@ -20,9 +21,7 @@ from pathlib import Path
 
 import uvicorn
 
-from tokios.commands.generate import add_chat_template_argument
-from tokios.config import DEFAULT_MAX_STEP_MS, SUPPORTED_KV_CACHE_DTYPES
-from tokios.distributed.cli import add_parallel_arguments, parallel_config
+from tokios.commands.engine_flags import add_engine_arguments, engine_config_from_args
 from tokios.errors import InvalidRequestError
 from tokios.server.connection_limits import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
                                              DEFAULT_MAX_CONNECTIONS, header_timeout_protocol, raise_open_file_limit)
@@ -41,43 +40,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--report-cache-events", action="store_true",
                      help="with --connect: tell the gateway which prompt prefixes are cached here, for its "
                           "prefix-aware routing (docs/gateway.md)")
-    engine = parser.add_argument_group("engine")
-    engine.add_argument("--model", action="append", default=None, metavar="PATH[=NAME]",
+    served = parser.add_argument_group("models served (flags of the engine that runs each follow)")
+    served.add_argument("--model", action="append", default=None, metavar="PATH[=NAME]",
                         help="GGUF file or model directory, optionally with the name clients use; repeatable: "
                              "the first is the default model and loads at start, the others on demand "
                              "(default: SmolLM2-135M-Instruct)")
-    engine.add_argument("--models-dir", default=None,
+    served.add_argument("--models-dir", default=None,
                         help="also serve every model in this directory (*.gguf files and model directories), "
                              "named after their files, loaded on demand")
-    engine.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, int8 or int4 (default auto)")
-    engine.add_argument("--threads", type=int, default=None,
-                        help="CPU threads of each model's engine (default: the physical cores; fewer when several "
-                             "servers share a machine)")
-    add_chat_template_argument(engine)
-    engine.add_argument("--kv-cache-memory", default="512MiB", help="memory for the KV cache, e.g. 512MiB, 2GiB")
-    engine.add_argument("--kv-cache-dtype", default="auto", choices=list(SUPPORTED_KV_CACHE_DTYPES),
-                        help="KV cache element type; auto = float32 for float32 weights, else bfloat16; int8 "
-                             "(per token and head scales) holds 1.9x the tokens of bfloat16 in the same memory")
-    engine.add_argument("--kv-cache-disk", default=None, metavar="DIR",
-                        help="keep the prefix cache's evicted blocks, and all of it at shutdown, in DIR; a prompt "
-                             "whose prefix is there loads it instead of recomputing, after a restart too")
-    engine.add_argument("--kv-cache-disk-size", default="4GiB", metavar="SIZE",
-                        help="the most DIR may hold; least recently used blocks go first (default 4GiB)")
-    engine.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once (default 64)")
-    engine.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step (default 512)")
-    engine.add_argument("--max-step-ms", type=parse_step_budget, default=DEFAULT_MAX_STEP_MS, metavar="MS|auto|off",
-                        help="while streams decode, cut prefill chunks so a step stays within this many ms; "
-                             "auto: prefill may take as long as the step's decodes (a long prompt at most "
-                             "doubles the others' inter-token latency, and waits longer itself); off: the token "
-                             f"budget alone (default {DEFAULT_MAX_STEP_MS:g})")
-    engine.add_argument("--no-prefill-layer-slices", action="store_true",
-                        help="under --max-step-ms, keep every prompt chunk whole: by default, once the step "
-                             "budget holds too few of a long prompt's tokens, its chunks run through some "
-                             "layers a step")
-    engine.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    engine.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    engine.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
-    add_parallel_arguments(parser)
+    add_engine_arguments(parser)
     models = parser.add_argument_group("several models (docs/apis.md)")
     models.add_argument("--keep-alive", default=None,
                         help="unload a model idle this long, e.g. 5m, 1h, 30s, 0 (at once), -1 (never); "
@@ -89,14 +60,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="memory the loaded models may take together (weights + KV cache, as tokios plan "
                              "counts them), e.g. 8GiB; the least recently used idle models are unloaded to fit "
                              "(default: no limit)")
-    spec = parser.add_argument_group("speculative decoding (docs/speculative.md)")
-    spec.add_argument("--speculative-method", default=None, choices=["none", "ngram", "self_draft", "draft_model"],
-                      help="default method for requests that do not choose (default: none)")
-    spec.add_argument("--num-speculative-tokens", type=int, default=4,
-                      help="proposed tokens per verification, the most a request may ask (default 4)")
-    spec.add_argument("--draft-model", default=None, help="draft model file or directory (tokenizer must match)")
-    spec.add_argument("--self-draft-layers", type=int, default=6,
-                      help="target layers the self-draft runs before exiting (default 6)")
     server = parser.add_argument_group("server")
     server.add_argument("--served-model-name", action="append", default=None,
                         help="name(s) clients use in `model` (default: the model's name); repeatable")
@@ -135,41 +98,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--log-requests", action=argparse.BooleanOptionalAction, default=True,
                         help="log one line per finished request to logger tokios.requests (default on)")
     server.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-
-
-def parse_step_budget(text: str) -> float | str | None:
-    """--max-step-ms: a positive number of milliseconds, auto, or off (None)."""
-    if text in ("auto", "off"):
-        return None if text == "off" else text
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number of milliseconds, auto or off, got {text!r}")
-    return value
-
-
-def _engine_config(args: argparse.Namespace, model: str | None):
-    from tokios.config import CacheConfig, EngineConfig, LoadConfig, SchedulerConfig, parse_size
-    from tokios.speculative.config import SpeculativeConfig
-
-    return EngineConfig(
-        load=LoadConfig(model=model, dtype=args.dtype, chat_template=args.chat_template, num_threads=args.threads),
-        cache=CacheConfig(block_size=args.block_size,
-                          kv_cache_memory_bytes=parse_size(args.kv_cache_memory, field_name="kv_cache_memory"),
-                          enable_prefix_caching=not args.no_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
-                          kv_cache_disk=args.kv_cache_disk,
-                          kv_cache_disk_bytes=parse_size(args.kv_cache_disk_size, field_name="kv_cache_disk_size")),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_model_len=args.max_model_len, max_step_ms=args.max_step_ms,
-                                  prefill_layer_slices=not args.no_prefill_layer_slices),
-        speculative=SpeculativeConfig(method=args.speculative_method,
-                                      num_speculative_tokens=args.num_speculative_tokens,
-                                      draft_model=args.draft_model, draft_dtype=args.dtype,
-                                      self_draft_num_layers=args.self_draft_layers),
-        parallel=parallel_config(args),
-    )
 
 
 def model_arguments(args: argparse.Namespace) -> list[tuple[str, str | None]]:
@@ -230,7 +158,7 @@ def build_registry(args: argparse.Namespace):
                 raise InvalidRequestError(f"model: the name {each!r} is given to both {name_to_path[each]} and {path}; "
                                           "name them with --model PATH=NAME", param="model")
             name_to_path[each] = path
-        config = _engine_config(args, path)
+        config = engine_config_from_args(args, model=path)
         specs.append(ModelSpec(names=names, path=path, load=_engine_loader(config),
                                estimated_bytes=_estimated_bytes(path, kv_cache_bytes)))
     if args.max_loaded_models is not None and args.max_loaded_models < 1:

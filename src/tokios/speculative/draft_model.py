@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import logging
 
-from tokios.config import AUTO_DTYPE_BY_DEVICE
+from tokios.config import AUTO_DTYPE_BY_DEVICE, SpeculativeConfig
 from tokios.errors import InvalidRequestError, UnsupportedError
 from tokios.model.attention import allocate_kv_caches
 from tokios.kv_cache.dtypes import kv_bytes_per_element
-from tokios.model.llama import kv_cache_dtype
+from tokios.model.dtypes import kv_cache_dtype
 from tokios.model.loader import load_model
-from tokios.speculative.config import SpeculativeConfig
 from tokios.speculative.proposers import ModelDraftProposer, check_tokenizers_compatible
 from tokios.tokenizer import tokenizer_for_loaded_model
 

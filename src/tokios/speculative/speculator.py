@@ -27,9 +27,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from tokios.config import SpeculativeConfig
 from tokios.errors import InvalidRequestError
 from tokios.request import Request
-from tokios.speculative.config import SpeculativeConfig
 from tokios.speculative.proposers import Proposer
 from tokios.speculative.speedup import expected_speedup
 

@@ -36,15 +36,15 @@ class BatchTiming:
 
 
 class TokiosSystem:
-    def __init__(self, model_path: str, *, dtype: str = "auto", kv_cache_memory: str = "512MiB",
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True):
+    def __init__(self, model_path: str, *, dtype: str = "auto", **engine_options):
+        """engine_options: LLM's (the engine flags of the benchmark's command line)."""
         from tokios.engine import LLM
 
         started = time.perf_counter()
-        self.llm = LLM(model=model_path, dtype=dtype, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-                       max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching)
+        self.llm = LLM(model=model_path, dtype=dtype, **engine_options)
         self.load_s = time.perf_counter() - started
-        self.name = f"tokios ({dtype if dtype != 'auto' else 'auto=' + _auto_dtype()})"
+        # What auto became on the device the engine chose (config.AUTO_DTYPE_BY_DEVICE).
+        self.name = f"tokios ({dtype if dtype != 'auto' else 'auto=' + self.llm.core.weight_format})"
 
     def _params(self, max_tokens: int):
         from tokios.sampling_params import SamplingParams
@@ -174,12 +174,3 @@ class _TimingStreamer:
 
     def end(self) -> None:
         pass
-
-
-def _auto_dtype() -> str:
-    """What dtype="auto" becomes on this device (config.AUTO_DTYPE_BY_DEVICE)."""
-    import torch
-
-    from tokios.config import AUTO_DTYPE_BY_DEVICE
-
-    return AUTO_DTYPE_BY_DEVICE["cuda" if torch.cuda.is_available() else "cpu"]

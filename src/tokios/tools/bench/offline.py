@@ -18,6 +18,7 @@ import platform
 import random
 import sys
 
+from tokios.commands.engine_flags import add_engine_arguments, engine_options
 from tokios.errors import InvalidRequestError
 from tokios.tools.bench import report
 from tokios.tools.bench.prompts import make_token_ids
@@ -28,6 +29,7 @@ SYSTEM_NAMES = ("tokios", "llama.cpp", "transformers")
 SINGLE_STREAM_SECTION = "Offline: single stream"
 THROUGHPUT_SECTION = "Offline: throughput"
 DECODE_PROMPT_TOKENS = 16
+DEFAULT_LLAMA_CPP_THREADS = 2
 
 
 def noise_note() -> str:
@@ -46,13 +48,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, model_help="GGUF file (default: the default model), or a Hugging Face directory "
                                            "when llama.cpp is not among --systems")
     parser.add_argument("--systems", default="tokios,llama.cpp,transformers",
-                        help=f"comma-separated subset of {', '.join(SYSTEM_NAMES)}")
+                        help=f"comma-separated subset of {', '.join(SYSTEM_NAMES)}; llama.cpp runs with --threads "
+                             f"threads (default {DEFAULT_LLAMA_CPP_THREADS})")
     parser.add_argument("--dtype", default="auto", help="tokios --dtype values, comma-separated (one row each)")
+    # tokios runs as LLM does (no step budget: no stream waits on a batch run); --threads is
+    # both systems' threads, so that they compare on the same cores.
+    add_engine_arguments(parser, own=("dtype",), defaults={"max_step_ms": None})
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--transformers-reps", type=int, default=2,
                         help="reps for transformers, which decodes at ~10 tok/s here")
     parser.add_argument("--transformers-dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--prefill-tokens", type=int, default=512)
     parser.add_argument("--throughput-prompts", type=int, default=64, help="0 skips the throughput run")
@@ -100,14 +105,19 @@ def load_systems(args: argparse.Namespace, model_path: str) -> list:
         if name == "tokios":
             for dtype in [d.strip() for d in args.dtype.split(",") if d.strip()]:
                 print(f"loading tokios --dtype {dtype} ...", file=sys.stderr)
-                systems.append(engines.TokiosSystem(model_path, dtype=dtype))
+                systems.append(engines.TokiosSystem(model_path, **engine_options(args, dtype=dtype)))
         elif name == "llama.cpp":
             print("loading llama.cpp ...", file=sys.stderr)
-            systems.append(engines.LlamaCppSystem(model_path, num_threads=args.threads))
+            systems.append(engines.LlamaCppSystem(model_path, num_threads=llama_cpp_threads(args)))
         elif args.transformers_reps > 0:
             print("loading transformers (about 25 s) ...", file=sys.stderr)
             systems.append(engines.TransformersSystem(model_path, dtype=args.transformers_dtype))
     return systems
+
+
+def llama_cpp_threads(args: argparse.Namespace) -> int:
+    """--threads, or 2 (the cores of the hosts the figures in docs/benchmarks.md come from)."""
+    return args.num_threads or DEFAULT_LLAMA_CPP_THREADS
 
 
 # system name -> "decode" | "prefill" -> rep number -> tok/s
@@ -258,7 +268,7 @@ def write_docs(args: argparse.Namespace, path: str, single: str, load_lines: str
         f"Median of {args.reps} reps (transformers: its first {args.transformers_reps}) after one warm-up, "
         "[p5, p95] in brackets. Ratios are medians of per-rep ratios over the reps both systems ran (the "
         "systems take turns within a rep, so a ratio sees nearly the same machine load on both sides). "
-        f"llama.cpp runs with {args.threads} threads on the same GGUF.\n\n{single}\n\n{load_lines}"))
+        f"llama.cpp runs with {llama_cpp_threads(args)} threads on the same GGUF.\n\n{single}\n\n{load_lines}"))
     if throughput:
         report.update_docs_section(path, THROUGHPUT_SECTION, header + (
             f"{args.throughput_prompts} prompts of {args.throughput_input_len} tokens, "

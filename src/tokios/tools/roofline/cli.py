@@ -129,7 +129,7 @@ def _engine_compute_dtype(engine, requested: str) -> str:
         return "int8"
     weight_format = getattr(getattr(engine, "core", None), "weight_format", None) or requested
     try:
-        from tokios.model.llama import ACTIVATION_DTYPE
+        from tokios.model.dtypes import ACTIVATION_DTYPE
     except ImportError:
         return weight_format
     torch_dtype = ACTIVATION_DTYPE.get(weight_format)

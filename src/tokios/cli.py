@@ -16,7 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("tokios.commands.generate", "generate text for one prompt, streamed to the terminal"),
     "chat": ("tokios.commands.chat", "interactive multi-turn chat in the terminal"),
     "tokenize": ("tokios.commands.tokenize", "print token ids and pieces for a text"),
-    "serve": ("tokios.server.cli", "start the OpenAI-compatible HTTP server"),
+    "serve": ("tokios.commands.serve", "start the OpenAI-compatible HTTP server"),
     "bench": ("tokios.tools.bench.cli", "benchmarks: offline engine vs peers, serving load"),
     "plan": ("tokios.tools.plan.cli", "capacity planning by formula"),
     "roofline": ("tokios.tools.roofline.cli", "measured utilization against the machine's roofs"),

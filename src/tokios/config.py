@@ -3,7 +3,7 @@
 Every sub-config validates itself in __post_init__ and raises InvalidRequestError naming the
 field, so a bad command-line flag or LLM(...) argument fails before anything is loaded.
 EngineConfig.from_options builds one from the flat option names that the engine flags
-(commands/engine_flags.py) and LLM share. ModelConfig is not user-set: the loaders derive it
+(engine_flags.py) and LLM share. ModelConfig is not user-set: the loaders derive it
 from the model file.
 """
 
@@ -306,7 +306,7 @@ class EngineConfig:
                      speculative_config: SpeculativeConfig | None = None,
                      parallel_config: ParallelConfig | None = None, seed: int = 0) -> EngineConfig:
         """The engine's options as one flat set of names: the engine flags' dests
-        (commands/engine_flags.py) and LLM's keywords. Sizes may be strings (512MiB).
+        (engine_flags.py) and LLM's keywords. Sizes may be strings (512MiB).
         speculative_config / parallel_config give a whole sub-config instead (with the settings
         that have no flag: n-gram sizes, adaptive k, node_rank); an option of the same group may
         then only repeat what the sub-config says."""

@@ -48,7 +48,7 @@ def test_generate_applies_the_chat_template_by_default(engine_float32):
 
 
 def test_generate_takes_the_engine_flags_and_tensor_parallel_keeps_the_text():
-    """The engine's flags are every engine-building command's (commands/engine_flags.py): three
+    """The engine's flags are every engine-building command's (engine_flags.py): three
     ranks splitting each layer give the single process's greedy text, and the ranks stop with it."""
     prompt = ["generate", "The capital of France is", "--raw", "--temperature", "0", "--max-tokens", str(MAX_TOKENS)]
     single = run_cli(*prompt)

@@ -8,7 +8,7 @@ import argparse
 import pytest
 
 from tokios.errors import InvalidRequestError
-from tokios.commands.engine_flags import parse_step_budget
+from tokios.engine_flags import parse_step_budget
 from tokios.tools.bench.fairness import (FairnessRound, gap_indices, gaps_at, parse_step_budgets, result_table,
                                          split_gaps)
 from tokios.tools.bench.stats import RequestRecord

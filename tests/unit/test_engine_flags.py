@@ -1,4 +1,4 @@
-"""The engine's flags are defined once (commands/engine_flags.py) and every command that builds an
+"""The engine's flags are defined once (engine_flags.py) and every command that builds an
 engine takes all of them, each into the same option: `tokios serve`, `generate`, `chat` and
 `bench offline`, and the Python LLM by the flags' dests."""
 
@@ -10,13 +10,13 @@ import inspect
 
 import pytest
 
-from tokios.commands.engine_flags import (add_engine_arguments, engine_config_from_args, engine_option_names,
+from tokios.engine_flags import (add_engine_arguments, engine_config_from_args, engine_option_names,
                                           engine_options, parse_step_budget)
 from tokios.config import EngineConfig, ParallelConfig, SpeculativeConfig
 from tokios.errors import InvalidRequestError
 
 # module -> the arguments its command needs besides flags
-ENGINE_COMMANDS = {"tokios.server.cli": [], "tokios.commands.generate": ["a prompt"], "tokios.commands.chat": [],
+ENGINE_COMMANDS = {"tokios.commands.serve": [], "tokios.commands.generate": ["a prompt"], "tokios.commands.chat": [],
                    "tokios.tools.bench.offline": []}
 # Per-command options that are not the engine's: serve's models, generate's sampling seed, ...
 NOT_ENGINE_FLAGS = {"model", "seed"}
@@ -74,7 +74,7 @@ def test_generate_takes_the_flags_it_lacked():
     assert config.speculative.method == "ngram"
 
 
-@pytest.mark.parametrize("module_name", ["tokios.server.cli", "tokios.commands.generate", "tokios.commands.chat"])
+@pytest.mark.parametrize("module_name", ["tokios.commands.serve", "tokios.commands.generate", "tokios.commands.chat"])
 def test_a_command_s_defaults_are_the_engine_s(module_name):
     args = command_parser(module_name).parse_args(ENGINE_COMMANDS[module_name])
     assert engine_config_from_args(args) == EngineConfig()

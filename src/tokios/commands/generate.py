@@ -1,7 +1,7 @@
 """`tokios generate PROMPT`: one completion, streamed to the terminal as it is produced.
 
 Owns the command, plus the pieces `tokios chat` shares with it: the model and sampling flags
-(the engine's own are commands/engine_flags.py's), loading an EngineCore from them and closing
+(the engine's own are engine_flags.py's), loading an EngineCore from them and closing
 it, and streaming one request's text deltas. Talks to tokios.engine (EngineCore steps the model;
 OutputProcessor turns token ids into text deltas) and the tokenizer's chat template. The text
 goes to stdout; load time, TTFT, prompt tok/s and decode tok/s go to stderr, so stdout stays
@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import TextIO
 
-from tokios.commands.engine_flags import add_engine_arguments, engine_config_from_args
+from tokios.engine_flags import add_engine_arguments, engine_config_from_args
 from tokios.errors import InvalidRequestError
 
 DEFAULT_MAX_TOKENS = 256

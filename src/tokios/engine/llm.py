@@ -26,7 +26,7 @@ Prompt = str | Sequence[int]
 class LLM:
     def __init__(self, model: str | None = None, *, max_step_ms: float | str | None = None, **options):
         """options: EngineConfig.from_options's (config.py), named as the engine flags' dests
-        (commands/engine_flags.py): dtype, device, num_threads, kv_cache_memory ("512MiB"),
+        (engine_flags.py): dtype, device, num_threads, kv_cache_memory ("512MiB"),
         kv_cache_dtype, block_size, enable_prefix_caching, max_num_seqs, max_num_batched_tokens,
         max_model_len, tensor_parallel_size, speculative_method, ..., seed; or a whole
         speculative_config / parallel_config, for the settings that have no flag."""

@@ -1,7 +1,9 @@
 """`tokios connect URL`: give a local OpenAI-compatible backend a stable address on a gateway.
 
 Wires options to gateway/connector.py and turns SIGTERM/SIGINT into a drain: the gateway stops
-routing new work here and in-flight streams finish within --drain-grace-s.
+routing new work here and in-flight streams finish within --drain-grace-s. Also here, for
+`tokios serve --connect` (commands/serve.py): the same connector as a companion of the server,
+dialling out once the model is ready and draining with it.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import logging
 import os
 import signal
 
+from tokios.errors import InvalidRequestError
 from tokios.gateway.connector import REPORT_CACHE_EVENTS_INTERVAL_S, Connector, ConnectorConfig
 
 
@@ -64,3 +67,46 @@ def run(args: argparse.Namespace) -> int:
 
     asyncio.run(main())
     return 0
+
+
+# ---- tokios serve --connect ---------------------------------------------------------------------
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("gateway")
+    group.add_argument("--connect", metavar="GATEWAY_URL", default=None,
+                       help="also connect this server to a tokios gateway (ws:// or wss://), as `tokios connect` "
+                            "does; the connector token comes from $TOKIOS_CONNECTOR_TOKEN")
+    group.add_argument("--backend-id", default="", help="stable backend id to register with --connect")
+    group.add_argument("--report-cache-events", action="store_true",
+                       help="with --connect: tell the gateway which prompt prefixes are cached here, for its "
+                            "prefix-aware routing (docs/gateway.md)")
+
+
+def check_serve_arguments(args: argparse.Namespace) -> None:
+    if args.report_cache_events and not args.connect:
+        raise InvalidRequestError("report_cache_events reports to a gateway: give --connect GATEWAY_URL too",
+                                  param="report_cache_events")
+    if args.connect and not os.environ.get("TOKIOS_CONNECTOR_TOKEN", ""):
+        raise InvalidRequestError("--connect needs a connector token in $TOKIOS_CONNECTOR_TOKEN "
+                                  "(create one with `tokios keys create --kind connector`)", param="connect")
+
+
+def attach_to_server(state, args: argparse.Namespace, port: int) -> None:
+    """`--connect`: once the model is ready, dial the gateway and carry its requests to this
+    server over loopback; on SIGTERM tell the gateway to send no more work. `state` is the
+    server's (server/app.py ServerState): its companions run beside it, its drain hooks on SIGTERM."""
+    backend_api_key = args.api_key[0] if args.api_key else None
+    config = ConnectorConfig(gateway_url=args.connect, token=os.environ.get("TOKIOS_CONNECTOR_TOKEN", ""),
+                             backend_url=f"http://127.0.0.1:{port}", backend_id=args.backend_id,
+                             backend_api_key=backend_api_key, drain_grace_s=args.shutdown_timeout,
+                             cache_events_interval_s=REPORT_CACHE_EVENTS_INTERVAL_S if args.report_cache_events else 0.0)
+    connector = Connector(config)
+
+    async def run_connector(_state) -> None:
+        try:
+            await connector.run()
+        except Exception as exc:  # the server keeps serving locally; the log says why
+            logging.getLogger("tokios.server").error("gateway connector stopped: %s", getattr(exc, "message", exc))
+
+    state.companions.append(run_connector)
+    state.on_drain.append(connector.request_drain)

@@ -1,6 +1,6 @@
 """`tokios serve`: flags -> EngineConfig + ServerSettings -> uvicorn on a bound socket.
 
-Owns the command line of the server (the engine's flags are commands/engine_flags.py's, shared
+Owns the command line of the server (the engine's flags are engine_flags.py's, shared
 with the other commands that build an engine), the listening socket (bound before the model
 loads, so the port is known at once and `/health` answers 503 while loading; `--port 0` picks a
 free port, printed as `tokios serve: listening on http://HOST:PORT`), logging setup, and signal
@@ -17,11 +17,13 @@ import logging
 import os
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 
-from tokios.commands.engine_flags import add_engine_arguments, engine_config_from_args
+from tokios.engine_flags import add_engine_arguments, engine_config_from_args
 from tokios.errors import InvalidRequestError
 from tokios.server.connection_limits import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
                                              DEFAULT_MAX_CONNECTIONS, header_timeout_protocol, raise_open_file_limit)
@@ -33,13 +35,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net = parser.add_argument_group("network")
     net.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     net.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default 8000)")
-    net.add_argument("--connect", metavar="GATEWAY_URL", default=None,
-                     help="also connect this server to a tokios gateway (ws:// or wss://), as `tokios connect` does; "
-                          "the connector token comes from $TOKIOS_CONNECTOR_TOKEN")
-    net.add_argument("--backend-id", default="", help="stable backend id to register with --connect")
-    net.add_argument("--report-cache-events", action="store_true",
-                     help="with --connect: tell the gateway which prompt prefixes are cached here, for its "
-                          "prefix-aware routing (docs/gateway.md)")
     served = parser.add_argument_group("models served (flags of the engine that runs each follow)")
     served.add_argument("--model", action="append", default=None, metavar="PATH[=NAME]",
                         help="GGUF file or model directory, optionally with the name clients use; repeatable: "
@@ -205,7 +200,9 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, on_listening: Callable[[Any, int], None] | None = None) -> int:
+    """Serves until stopped; `on_listening(state, port)` runs once the socket is bound, before the
+    model loads (`tokios serve --connect` attaches the gateway connector there: commands/serve.py)."""
     from tokios.config import parse_duration, parse_size
     from tokios.server.app import create_app
     from tokios.server.auth import ApiKeyChecker
@@ -218,9 +215,6 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.max_queued_requests < 0:
         raise InvalidRequestError("max_queued_requests must be >= 0", param="max_queued_requests")
-    if args.report_cache_events and not args.connect:
-        raise InvalidRequestError("report_cache_events reports to a gateway: give --connect GATEWAY_URL too",
-                                  param="report_cache_events")
     for name in ("shutdown_timeout", "stall_timeout", "health_generate_timeout"):
         if getattr(args, name) < 0:
             raise InvalidRequestError(f"{name} must be >= 0", param=name)
@@ -253,8 +247,8 @@ def run(args: argparse.Namespace) -> int:
     state = app.state.tokios
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
-    if args.connect:
-        _attach_connector(state, args, port)
+    if on_listening is not None:
+        on_listening(state, port)
     display_host = f"[{host}]" if ":" in host else host
     print(f"tokios serve: listening on http://{display_host}:{port}"
           f"{' (API key required)' if api_keys.is_enabled else ''}", file=sys.stderr, flush=True)
@@ -274,32 +268,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"tokios serve: error: {getattr(error, 'message', error)}", file=sys.stderr)
         return 1
     return 0
-
-
-def _attach_connector(state, args: argparse.Namespace, port: int) -> None:
-    """`--connect`: once the model is ready, dial the gateway and carry its requests to this
-    server over loopback; on SIGTERM tell the gateway to send no more work."""
-    from tokios.gateway.connector import REPORT_CACHE_EVENTS_INTERVAL_S, Connector, ConnectorConfig
-
-    token = os.environ.get("TOKIOS_CONNECTOR_TOKEN", "")
-    if not token:
-        raise InvalidRequestError("--connect needs a connector token in $TOKIOS_CONNECTOR_TOKEN "
-                                  "(create one with `tokios keys create --kind connector`)", param="connect")
-    backend_api_key = args.api_key[0] if args.api_key else None
-    config = ConnectorConfig(gateway_url=args.connect, token=token, backend_url=f"http://127.0.0.1:{port}",
-                             backend_id=args.backend_id, backend_api_key=backend_api_key,
-                             drain_grace_s=args.shutdown_timeout,
-                             cache_events_interval_s=REPORT_CACHE_EVENTS_INTERVAL_S if args.report_cache_events else 0.0)
-    connector = Connector(config)
-
-    async def run_connector(_state) -> None:
-        try:
-            await connector.run()
-        except Exception as exc:  # the server keeps serving locally; the log says why
-            logging.getLogger("tokios.server").error("gateway connector stopped: %s", getattr(exc, "message", exc))
-
-    state.companions.append(run_connector)
-    state.on_drain.append(connector.request_drain)
 
 
 class DrainingServer(uvicorn.Server):

@@ -147,7 +147,7 @@ async def run_round(base_url: str, args: argparse.Namespace, stream_prompts: lis
 
 
 def parse_step_budgets(text: str) -> list[str]:
-    from tokios.commands.engine_flags import parse_step_budget
+    from tokios.engine_flags import parse_step_budget
 
     budgets = [" ".join(value.split()) for value in text.split(",") if value.strip()]
     if not budgets:

@@ -18,7 +18,7 @@ import platform
 import random
 import sys
 
-from tokios.commands.engine_flags import add_engine_arguments, engine_options
+from tokios.engine_flags import add_engine_arguments, engine_options
 from tokios.errors import InvalidRequestError
 from tokios.tools.bench import report
 from tokios.tools.bench.prompts import make_token_ids

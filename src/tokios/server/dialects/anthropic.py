@@ -24,8 +24,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tokios.errors import InvalidRequestError, TokiosError
-from tokios.server.body import RequestBody, ResponseBody, parse_body
-from tokios.server.dialects.dialect import NAMED, SSE, Dialect, Route, guarded_stream, join_text_parts
+from tokios.server.body import RequestBody, ResponseBody
+from tokios.server.dialects.dialect import (NAMED, SSE, Dialect, Route, guarded_stream, join_text_parts,
+                                           model_route)
 from tokios.server.generation import ChatRun, ChatTurn
 from tokios.server.registry import ModelLease
 from tokios.server.streams import StreamedResponse
@@ -265,42 +266,30 @@ async def _stream(run: ChatRun, body: MessagesRequest, message_id: str, model: s
     yield {"type": "message_stop"}
 
 
-async def _messages_route(request: Request) -> Response:
-    state = request.app.state.tokios
-    state.check_ready()
-    body = await parse_body(request, MessagesRequest)
-
-    async def run(lease: ModelLease) -> Response:
-        serving = lease.serving
-        turn = ChatTurn(to_messages(body), _sampling(body), body.max_tokens, to_toolset(body))
-        message_id = f"msg_{uuid.uuid4().hex}"
-        model = body.model
-        chat_run = await serving.start_chat(request, turn, lease, stream=body.stream, response_id=message_id)
-        if body.stream:
-            return StreamedResponse(guarded_stream(ANTHROPIC, _stream(chat_run, body, message_id, model)),
-                                    chat_run.job)
-        result = (await chat_run.results())[0]
-        content: list[dict[str, Any]] = []
-        if result.content:
-            content.append({"type": "text", "text": result.content})
-        content.extend(_tool_use_block(call) for call in result.tool_calls)
-        reason, sequence = _stop_reason(result.finish_reason, result.stop_reason, body.stop_sequences)
-        return JSONResponse({"id": message_id, "type": "message", "role": "assistant", "model": model,
-                             "content": content, "stop_reason": reason, "stop_sequence": sequence,
-                             "usage": {"input_tokens": chat_run.num_prompt_tokens,
-                                       "output_tokens": chat_run.num_completion_tokens}})
-    return await state.respond(body.model, run)
+async def _messages(request: Request, body: MessagesRequest, lease: ModelLease) -> Response:
+    serving = lease.serving
+    turn = ChatTurn(to_messages(body), _sampling(body), body.max_tokens, to_toolset(body))
+    message_id = f"msg_{uuid.uuid4().hex}"
+    model = body.model
+    chat_run = await serving.start_chat(request, turn, lease, stream=body.stream, response_id=message_id)
+    if body.stream:
+        return StreamedResponse(guarded_stream(ANTHROPIC, _stream(chat_run, body, message_id, model)),
+                                chat_run.job)
+    result = (await chat_run.results())[0]
+    content: list[dict[str, Any]] = []
+    if result.content:
+        content.append({"type": "text", "text": result.content})
+    content.extend(_tool_use_block(call) for call in result.tool_calls)
+    reason, sequence = _stop_reason(result.finish_reason, result.stop_reason, body.stop_sequences)
+    return JSONResponse({"id": message_id, "type": "message", "role": "assistant", "model": model,
+                         "content": content, "stop_reason": reason, "stop_sequence": sequence,
+                         "usage": {"input_tokens": chat_run.num_prompt_tokens,
+                                   "output_tokens": chat_run.num_completion_tokens}})
 
 
-async def _count_tokens_route(request: Request) -> Response:
-    state = request.app.state.tokios
-    state.check_ready()
-    body = await parse_body(request, CountTokensRequest)
-
-    async def run(lease: ModelLease) -> Response:
-        turn = ChatTurn(to_messages(body), {}, tools=to_toolset(body))
-        return JSONResponse({"input_tokens": len(turn.prompt_ids(lease.serving.tokenizer))})
-    return await state.respond(body.model, run)
+async def _count_tokens(request: Request, body: CountTokensRequest, lease: ModelLease) -> Response:
+    turn = ChatTurn(to_messages(body), {}, tools=to_toolset(body))
+    return JSONResponse({"input_tokens": len(turn.prompt_ids(lease.serving.tokenizer))})
 
 
 _TYPE_BY_STATUS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -337,10 +326,10 @@ class TokenCount(ResponseBody):
 ANTHROPIC = Dialect(
     name="anthropic",
     routes=(
-        Route("post", "/v1/messages", _messages_route,
+        Route("post", "/v1/messages", model_route(MessagesRequest, _messages),
               "Create a message (Anthropic Messages API); SSE events when stream is true", MessagesRequest, Message,
               SSE, MessageEvent, generates=True),
-        Route("post", "/v1/messages/count_tokens", _count_tokens_route,
+        Route("post", "/v1/messages/count_tokens", model_route(CountTokensRequest, _count_tokens),
               "Count a message request's input tokens (Anthropic)", CountTokensRequest, TokenCount),
     ),
     path_prefixes=("/v1/messages",),

@@ -26,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from tokios.errors import InvalidRequestError, TokiosError
+from tokios.server.body import BodyT, parse_body
 from tokios.server.errors import to_tokios_error
 
 SSE = "text/event-stream"
@@ -63,6 +64,20 @@ class EventEncoder:
 
 # A route's handler: the server's state is `request.app.state.tokios` (server/app.py).
 Handler = Callable[[Request], Awaitable[Response]]
+
+
+def model_route(body_model: type[BodyT], answer: Callable[[Request, BodyT, Any], Awaitable[Response]]) -> Handler:
+    """The handler of a route that runs one body against the model it names: readiness, the body
+    validated by `body_model`, then `answer(request, body, lease)` on that model, loaded and pinned
+    (server/app.py ServerState.respond)."""
+
+    async def handler(request: Request) -> Response:
+        state = request.app.state.tokios
+        state.check_ready()
+        body = await parse_body(request, body_model)
+        return await state.respond(body.model, lambda lease: answer(request, body, lease))
+
+    return handler
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,7 @@ from starlette.responses import JSONResponse, Response
 
 from tokios.errors import InvalidRequestError
 from tokios.outputs import RequestOutput
-from tokios.server.body import parse_body
-from tokios.server.dialects.dialect import DATA_ONLY, SSE, Dialect, Route, guarded_stream
+from tokios.server.dialects.dialect import DATA_ONLY, SSE, Dialect, Route, guarded_stream, model_route
 from tokios.server.dialects.openai import shapes
 from tokios.server.dialects.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                     EmbeddingRequest, TokenizeRequest, sampling_kwargs)
@@ -39,8 +38,8 @@ from tokios.tool_calls import ToolSet
 
 # ---- chat ---------------------------------------------------------------------------------------
 
-async def chat(serving: Serving, http_request: Request, body: ChatCompletionRequest,
-               lease: ModelLease | None = None) -> Response:
+async def chat(http_request: Request, body: ChatCompletionRequest, lease: ModelLease) -> Response:
+    serving = lease.serving
     model = serving.response_model_name(body.model)
     body.check_supported()
     tools = ToolSet.from_request(body.tools, body.tool_choice, body.parallel_tool_calls)
@@ -108,8 +107,8 @@ def _completion_prompts(serving: Serving, body: CompletionRequest) -> tuple[list
     return prompt_texts, prompt_ids_list
 
 
-async def completions(serving: Serving, http_request: Request, body: CompletionRequest,
-                      lease: ModelLease | None = None) -> Response:
+async def completions(http_request: Request, body: CompletionRequest, lease: ModelLease) -> Response:
+    serving = lease.serving
     model = serving.response_model_name(body.model)
     body.check_supported()
     prompt_texts, prompt_ids_list = _completion_prompts(serving, body)
@@ -211,9 +210,9 @@ async def _completion_events(serving: Serving, body: CompletionRequest, job: Job
 
 # ---- embeddings and utilities ------------------------------------------------------------------
 
-async def embeddings(serving: Serving, http_request: Request, body: EmbeddingRequest,
-                     lease: ModelLease | None) -> Response:
+async def embeddings(http_request: Request, body: EmbeddingRequest, lease: ModelLease) -> Response:
     """OpenAI's /v1/embeddings: texts or token id lists in, one vector each (float or base64)."""
+    serving = lease.serving
     model = serving.response_model_name(body.model)
     hidden_size = serving.engine.model_config.hidden_size
     if body.dimensions is not None and body.dimensions != hidden_size:
@@ -269,51 +268,18 @@ def detokenize(serving: Serving, body: DetokenizeRequest) -> dict[str, Any]:
 
 # ---- routes -------------------------------------------------------------------------------------
 
-async def _chat_route(request: Request) -> Response:
-    state = request.app.state.tokios
-    state.check_ready()
-    body = await parse_body(request, ChatCompletionRequest)
-    return await state.respond(body.model, lambda lease: chat(lease.serving, request, body, lease))
-
-
-async def _completions_route(request: Request) -> Response:
-    state = request.app.state.tokios
-    state.check_ready()
-    body = await parse_body(request, CompletionRequest)
-    return await state.respond(body.model, lambda lease: completions(lease.serving, request, body, lease))
-
-
-async def _embeddings_route(request: Request) -> Response:
-    state = request.app.state.tokios
-    state.check_ready()
-    body = await parse_body(request, EmbeddingRequest)
-    return await state.respond(body.model, lambda lease: embeddings(lease.serving, request, body, lease))
-
-
 async def _models_route(request: Request) -> Response:
     state = request.app.state.tokios
     state.check_ready()
     return JSONResponse({"object": "list", "data": state.registry.model_cards(state.created)})
 
 
-async def _tokenize_route(request: Request) -> Response:
-    state = request.app.state.tokios
-    state.check_ready()
-    body = await parse_body(request, TokenizeRequest)
-
-    async def run(lease: ModelLease) -> Response:
-        return JSONResponse(tokenize(lease.serving, body))
-    return await state.respond(body.model, run)
+async def _tokenize_answer(request: Request, body: TokenizeRequest, lease: ModelLease) -> Response:
+    return JSONResponse(tokenize(lease.serving, body))
 
 
-async def _detokenize_route(request: Request) -> Response:
-    state = request.app.state.tokios
-    state.check_ready()
-    body = await parse_body(request, DetokenizeRequest)
-
-    async def run(lease: ModelLease) -> Response:
-        return JSONResponse(detokenize(lease.serving, body))
-    return await state.respond(body.model, run)
+async def _detokenize_answer(request: Request, body: DetokenizeRequest, lease: ModelLease) -> Response:
+    return JSONResponse(detokenize(lease.serving, body))
 
 
 async def _tokenizer_info_route(request: Request) -> Response:
@@ -332,18 +298,18 @@ _MODEL_QUERY = {"name": "model", "in": "query", "required": False, "schema": {"t
 OPENAI = Dialect(
     name="openai",
     routes=(
-        Route("post", "/v1/chat/completions", _chat_route, "Chat completion (OpenAI)", ChatCompletionRequest,
-              shapes.ChatCompletion, SSE, shapes.ChatCompletionChunk, generates=True),
-        Route("post", "/v1/completions", _completions_route, "Text completion (OpenAI)", CompletionRequest,
-              shapes.TextCompletion, SSE, shapes.TextCompletion, generates=True),
-        Route("post", "/v1/embeddings", _embeddings_route,
+        Route("post", "/v1/chat/completions", model_route(ChatCompletionRequest, chat), "Chat completion (OpenAI)",
+              ChatCompletionRequest, shapes.ChatCompletion, SSE, shapes.ChatCompletionChunk, generates=True),
+        Route("post", "/v1/completions", model_route(CompletionRequest, completions), "Text completion (OpenAI)",
+              CompletionRequest, shapes.TextCompletion, SSE, shapes.TextCompletion, generates=True),
+        Route("post", "/v1/embeddings", model_route(EmbeddingRequest, embeddings),
               "Embeddings (OpenAI): pooled, normalized final hidden states", EmbeddingRequest, shapes.EmbeddingList,
               generates=True),
         Route("get", "/v1/models", _models_route, "Served models", answer=shapes.ModelList),
-        Route("post", "/tokenize", _tokenize_route, "Text or messages to token ids", TokenizeRequest,
-              shapes.TokenizeResponse),
-        Route("post", "/detokenize", _detokenize_route, "Token ids to text", DetokenizeRequest,
-              shapes.DetokenizeResponse),
+        Route("post", "/tokenize", model_route(TokenizeRequest, _tokenize_answer), "Text or messages to token ids",
+              TokenizeRequest, shapes.TokenizeResponse),
+        Route("post", "/detokenize", model_route(DetokenizeRequest, _detokenize_answer), "Token ids to text",
+              DetokenizeRequest, shapes.DetokenizeResponse),
         Route("get", "/tokenizer_info", _tokenizer_info_route,
               "Special tokens, chat template and context length (a remote tokenizer's view, as vLLM serves it)",
               answer=shapes.TokenizerInfo, parameters=(_MODEL_QUERY,)),

@@ -200,8 +200,8 @@ class CompletionRequest(SamplingFields):
     prompt: PromptInput
     echo: bool = False
     logprobs: JsonInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    suffix: str | None = Field(default=None, json_schema_extra={"maxLength": 0,
-                                                                "description": "not supported: a non-empty one is a 400"})
+    suffix: str | None = Field(default=None, json_schema_extra={
+        "maxLength": 0, "description": "not supported: a non-empty one is a 400"})
     best_of: JsonInt | None = Field(default=None, json_schema_extra={"description": "absent or equal to n"})
 
     def check_supported(self) -> None:

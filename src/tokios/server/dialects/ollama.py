@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -64,7 +65,7 @@ _FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9
 # What the handlers refuse, published in the schema as well (their own messages name the field):
 # a value that must be empty or absent, the message roles, the keep-alive forms, and `think`.
 _EMPTY_ONLY = {"maxLength": 0, "maxItems": 0, "description": "not supported: a non-empty value is a 400"}
-_DURATION = {"anyOf": [{"type": "string", "pattern": r"^\s*[+-]?( *[0-9]*\.?[0-9]+ *(ms|h|m|s)?)+ *$"},
+_DURATION = {"anyOf": [{"type": "string", "pattern": r"^\s*[+-]*( *[0-9]*\.?[0-9]+ *(ms|h|m|s)?)+ *\s*$"},
                        {"type": "number"}, {"type": "null"}],
              "description": "a duration like 5m, 1h30m or 250ms, or a number of seconds; negative: forever"}
 _OFF_ONLY = {"enum": [False, "", "none", None], "description": "this server runs no reasoning mode"}
@@ -428,6 +429,9 @@ async def _chat_route(request: Request) -> Response:
     state.check_ready()
     body = await parse_body(request, OllamaChatRequest)
     keep_alive_s = _keep_alive(body.keep_alive)
+    # What can be checked without the model is checked first: a request that only loads the model
+    # still refuses a bad option (the context limit waits for the model).
+    _common_sampling(body, max_model_len=sys.maxsize)
     if not body.messages:  # Ollama: an empty chat loads (or, with keep_alive 0, unloads) the model
         return await _load_or_unload(state, body.model, keep_alive_s, {"message": {"role": "assistant", "content": ""}})
 
@@ -449,6 +453,7 @@ async def _generate_route(request: Request) -> Response:
     for name in ("suffix", "template", "context", "images"):
         if getattr(body, name):
             raise InvalidRequestError(f"{name} is not supported by this server", param=name)
+    _common_sampling(body, max_model_len=sys.maxsize)
     if not body.prompt:
         return await _load_or_unload(state, body.model, keep_alive_s, {"response": ""})
 

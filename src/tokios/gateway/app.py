@@ -396,6 +396,9 @@ class Gateway:
                 self._remember_response(first.payload, stream.link.backend_id)
             # Where a frame ends: a blank line in SSE, a newline in Ollama's NDJSON.
             frame_end = dialect_of_path(path).frame_end.encode()
+            # An event is a line that starts with `data:` in SSE (generated text inside the JSON
+            # cannot start a line: its newlines are escaped), a line in NDJSON.
+            is_at_line_start = True
             while True:
                 if event.kind is FrameKind.BODY:
                     # Under load several chunks wait in the queue: one send to the client for
@@ -406,7 +409,12 @@ class Gateway:
                         payloads.append(follower.payload)
                         follower = stream.next_event_nowait()
                     payload = b"".join(payloads) if len(payloads) > 1 else payloads[0]
-                    outcome["num_events"] += payload.count(b"data:")
+                    if frame_end == b"\n":
+                        outcome["num_events"] += payload.count(b"\n")
+                    else:
+                        outcome["num_events"] += payload.count(b"\ndata:") + (
+                            is_at_line_start and payload.startswith(b"data:"))
+                    is_at_line_start = payload.endswith(b"\n")
                     ends_clean = payload.endswith(frame_end)
                     yield payload
                     if follower is not None:
@@ -417,7 +425,7 @@ class Gateway:
                     return
                 else:
                     # Bytes already reached the client: no other backend may continue this
-                    # text, so the stream ends with an error event and [DONE].
+                    # text, so the stream ends with its API's error frame (and OpenAI's [DONE]).
                     outcome["status"] = "stream_error"
                     error = event.json()
                     yield (b"" if ends_clean else frame_end) + _stream_error_frames(

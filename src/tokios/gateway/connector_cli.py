@@ -14,8 +14,12 @@ import logging
 import os
 import signal
 
+from typing import TYPE_CHECKING
+
 from tokios.errors import InvalidRequestError
-from tokios.gateway.connector import REPORT_CACHE_EVENTS_INTERVAL_S, Connector, ConnectorConfig
+
+if TYPE_CHECKING:
+    from tokios.gateway.connector import ConnectorConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> ConnectorConfig:
+    # The connector (websockets, httpx) is imported when it runs, not when `tokios serve` parses flags.
+    from tokios.gateway.connector import REPORT_CACHE_EVENTS_INTERVAL_S, ConnectorConfig
+
     return ConnectorConfig(
         gateway_url=args.gateway_url,
         token=args.token or os.environ.get("TOKIOS_CONNECTOR_TOKEN", ""),
@@ -54,6 +61,8 @@ def config_from_args(args: argparse.Namespace) -> ConnectorConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    from tokios.gateway.connector import Connector
+
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # One line per proxied request would drown the connector's own messages.
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -95,11 +104,14 @@ def attach_to_server(state, args: argparse.Namespace, port: int) -> None:
     """`--connect`: once the model is ready, dial the gateway and carry its requests to this
     server over loopback; on SIGTERM tell the gateway to send no more work. `state` is the
     server's (server/app.py ServerState): its companions run beside it, its drain hooks on SIGTERM."""
+    from tokios.gateway.connector import REPORT_CACHE_EVENTS_INTERVAL_S, Connector, ConnectorConfig
+
     backend_api_key = args.api_key[0] if args.api_key else None
+    interval_s = REPORT_CACHE_EVENTS_INTERVAL_S if args.report_cache_events else 0.0
     config = ConnectorConfig(gateway_url=args.connect, token=os.environ.get("TOKIOS_CONNECTOR_TOKEN", ""),
                              backend_url=f"http://127.0.0.1:{port}", backend_id=args.backend_id,
                              backend_api_key=backend_api_key, drain_grace_s=args.shutdown_timeout,
-                             cache_events_interval_s=REPORT_CACHE_EVENTS_INTERVAL_S if args.report_cache_events else 0.0)
+                             cache_events_interval_s=interval_s)
     connector = Connector(config)
 
     async def run_connector(_state) -> None:

@@ -318,7 +318,7 @@ def create_app(settings: ServerSettings, *, registry: ModelRegistry | None = Non
             from tokios.server.openapi import build_openapi
 
             openapi_document.update(build_openapi("tokios", __version__, settings.protect_metrics,
-                                                  state.registry.names))
+                                                  state.registry.accepted_names))
         return JSONResponse(openapi_document)
 
     @app.get("/metrics")

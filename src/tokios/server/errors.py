@@ -10,6 +10,7 @@ sends the same body as an in-stream error frame, and by the gateway.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from typing import TYPE_CHECKING, Any
@@ -62,12 +63,13 @@ def retry_after_header(retry_after_s: float) -> str:
     return str(max(1, math.ceil(retry_after_s)))
 
 
-def _param_names() -> set[str]:
+@functools.cache
+def _param_names() -> frozenset[str]:
     # The OpenAI request fields a ValueError's first word may name (imported late: the dialects
     # import this module).
     from tokios.server.dialects.openai.protocol import ChatCompletionRequest, CompletionRequest
 
-    return set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields) | {"prompt_logprobs"}
+    return frozenset(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields) | {"prompt_logprobs"}
 
 
 def validation_error_to_invalid_request(exc: ValidationError) -> InvalidRequestError:

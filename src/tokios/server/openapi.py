@@ -118,7 +118,11 @@ def _operation(summary: str, ok: dict[str, Any], errors: list[int], body: type[B
 def _route_operation(dialect: Dialect, route: Route) -> dict[str, Any]:
     ok: dict[str, Any] = _json(route.answer) if route.answer else {"application/json": {"schema": {"type": "object"}}}
     if route.stream_media_type == SSE:
-        ok[SSE] = {"schema": _SSE_EVENT}
+        event = _SSE_EVENT
+        if route.stream_event is not None:
+            data = {**_SSE_EVENT["properties"]["data"], "contentSchema": _ref(route.stream_event)}
+            event = {**_SSE_EVENT, "properties": {**_SSE_EVENT["properties"], "data": data}}
+        ok[SSE] = {"schema": event}
     elif route.stream_media_type == NDJSON:
         ok[NDJSON] = {"schema": _ref(route.stream_event) if route.stream_event else {"type": "object"},
                       "description": "one JSON object per line"}
@@ -147,7 +151,8 @@ def _models_of(dialects: tuple[Dialect, ...]) -> tuple[list[type[BaseModel]], li
 
 def _name_the_models(schemas: dict[str, Any], request_models: list[type[BaseModel]], model_names: list[str]) -> None:
     """Every request's `model` (and Ollama's older `name`) as the names this server serves: any
-    other name is refused (404), so the document says which ones pass."""
+    other name is refused (404), so the document says which ones pass. Where the name may be left
+    out, an empty one means the default model too."""
     for model in request_models:
         properties = schemas.get(model.__name__, {}).get("properties", {})
         for field_name in ("model", "name"):
@@ -156,8 +161,10 @@ def _name_the_models(schemas: dict[str, Any], request_models: list[type[BaseMode
                 continue
             extra = {key: value for key, value in field.items() if key in ("title", "default", "description")}
             is_optional = "anyOf" in field and {"type": "null"} in field["anyOf"]
-            names = {"enum": list(model_names)}
-            properties[field_name] = {**extra, **({"anyOf": [names, {"type": "null"}]} if is_optional else names)}
+            if is_optional:
+                properties[field_name] = {**extra, "anyOf": [{"enum": [*model_names, ""]}, {"type": "null"}]}
+            else:
+                properties[field_name] = {**extra, "enum": list(model_names)}
 
 
 def build_openapi(title: str, version: str, protect_metrics: bool, model_names: list[str] | None = None

@@ -227,6 +227,12 @@ class ModelRegistry:
     def names(self) -> list[str]:
         return [entry.name for entry in self.entries]
 
+    @property
+    def accepted_names(self) -> list[str]:
+        """Every name `entry()` takes: each model's names and aliases, and their ":latest" forms."""
+        names = [name for entry in self.entries for name in entry.spec.names]
+        return names + [f"{name}:latest" for name in names if not name.endswith(":latest")]
+
     def entry(self, name: str | None) -> ModelEntry:
         if name is None or name == "":
             return self.default

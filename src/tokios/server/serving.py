@@ -66,7 +66,7 @@ def make_sampling_params(kwargs: dict[str, Any]):
 
 
 class Serving:
-    """One loaded model's endpoints (server/registry.py makes one per loaded engine)."""
+    """One loaded model's serving steps (server/registry.py makes one per loaded engine)."""
 
     def __init__(self, engine: Any, settings: ServerSettings, metrics: ServerMetrics, admission: Admission,
                  names: list[str]):

@@ -118,10 +118,6 @@ class Dialect:
         object.__setattr__(self, "route_paths", frozenset(route.path for route in self.routes))
 
     @property
-    def stream_media_type(self) -> str:
-        return NDJSON if self.frame_style == JSON_LINES else SSE
-
-    @property
     def frame_end(self) -> str:
         """What every frame ends with: a line end for JSON lines, a blank line for SSE."""
         return "\n" if self.frame_style == JSON_LINES else "\n\n"

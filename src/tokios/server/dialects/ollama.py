@@ -87,6 +87,8 @@ def _options_schema() -> dict[str, Any]:
     }
     for name, off_value in _UNSUPPORTED_OPTIONS.items():
         properties[name] = {"enum": [None] if off_value is None else [off_value, None]}
+    # A null option is left unset, as Ollama does.
+    properties = {name: {"anyOf": [schema, {"type": "null"}]} for name, schema in properties.items()}
     return {"anyOf": [{"type": "object", "properties": properties, "additionalProperties": False},
                       {"type": "null"}]}
 
@@ -142,7 +144,8 @@ class OllamaEmbeddingsRequest(RequestBody):
     """The older /api/embeddings: one prompt, one vector."""
 
     model: str = Field(min_length=1)
-    prompt: str = Field(min_length=1)
+    # An empty prompt has no tokens to pool with most tokenizers (a 400 then).
+    prompt: str = Field(json_schema_extra={"minLength": 1})
     options: dict[str, Any] | None = None
     keep_alive: str | float | None = Field(default=None, json_schema_extra=_DURATION)
 

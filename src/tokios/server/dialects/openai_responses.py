@@ -120,8 +120,11 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             if role not in ("user", "assistant", "system", "developer"):
                 raise InvalidRequestError(f"{where}.role must be user, assistant, system or developer, got {role!r}",
                                           param=f"{where}.role")
-            messages.append({"role": role, "content": join_text_parts(item.get("content", ""), f"{where}.content",
-                                                                      _TEXT_PART_TYPES)})
+            content = item.get("content", "")
+            if content is None:
+                raise InvalidRequestError(f"{where}.content must be a string or a list of text parts",
+                                          param=f"{where}.content")
+            messages.append({"role": role, "content": join_text_parts(content, f"{where}.content", _TEXT_PART_TYPES)})
         elif kind == "function_call":
             if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments", ""), str):
                 raise InvalidRequestError(f"{where}: a function_call item needs name and arguments (a JSON string)",

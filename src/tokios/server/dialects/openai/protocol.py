@@ -118,9 +118,9 @@ class ChatMessage(RequestBody):
             raise ValueError("a tool message needs the tool_call_id of the call it answers")
         return self
 
-    def text(self) -> str:
-        """The message's text; only text parts are supported."""
-        return join_text_parts(self.content, "messages", ("text",))
+    def text(self, where: str = "messages") -> str:
+        """The message's text; only text parts are supported (`where` names the message)."""
+        return join_text_parts(self.content, f"{where}.content", ("text",), param="messages")
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -150,8 +150,8 @@ class ChatCompletionRequest(SamplingFields):
 
     def messages_as_dicts(self) -> list[dict[str, Any]]:
         messages = []
-        for message in self.messages:
-            entry: dict[str, Any] = {"role": message.role, "content": message.text()}
+        for index, message in enumerate(self.messages):
+            entry: dict[str, Any] = {"role": message.role, "content": message.text(f"messages[{index}]")}
             if message.tool_calls:
                 entry["tool_calls"] = [call.model_dump() for call in message.tool_calls]
             if message.tool_call_id is not None:

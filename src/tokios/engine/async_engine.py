@@ -95,9 +95,7 @@ class AsyncEngine:
             return
         finally:
             self._loaded.set()
-        watch = getattr(self.core.model, "watch", None)
-        if watch is not None:  # a parallel group's rank that dies between steps
-            watch(self._on_lost_part)
+        self.core.model.watch(self._on_lost_part)  # a parallel group's rank that dies between steps
         self._run()
 
     def _on_lost_part(self, error: TokiosError) -> None:

@@ -26,6 +26,7 @@ from tokios.distributed.plan import ParallelPlan
 from tokios.model.decoder import ModelPart
 from tokios.model.llama import kv_cache_dtype
 from tokios.model.loader import load_model
+from tokios.model.protocol import Model
 from tokios.model_files import resolve_model_path
 from tokios.request import Request, RequestStatus
 from tokios.runner.model_runner import ModelRunner
@@ -121,7 +122,7 @@ class EngineCore:
         loaded = load_model(path, self.weight_format, self.device,
                             ModelPart(range(0), embed=False, head=True) if parallel.is_parallel else None)
         self.model_path = path
-        self.model = loaded.model
+        self.model: Model = loaded.model
         self.model_config = loaded.config
         self.load_seconds = loaded.load_seconds
         self.tokenizer = tokenizer_for_loaded_model(loaded.tokenizer_source, path)
@@ -170,7 +171,6 @@ class EngineCore:
                 device=self.device, num_threads=config.load.num_threads, num_slots=num_blocks * block_size,
                 block_size=block_size, kv_dtype=kv_dtype, group=config.parallel)
             self.load_seconds = time.perf_counter() - started
-        self.closed = False
         try:
             self._finish_setup(config, num_blocks, block_size, kv_dtype)
         except BaseException:
@@ -178,10 +178,9 @@ class EngineCore:
             raise
 
     def _finish_setup(self, config: EngineConfig, num_blocks: int, block_size: int, kv_dtype) -> None:
-        if hasattr(self.model, "weight_summary"):
-            logger.info("weights (--dtype %s): %s", self.weight_format, self.model.weight_summary())
+        logger.info("weights (--dtype %s): %s", self.weight_format, self.model.weight_summary())
         max_step_ms = config.scheduler.max_step_ms
-        can_slice = config.scheduler.prefill_layer_slices and getattr(self.model, "supports_layer_slices", False)
+        can_slice = config.scheduler.prefill_layer_slices and self.model.supports_layer_slices
         self.scheduler = Scheduler(self.kv, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
                                    self.max_model_len,
                                    max_step_s=max_step_ms / 1000 if isinstance(max_step_ms, (int, float)) else max_step_ms,
@@ -217,10 +216,11 @@ class EngineCore:
     def close(self) -> None:
         """Stop what the engine started outside this process (a parallel group's ranks); such
         an engine cannot step after this (`closed`)."""
-        close = getattr(self.model, "close", None)
-        if close is not None:
-            self.closed = True
-            close()
+        self.model.close()
+
+    @property
+    def closed(self) -> bool:
+        return self.model.is_closed
 
     def save_prefix_cache(self) -> int:
         """Write every block of the memory prefix cache to the disk tier and wait for the writes

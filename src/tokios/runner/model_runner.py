@@ -26,6 +26,7 @@ from tokios.errors import InvalidRequestError, TokiosError
 from tokios.kv_cache.layout import KVCacheLayout
 from tokios.kv_cache.manager import split_cache_key
 from tokios.model.attention import AttentionMetadata, MultiTokenSpan, allocate_kv_caches, distinct_cache_pairs
+from tokios.model.protocol import Model
 from tokios.request import Request
 from tokios.sampler import ops
 from tokios.sampler.metadata import SamplingMetadata
@@ -154,7 +155,7 @@ class Batch:
 
 
 class ModelRunner:
-    def __init__(self, model, model_config: ModelConfig, num_blocks: int, block_size: int,
+    def __init__(self, model: Model, model_config: ModelConfig, num_blocks: int, block_size: int,
                  device: torch.device, kv_dtype: torch.dtype, seed: int = 0):
         self.model = model
         self.config = model_config
@@ -163,7 +164,7 @@ class ModelRunner:
         self.layout = KVCacheLayout.for_config(model_config)
         # One (key, value) pair per layer: [num_slots, kv_heads, head_dim]; none here when the
         # model's ranks hold the cache (tokios.distributed).
-        self.kv_caches = ([] if getattr(model, "holds_kv_cache", False)
+        self.kv_caches = ([] if model.holds_kv_cache
                           else allocate_kv_caches(model_config, num_blocks * block_size, kv_dtype, device))
         self.state_store = SamplingStateStore(model_config.vocab_size, device)
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
@@ -225,7 +226,7 @@ class ModelRunner:
                 value_cache[block_id * bs:(block_id + 1) * bs] = data[2 * index + 1]
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        if getattr(self.model, "holds_kv_cache", False):  # the ranks hold the cache (tokios.distributed)
+        if self.model.holds_kv_cache:  # the ranks hold the cache (tokios.distributed)
             self.model.copy_blocks(copies)
         else:
             copy_cache_blocks(self.kv_caches, copies, self.block_size, self.device)
@@ -334,7 +335,7 @@ class ModelRunner:
         requests' cache slots; no row attends to another request's)."""
         metadata = batch.metadata
         num_decode = metadata.num_decode_tokens
-        if not (getattr(self.model, "can_fuse_decode", False) and 0 < num_decode < batch.input_ids.shape[0]):
+        if not (self.model.can_fuse_decode and 0 < num_decode < batch.input_ids.shape[0]):
             return self.model.forward(batch.input_ids, batch.positions, metadata, self.kv_caches)
         decodes, spans = split_at_decode_rows(metadata)
         return torch.cat([

@@ -348,6 +348,7 @@ class EngineCore:
                 finish_reason=done.status.value if done else None,
                 stop_reason=request.stop_reason if done else None,
                 num_cached_tokens=request.num_cached_tokens, num_preemptions=request.num_preemptions,
+                first_scheduled_time=request.first_scheduled_time,
                 spec_counts=(spec.num_verifications, spec.num_draft_tokens, spec.num_accepted_tokens)
                 if (spec := request.spec_state) is not None else (0, 0, 0)))
         return outputs

@@ -30,6 +30,7 @@ class EngineOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    first_scheduled_time: float | None = None  # time.monotonic() when the scheduler first admitted it
     spec_counts: tuple[int, int, int] = (0, 0, 0)  # so far: drafts, draft tokens, accepted tokens
     # The pooled prompt hidden states (SamplingParams.pooling), once the whole prompt is computed.
     embedding: list[float] | None = None
@@ -133,6 +134,10 @@ class OutputProcessor:
                 if state.metrics.first_token_time is None:
                     state.metrics.first_token_time = now
                 state.metrics.last_token_time = now
+            scheduled_time = engine_output.first_scheduled_time
+            if scheduled_time is not None:  # n > 1: the request was scheduled when its first sample was
+                known = state.metrics.first_scheduled_time
+                state.metrics.first_scheduled_time = scheduled_time if known is None else min(known, scheduled_time)
             state.metrics.num_cached_prompt_tokens = engine_output.num_cached_tokens
             state.metrics.num_preemptions = max(state.metrics.num_preemptions, engine_output.num_preemptions)
             if engine_output.spec_counts != sequence.spec_counts:  # only speculating requests pay

@@ -10,7 +10,7 @@ AsyncEngine so that offline and streaming output are the same text.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tokios.errors import TokiosError
 from tokios.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenLogprobs
@@ -58,7 +58,6 @@ class _RequestState:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     embedding: list[float] | None = None
     num_finished: int = 0
-    changed: set[int] = field(default_factory=set)
 
 
 def sequence_ids(request_id: str, n: int) -> list[str]:
@@ -91,9 +90,6 @@ class OutputProcessor:
             RequestMetrics(arrival_time=arrival_time or time.monotonic()),
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
 
-    def has_request(self, request_id: str) -> bool:
-        return request_id in self.requests
-
     def remove_request(self, request_id: str) -> None:
         state = self.requests.pop(request_id, None)
         if state is not None:
@@ -125,7 +121,6 @@ class OutputProcessor:
                 self.remove_request(request_id)
                 continue
             touched[request_id] = state
-            state.changed.add(index)
             if engine_output.new_prompt_logprobs:
                 state.prompt_logprobs.extend(self._prompt_logprobs(engine_output.new_prompt_logprobs))
             if engine_output.embedding is not None:
@@ -235,7 +230,6 @@ class OutputProcessor:
                 logprobs_delta=current.logprobs_delta)
             current.text_delta, current.token_ids_delta, current.logprobs_delta = "", [], None
             outputs.append(snapshot)
-        state.changed.clear()
         if finished:
             self.remove_request(state.request_id)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outputs, finished,

@@ -141,13 +141,13 @@ class AsyncEngine:
             # Compiled in the compiler's worker thread (cached by content): neither this event loop
             # nor the step loop waits for a slow grammar; a bad one is a 400 here, before queueing.
             grammar = await self.core.grammars.compile_async(sampling_params.structured_output)
-        requests = self.core.make_requests(request_id, list(prompt_token_ids), sampling_params, grammar)
+        sequences = self.core.make_requests(request_id, list(prompt_token_ids), sampling_params, grammar)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
         if self.failure is not None:  # failed after the check in start(): the loop will not serve it
             self._streams.pop(request_id, None)
             raise self.failure
-        self._commands.send(AddRequest(request_id, prompt, tuple(prompt_token_ids), sampling_params, tuple(requests)))
+        self._commands.send(AddRequest(request_id, prompt, tuple(prompt_token_ids), sampling_params, tuple(sequences)))
         finished = False
         try:
             while True:

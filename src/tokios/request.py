@@ -1,8 +1,20 @@
-"""Engine-internal request state: token ids, how many are computed, status.
+"""The engine core's unit of work: one sequence, its token ids, how many are computed, its status.
 
-The scheduler and KV manager read and advance this; nothing here touches tensors or text.
-One Request is one sequence: a prompt with n > 1 samples becomes n Requests (the first is the
-parent; the others fork its prompt blocks once the parent's prompt is computed).
+Two words, two levels. A *request* is what a caller sends: one prompt, SamplingParams with n
+samples, one request id, one stream of RequestOutputs (outputs.py); the front end
+(engine/output_processor.py, AsyncEngine, LLM, the server) works on requests. A *sequence* is
+one of its n samples: the front end makes n of them (EngineCore.make_requests), with ids
+`sequence_ids(request_id, n)`: the request id itself when n == 1, else `request_id#0` ..
+`request_id#{n-1}`. Below the front end (scheduler, KV manager, runner, sampler, speculator)
+everything is per sequence, and the class that carries one is this `Request`, the name the
+scheduler literature uses (vLLM's too): there, `request_id`, `scheduler.requests`,
+`ScheduledRequest` and `finished_request_ids` all mean sequences. Where the two levels meet the
+names say which: EngineOutput.sequence_id, EngineCore.abort(sequence_ids), the
+AddRequest command's `sequences`.
+
+The scheduler and KV manager read and advance this; nothing here touches tensors or text. The
+first of n sequences is the parent; the others fork its prompt blocks once the parent's prompt
+is computed.
 """
 
 from __future__ import annotations
@@ -30,6 +42,8 @@ class RequestStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Request:
+    """One sequence: a request's prompt and one of its n samples (see the module docstring)."""
+
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams

@@ -200,6 +200,8 @@ def test_metrics_and_request_log(tokios_server, client, model):
         assert name in text, name
     assert re.search(r'tokios:request_success_total\{finished_reason="length",model_name="%s"\} [1-9]' % model, text)
     assert re.search(r'tokios:http_requests_total\{status="200"\} [1-9]', text)
+    # A real observation, not only the series every model starts with at zero.
+    assert re.search(r'^tokios:request_queue_time_seconds_count\{model_name="%s"\} [1-9]' % model, text, re.M)
     generated = float(re.search(r'^tokios:generation_tokens_total\{model_name="%s"\} (\S+)$' % model, text, re.M).group(1))
     assert generated >= 3
     log = tokios_server.log_text()

@@ -33,6 +33,7 @@ from tokios.distributed import messages
 from tokios.distributed.plan import ParallelPlan
 from tokios.distributed.worker import RankLaunch, WorkerSpec
 from tokios.errors import TokiosError
+from tokios.model.protocol import Model
 from tokios.platform import physical_core_count
 
 logger = logging.getLogger("tokios.distributed")
@@ -134,7 +135,7 @@ class RankProcess:
             pass
 
 
-class DistributedModel:
+class DistributedModel(Model):
     holds_kv_cache = True  # the runner allocates no cache: the ranks hold it
 
     def __init__(self, head_model, config, *, model_path: str, weight_format: str,
@@ -263,7 +264,11 @@ class DistributedModel:
                 del pending[rank]
         return ready
 
-    # ---- the model interface -------------------------------------------------------------------
+    # ---- the model interface (tokios.model.protocol.Model) -------------------------------------
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata, kv_caches,
                 num_layers: int | None = None) -> torch.Tensor:
         step = messages.Step(input_ids, positions, metadata, num_layers).on(torch.device("cpu"))

@@ -2,9 +2,10 @@
 
 The step loop runs in its own thread (the model's matrix products release the GIL, so the
 server's event loop stays responsive). Other threads never touch the core: generate() and
-abort() post commands to a queue that the loop drains before each step, and the loop hands
-RequestOutputs back to each request's asyncio.Queue with call_soon_threadsafe. A consumer that
-stops iterating (client gone, task cancelled) aborts its request, which frees its KV blocks.
+abort() send typed commands (engine/commands.py) to a queue that the loop drains before each
+step, dispatching them by type, and the loop hands RequestOutputs back to each request's
+asyncio.Queue with call_soon_threadsafe. A consumer that stops iterating (client gone, task
+cancelled) aborts its request, which frees its KV blocks.
 
 Failure is loud and short (docs/reliability.md): an exception inside a step fails every request
 in flight with EngineDeadError, stops the loop for good, and calls `on_failure` (the server
@@ -19,7 +20,6 @@ import asyncio
 import itertools
 import logging
 import os
-import queue
 import re
 import sys
 import threading
@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import AsyncIterator
 
 from tokios.config import EngineConfig
+from tokios.engine.commands import AbortRequest, AddRequest, CommandQueue, FailEngine, ResetCounters
 from tokios.engine.core import EngineCore, EngineStats
 from tokios.engine.faults import FaultInjector
 from tokios.engine.output_processor import OutputProcessor, sequence_ids
@@ -56,8 +57,7 @@ class EngineDeadError(TokiosError):
 class AsyncEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
+        self._commands = CommandQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopping = False
         self._ids = itertools.count()
@@ -95,14 +95,11 @@ class AsyncEngine:
             return
         finally:
             self._loaded.set()
-        watch = getattr(self.core.model, "watch", None)
-        if watch is not None:  # a parallel group's rank that dies between steps
-            watch(self._on_lost_part)
+        self.core.model.watch(self._on_lost_part)  # a parallel group's rank that dies between steps
         self._run()
 
     def _on_lost_part(self, error: TokiosError) -> None:
-        self._commands.put(("fail", error))
-        self._wake.set()
+        self._commands.send(FailEngine(error))
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -121,7 +118,7 @@ class AsyncEngine:
 
     async def shutdown(self) -> None:
         self._stopping = True
-        self._wake.set()
+        self._commands.wake.set()
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10)
             self._thread = None
@@ -144,14 +141,13 @@ class AsyncEngine:
             # Compiled in the compiler's worker thread (cached by content): neither this event loop
             # nor the step loop waits for a slow grammar; a bad one is a 400 here, before queueing.
             grammar = await self.core.grammars.compile_async(sampling_params.structured_output)
-        requests = self.core.make_requests(request_id, list(prompt_token_ids), sampling_params, grammar)
+        sequences = self.core.make_requests(request_id, list(prompt_token_ids), sampling_params, grammar)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
         if self.failure is not None:  # failed after the check in start(): the loop will not serve it
             self._streams.pop(request_id, None)
             raise self.failure
-        self._commands.put(("add", request_id, prompt, list(prompt_token_ids), sampling_params, requests))
-        self._wake.set()
+        self._commands.send(AddRequest(request_id, prompt, tuple(prompt_token_ids), sampling_params, tuple(sequences)))
         finished = False
         try:
             while True:
@@ -169,14 +165,12 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Thread-safe and idempotent."""
-        self._commands.put(("abort", request_id))
-        self._wake.set()
+        self._commands.send(AbortRequest(request_id))
 
     def forget_warm_up(self) -> None:
         """Zeroes the cumulative counters (after a warm-up run, so that they count only real
         requests); runs in the engine thread before its next step."""
-        self._commands.put(("reset_counters",))
-        self._wake.set()
+        self._commands.send(ResetCounters())
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -225,12 +219,12 @@ class AsyncEngine:
         while not self._stopping:
             self._last_progress = time.monotonic()
             self._activity = "idle"
-            self._wake.clear()
+            self._commands.wake.clear()
             self._drain_commands()
             if self._stopping:
                 break
             if not self.core.has_unfinished:
-                self._wake.wait(timeout=1.0)
+                self._commands.wake.wait(timeout=1.0)
                 continue
             try:
                 scheduler = self.core.scheduler
@@ -256,35 +250,37 @@ class AsyncEngine:
                 logger.exception("could not write the prefix cache to its disk tier")
 
     def _drain_commands(self) -> None:
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if command[0] == "add":
-                _, request_id, prompt, token_ids, params, requests = command
-                if request_id not in self._streams:
-                    continue  # the consumer left before its request reached the engine
-                self.output_processor.add_request(request_id, prompt, token_ids, params,
-                                                  arrival_time=requests[0].arrival_time)
-                self.core.add_requests(requests)
-            elif command[0] == "reset_counters":
-                self.core.reset_counters()
-            elif command[0] == "fail":
-                logger.error("engine failed between steps: %s", command[1].message)
-                self._fail(EngineDeadError(f"engine failed: {command[1].message}", code="engine_failed"))
-                return
-            else:
-                self._abort_now(command[1])
+        for command in self._commands.drain():
+            self._COMMAND_HANDLERS[type(command)](self, command)
+            if self.failure is not None:
+                return  # the loop stops: what is still queued is never served
 
-    def _abort_now(self, request_id: str) -> None:
-        state = self.output_processor.requests.get(request_id)
+    def _add_now(self, command: AddRequest) -> None:
+        if command.request_id not in self._streams:
+            return  # the consumer left before its request reached the engine
+        self.output_processor.add_request(command.request_id, command.prompt, list(command.prompt_token_ids),
+                                          command.sampling_params, arrival_time=command.sequences[0].arrival_time)
+        self.core.add_requests(list(command.sequences))
+
+    def _abort_now(self, command: AbortRequest) -> None:
+        state = self.output_processor.requests.get(command.request_id)
         if state is None:
             return
-        self.core.abort(sequence_ids(request_id, state.params.n))
-        output = self.output_processor.abort_outputs(request_id)
+        self.core.abort(sequence_ids(command.request_id, state.params.n))
+        output = self.output_processor.abort_outputs(command.request_id)
         if output is not None:
             self._deliver(output)
+
+    def _reset_counters_now(self, command: ResetCounters) -> None:
+        self.core.reset_counters()
+
+    def _fail_now(self, command: FailEngine) -> None:
+        logger.error("engine failed between steps: %s", command.error.message)
+        self._fail(EngineDeadError(f"engine failed: {command.error.message}", code="engine_failed"))
+
+    # One handler per command type (engine/commands.py); CommandQueue.send admits no other type.
+    _COMMAND_HANDLERS = {AddRequest: _add_now, AbortRequest: _abort_now, ResetCounters: _reset_counters_now,
+                         FailEngine: _fail_now}
 
     def _fail(self, error: EngineDeadError) -> None:
         """Every stream gets `error`, including those whose add command never reached the core."""

@@ -26,6 +26,7 @@ from tokios.distributed.plan import ParallelPlan
 from tokios.model.decoder import ModelPart
 from tokios.model.dtypes import kv_cache_dtype
 from tokios.model.loader import load_model
+from tokios.model.protocol import Model
 from tokios.model_files import resolve_model_path
 from tokios.platform import physical_core_count, resolve_device
 from tokios.request import Request, RequestStatus
@@ -102,7 +103,7 @@ class EngineCore:
         loaded = load_model(path, self.weight_format, self.device,
                             ModelPart(range(0), embed=False, head=True) if parallel.is_parallel else None)
         self.model_path = path
-        self.model = loaded.model
+        self.model: Model = loaded.model
         self.model_config = loaded.config
         self.load_seconds = loaded.load_seconds
         self.tokenizer = tokenizer_for_loaded_model(loaded.tokenizer_source, path)
@@ -151,7 +152,6 @@ class EngineCore:
                 device=self.device, num_threads=config.load.num_threads, num_slots=num_blocks * block_size,
                 block_size=block_size, kv_dtype=kv_dtype, group=config.parallel)
             self.load_seconds = time.perf_counter() - started
-        self.closed = False
         try:
             self._finish_setup(config, num_blocks, block_size, kv_dtype)
         except BaseException:
@@ -159,10 +159,9 @@ class EngineCore:
             raise
 
     def _finish_setup(self, config: EngineConfig, num_blocks: int, block_size: int, kv_dtype) -> None:
-        if hasattr(self.model, "weight_summary"):
-            logger.info("weights (--dtype %s): %s", self.weight_format, self.model.weight_summary())
+        logger.info("weights (--dtype %s): %s", self.weight_format, self.model.weight_summary())
         max_step_ms = config.scheduler.max_step_ms
-        can_slice = config.scheduler.prefill_layer_slices and getattr(self.model, "supports_layer_slices", False)
+        can_slice = config.scheduler.prefill_layer_slices and self.model.supports_layer_slices
         self.scheduler = Scheduler(self.kv, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
                                    self.max_model_len,
                                    max_step_s=max_step_ms / 1000 if isinstance(max_step_ms, (int, float)) else max_step_ms,
@@ -198,10 +197,11 @@ class EngineCore:
     def close(self) -> None:
         """Stop what the engine started outside this process (a parallel group's ranks); such
         an engine cannot step after this (`closed`)."""
-        close = getattr(self.model, "close", None)
-        if close is not None:
-            self.closed = True
-            close()
+        self.model.close()
+
+    @property
+    def closed(self) -> bool:
+        return self.model.is_closed
 
     def save_prefix_cache(self) -> int:
         """Write every block of the memory prefix cache to the disk tier and wait for the writes
@@ -231,9 +231,9 @@ class EngineCore:
     # ---- requests ------------------------------------------------------------------------------
     def make_requests(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       grammar: CompiledGrammar | None = None) -> list[Request]:
-        """Validate and build the n sequences of one request (no engine state is touched). A
-        request with a structured output gets its compiled grammar as `grammar` (AsyncEngine
-        compiles it off the loop) or compiles it here."""
+        """Validate and build the n sequences of one request, each a Request (tokios.request),
+        without touching engine state. A request with a structured output gets its compiled
+        grammar as `grammar` (AsyncEngine compiles it off the loop) or compiles it here."""
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty; give at least one token", param="prompt")
         vocab_size = self.model_config.vocab_size
@@ -261,25 +261,26 @@ class EngineCore:
         if params.structured_output is not None and grammar is None:
             grammar = self.grammars.compile(params.structured_output)
         eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
-        requests = []
+        sequences = []
         for index, sequence_id in enumerate(sequence_ids(request_id, params.n)):
             child_params = params.for_child(index) if params.n > 1 else params
-            requests.append(Request(sequence_id, prompt_token_ids, child_params, max_tokens, eos_token_ids,
-                                    sample_index=index, parent=requests[0] if index else None))
+            sequences.append(Request(sequence_id, prompt_token_ids, child_params, max_tokens, eos_token_ids,
+                                     sample_index=index, parent=sequences[0] if index else None))
             if grammar is not None:
-                requests[-1].grammar = grammar.new_matcher()
-        return requests
+                sequences[-1].grammar = grammar.new_matcher()
+        return sequences
 
-    def add_requests(self, requests: list[Request]) -> None:
-        for request in requests:
-            if request.request_id in self.scheduler.requests:
-                raise InvalidRequestError(f"request id {request.request_id!r} is already running", param="request_id")
-        for request in requests:
-            self.speculator.admit(request)
-        for request in requests:
-            self.scheduler.add_request(request)
-        self.num_prompt_tokens += requests[0].num_prompt_tokens if requests else 0
-        self.num_constrained_requests += bool(requests and requests[0].grammar is not None)
+    def add_requests(self, sequences: list[Request]) -> None:
+        """Queue the sequences of one request (make_requests) in the scheduler."""
+        for sequence in sequences:
+            if sequence.request_id in self.scheduler.requests:
+                raise InvalidRequestError(f"request id {sequence.request_id!r} is already running", param="request_id")
+        for sequence in sequences:
+            self.speculator.admit(sequence)
+        for sequence in sequences:
+            self.scheduler.add_request(sequence)
+        self.num_prompt_tokens += sequences[0].num_prompt_tokens if sequences else 0
+        self.num_constrained_requests += bool(sequences and sequences[0].grammar is not None)
 
     def abort(self, sequence_ids_to_abort: list[str]) -> list[str]:
         aborted = []
@@ -310,25 +311,26 @@ class EngineCore:
         outputs = []
         for scheduled in scheduler_output.scheduled:
             request = scheduled.request
-            request_id = request.request_id
-            new_token_ids = runner_output.sampled_token_ids.get(request_id, [])
-            prompt_logprobs = runner_output.prompt_logprobs.get(request_id)
-            embedding = runner_output.embeddings.get(request_id)
-            done = finish_by_id.get(request_id)
+            sequence_id = request.request_id
+            new_token_ids = runner_output.sampled_token_ids.get(sequence_id, [])
+            prompt_logprobs = runner_output.prompt_logprobs.get(sequence_id)
+            embedding = runner_output.embeddings.get(sequence_id)
+            done = finish_by_id.get(sequence_id)
             self.num_generation_tokens += len(new_token_ids)
-            if (error := runner_output.failed.get(request_id)) is not None:
-                outputs.append(EngineOutput(sequence_id=request_id, new_token_ids=[], finish_reason="abort",
+            if (error := runner_output.failed.get(sequence_id)) is not None:
+                outputs.append(EngineOutput(sequence_id=sequence_id, new_token_ids=[], finish_reason="abort",
                                             error=error))
                 continue
             if not new_token_ids and not prompt_logprobs and embedding is None and done is None:
                 continue
             outputs.append(EngineOutput(
-                sequence_id=request_id, new_token_ids=new_token_ids,
-                new_logprobs=runner_output.logprobs.get(request_id),
+                sequence_id=sequence_id, new_token_ids=new_token_ids,
+                new_logprobs=runner_output.logprobs.get(sequence_id),
                 new_prompt_logprobs=prompt_logprobs, embedding=embedding,
                 finish_reason=done.status.value if done else None,
                 stop_reason=request.stop_reason if done else None,
                 num_cached_tokens=request.num_cached_tokens, num_preemptions=request.num_preemptions,
+                first_scheduled_time=request.first_scheduled_time,
                 spec_counts=(spec.num_verifications, spec.num_draft_tokens, spec.num_accepted_tokens)
                 if (spec := request.spec_state) is not None else (0, 0, 0)))
         return outputs

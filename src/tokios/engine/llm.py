@@ -94,9 +94,9 @@ class LLM:
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, token_ids = None, list(prompt)
-        requests = self.core.make_requests(request_id, token_ids, params)
+        sequences = self.core.make_requests(request_id, token_ids, params)
         self.output_processor.add_request(request_id, text, token_ids, params)
-        self.core.add_requests(requests)
+        self.core.add_requests(sequences)
         return request_id
 
     def close(self) -> None:

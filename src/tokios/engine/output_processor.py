@@ -10,7 +10,7 @@ AsyncEngine so that offline and streaming output are the same text.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tokios.errors import TokiosError
 from tokios.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenLogprobs
@@ -30,6 +30,7 @@ class EngineOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    first_scheduled_time: float | None = None  # time.monotonic() when the scheduler first admitted it
     spec_counts: tuple[int, int, int] = (0, 0, 0)  # so far: drafts, draft tokens, accepted tokens
     # The pooled prompt hidden states (SamplingParams.pooling), once the whole prompt is computed.
     embedding: list[float] | None = None
@@ -57,7 +58,6 @@ class _RequestState:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     embedding: list[float] | None = None
     num_finished: int = 0
-    changed: set[int] = field(default_factory=set)
 
 
 def sequence_ids(request_id: str, n: int) -> list[str]:
@@ -90,9 +90,6 @@ class OutputProcessor:
             RequestMetrics(arrival_time=arrival_time or time.monotonic()),
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
 
-    def has_request(self, request_id: str) -> bool:
-        return request_id in self.requests
-
     def remove_request(self, request_id: str) -> None:
         state = self.requests.pop(request_id, None)
         if state is not None:
@@ -124,7 +121,6 @@ class OutputProcessor:
                 self.remove_request(request_id)
                 continue
             touched[request_id] = state
-            state.changed.add(index)
             if engine_output.new_prompt_logprobs:
                 state.prompt_logprobs.extend(self._prompt_logprobs(engine_output.new_prompt_logprobs))
             if engine_output.embedding is not None:
@@ -133,6 +129,10 @@ class OutputProcessor:
                 if state.metrics.first_token_time is None:
                     state.metrics.first_token_time = now
                 state.metrics.last_token_time = now
+            scheduled_time = engine_output.first_scheduled_time
+            if scheduled_time is not None:  # n > 1: the request was scheduled when its first sample was
+                known = state.metrics.first_scheduled_time
+                state.metrics.first_scheduled_time = scheduled_time if known is None else min(known, scheduled_time)
             state.metrics.num_cached_prompt_tokens = engine_output.num_cached_tokens
             state.metrics.num_preemptions = max(state.metrics.num_preemptions, engine_output.num_preemptions)
             if engine_output.spec_counts != sequence.spec_counts:  # only speculating requests pay
@@ -230,7 +230,6 @@ class OutputProcessor:
                 logprobs_delta=current.logprobs_delta)
             current.text_delta, current.token_ids_delta, current.logprobs_delta = "", [], None
             outputs.append(snapshot)
-        state.changed.clear()
         if finished:
             self.remove_request(state.request_id)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outputs, finished,

@@ -19,6 +19,7 @@ from tokios.model.attention import AttentionMetadata
 from tokios.model.kernels import load_extension
 from tokios.model.linear import summarize_linears
 from tokios.model.ops import CpuKernelOps, TorchOps, fused_decode_inputs
+from tokios.model.protocol import Model
 
 
 def layer_number(name: str) -> int | None:
@@ -54,7 +55,7 @@ class ModelPart:
         return True  # the final norm, RoPE factors
 
 
-class DecoderModel:
+class DecoderModel(Model):
     # The runner may run a prompt chunk through some layers a step (forward_layer_slice).
     supports_layer_slices = True
 

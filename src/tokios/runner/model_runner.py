@@ -26,10 +26,11 @@ from tokios.errors import InvalidRequestError, TokiosError
 from tokios.kv_cache.layout import KVCacheLayout
 from tokios.kv_cache.manager import split_cache_key
 from tokios.model.attention import AttentionMetadata, MultiTokenSpan, allocate_kv_caches, distinct_cache_pairs
+from tokios.model.protocol import Model
 from tokios.request import Request
 from tokios.sampler import ops
 from tokios.sampler.metadata import SamplingMetadata
-from tokios.sampler.sampler import Sampler
+from tokios.sampler.sampler import Sampler, SamplerOutput
 from tokios.sampler.state import RequestSamplingState, SamplingStateStore
 from tokios.scheduler.scheduler import ScheduledRequest, SchedulerOutput
 from tokios.speculative.rejection_sampler import RejectionSampler, VerifyLayout, resolve_token_ids
@@ -53,6 +54,49 @@ class RunnerOutput:
     # Seconds the step's layer slices took (their own forwards): the step cost model tells
     # what they cost from what the decodes beside them cost.
     layer_slice_seconds: float = 0.0
+
+
+@dataclass
+class PendingSample:
+    """A step's plain sampling, before the step's one host sync. `values` joins that sync; the
+    rest turns the synced ints into RunnerOutput entries (_finish_sample)."""
+
+    values: torch.Tensor  # [2 * num_requests] long: sampled token ids, then row validity (0 / 1)
+    result: SamplerOutput
+    metadata: SamplingMetadata
+    requests: list[Request]
+    logits: torch.Tensor  # [num_requests, vocab] float32, for row_failure
+
+    @property
+    def num_values(self) -> int:
+        return 2 * len(self.requests)
+
+
+@dataclass
+class VerifyLogprobs:
+    """Per verify row, under the raw distribution: its candidate's logprob, rank and the top
+    alternatives, and its proposal's logprob and rank (a row emits one or the other)."""
+
+    candidate_logprobs: torch.Tensor  # [num_rows] float32
+    candidate_ranks: torch.Tensor  # [num_rows] long
+    top_ids: torch.Tensor  # [num_rows, K] long
+    top_logprobs: torch.Tensor  # [num_rows, K] float32
+    proposal_logprobs: torch.Tensor  # [num_rows] float32
+    proposal_ranks: torch.Tensor  # [num_rows] long
+
+
+@dataclass
+class PendingVerify:
+    """A step's speculative verification, before the step's one host sync (see PendingSample)."""
+
+    # [num_proposed + 2 * num_rows] long: is_accepted per proposal row, candidate token id per
+    # row, row validity per row.
+    values: torch.Tensor
+    requests: list[Request]
+    proposed: list[list[int]]  # per request, the tokens it proposed
+    layout: VerifyLayout
+    logprobs: VerifyLogprobs | None  # None when no request asked for logprobs
+    logits: torch.Tensor  # [num_rows, vocab] float32, for row_failure
 
 
 def row_failure(logits_row: torch.Tensor) -> TokiosError:
@@ -111,7 +155,7 @@ class Batch:
 
 
 class ModelRunner:
-    def __init__(self, model, model_config: ModelConfig, num_blocks: int, block_size: int,
+    def __init__(self, model: Model, model_config: ModelConfig, num_blocks: int, block_size: int,
                  device: torch.device, kv_dtype: torch.dtype, seed: int = 0):
         self.model = model
         self.config = model_config
@@ -120,7 +164,7 @@ class ModelRunner:
         self.layout = KVCacheLayout.for_config(model_config)
         # One (key, value) pair per layer: [num_slots, kv_heads, head_dim]; none here when the
         # model's ranks hold the cache (tokios.distributed).
-        self.kv_caches = ([] if getattr(model, "holds_kv_cache", False)
+        self.kv_caches = ([] if model.holds_kv_cache
                           else allocate_kv_caches(model_config, num_blocks * block_size, kv_dtype, device))
         self.state_store = SamplingStateStore(model_config.vocab_size, device)
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
@@ -182,7 +226,7 @@ class ModelRunner:
                 value_cache[block_id * bs:(block_id + 1) * bs] = data[2 * index + 1]
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        if getattr(self.model, "holds_kv_cache", False):  # the ranks hold the cache (tokios.distributed)
+        if self.model.holds_kv_cache:  # the ranks hold the cache (tokios.distributed)
             self.model.copy_blocks(copies)
         else:
             copy_cache_blocks(self.kv_caches, copies, self.block_size, self.device)
@@ -246,9 +290,9 @@ class ModelRunner:
         pending_verify = (self._verify(verify, hidden, bitmask[num_plain_mask_rows:] if bitmask is not None else None)
                           if verify else None)
         # The step's one host sync: every sampled / verified token id (and row validity) at once.
-        parts = [t for t in (pending_plain and pending_plain[0], pending_verify and pending_verify[0]) if t is not None]
+        parts = [pending.values for pending in (pending_plain, pending_verify) if pending is not None]
         flat = torch.cat(parts).tolist() if parts else []
-        num_plain_values = 2 * len(plain)
+        num_plain_values = pending_plain.num_values if pending_plain is not None else 0
         if pending_plain is not None:
             self._finish_sample(pending_plain, flat[:num_plain_values], output)
         if pending_verify is not None:
@@ -291,7 +335,7 @@ class ModelRunner:
         requests' cache slots; no row attends to another request's)."""
         metadata = batch.metadata
         num_decode = metadata.num_decode_tokens
-        if not (getattr(self.model, "can_fuse_decode", False) and 0 < num_decode < batch.input_ids.shape[0]):
+        if not (self.model.can_fuse_decode and 0 < num_decode < batch.input_ids.shape[0]):
             return self.model.forward(batch.input_ids, batch.positions, metadata, self.kv_caches)
         decodes, spans = split_at_decode_rows(metadata)
         return torch.cat([
@@ -415,7 +459,8 @@ class ModelRunner:
             metadata.decode_context_lens = torch.tensor([len(s) for s in decode_slots], device=self.device)
         return metadata
 
-    def _sample(self, plain: list[tuple[ScheduledRequest, int]], hidden: torch.Tensor, bitmask: torch.Tensor | None):
+    def _sample(self, plain: list[tuple[ScheduledRequest, int]], hidden: torch.Tensor,
+                bitmask: torch.Tensor | None) -> PendingSample:
         requests = [s.request for s, _ in plain]
         states = [self._state(r) for r in requests]
         logits = self.model.compute_logits(hidden[[row for _, row in plain]])  # [num_sampling, vocab] float32
@@ -425,10 +470,10 @@ class ModelRunner:
         metadata = SamplingMetadata.from_states(self.state_store, states, [r.output_token_ids for r in requests])
         result = self.sampler(logits, metadata)
         values = torch.cat([result.sampled_token_ids, result.row_is_valid.long()])
-        return values, result, metadata, requests, logits
+        return PendingSample(values, result, metadata, requests, logits)
 
-    def _finish_sample(self, pending, values: list[int], output: RunnerOutput) -> None:
-        _, result, metadata, requests, logits = pending
+    def _finish_sample(self, pending: PendingSample, values: list[int], output: RunnerOutput) -> None:
+        result, metadata, requests, logits = pending.result, pending.metadata, pending.requests, pending.logits
         token_ids, row_is_valid = values[:len(requests)], values[len(requests):]
         wants_logprobs = metadata.max_num_logprobs is not None
         if wants_logprobs:
@@ -448,7 +493,7 @@ class ModelRunner:
                     (token_ids[i], sampled_logprobs[i], ranks[i] if ranks else None, top)]
 
     def _verify(self, verify: list[tuple[ScheduledRequest, list[int]]], hidden: torch.Tensor,
-                bitmask: torch.Tensor | None):
+                bitmask: torch.Tensor | None) -> PendingVerify:
         """Score every verify row and apply the rejection rule (speculative/rejection_sampler.py).
         Row j of a request sees the output as it would be at that position: its proposals before
         j count for penalties and min_tokens (SamplingMetadata pending tokens). Logprobs, when
@@ -482,32 +527,34 @@ class ModelRunner:
             proposal_per_row = result.candidate_token_ids.clone()  # the bonus row keeps its candidate
             proposal_per_row[layout.proposal_rows] = torch.tensor(layout.proposal_token_ids, dtype=torch.long,
                                                                   device=logits.device)
-            candidate = ops.gather_logprobs(raw_logprobs, result.candidate_token_ids, metadata.max_num_logprobs)
-            proposal = ops.gather_logprobs(raw_logprobs, proposal_per_row, 1)
-            logprobs = (candidate, proposal[:2])
+            candidate_logprobs, candidate_ranks, top_ids, top_logprobs = ops.gather_logprobs(
+                raw_logprobs, result.candidate_token_ids, metadata.max_num_logprobs)
+            proposal_logprobs, proposal_ranks, _, _ = ops.gather_logprobs(raw_logprobs, proposal_per_row, 1)
+            logprobs = VerifyLogprobs(candidate_logprobs, candidate_ranks, top_ids, top_logprobs,
+                                      proposal_logprobs, proposal_ranks)
         row_is_valid = (result.row_is_valid if result.row_is_valid is not None
                         else torch.ones(layout.num_rows, dtype=torch.bool, device=logits.device))
         flat = torch.cat([result.is_accepted.long(), result.candidate_token_ids, row_is_valid.long()])
-        return flat, requests, proposed, layout, logprobs, logits
+        return PendingVerify(flat, requests, proposed, layout, logprobs, logits)
 
-    def _finish_verify(self, pending, flat: list[int], output: RunnerOutput) -> None:
-        _, requests, proposed, layout, logprobs, logits = pending
+    def _finish_verify(self, pending: PendingVerify, flat: list[int], output: RunnerOutput) -> None:
+        requests, proposed, layout, logprobs = pending.requests, pending.proposed, pending.layout, pending.logprobs
         num_proposed = len(layout.proposal_rows)
         candidates_end = num_proposed + layout.num_rows
         row_is_valid = flat[candidates_end:]
         token_ids = resolve_token_ids(proposed, [bool(x) for x in flat[:num_proposed]],
                                       flat[num_proposed:candidates_end])
         if logprobs is not None:
-            (candidate_logprobs, candidate_ranks, top_ids, top_values), (proposal_logprobs, proposal_ranks) = logprobs
-            candidate_logprobs, candidate_ranks = candidate_logprobs.tolist(), candidate_ranks.tolist()
-            proposal_logprobs, proposal_ranks = proposal_logprobs.tolist(), proposal_ranks.tolist()
-            top_ids, top_values = top_ids.tolist(), top_values.tolist()
+            candidate_logprobs = logprobs.candidate_logprobs.tolist()
+            candidate_ranks = logprobs.candidate_ranks.tolist()
+            proposal_logprobs, proposal_ranks = logprobs.proposal_logprobs.tolist(), logprobs.proposal_ranks.tolist()
+            top_ids, top_values = logprobs.top_ids.tolist(), logprobs.top_logprobs.tolist()
         for request, new_token_ids, row, request_proposed in zip(requests, token_ids, layout.request_first_rows,
                                                                  proposed):
             request_rows = range(row, row + len(request_proposed) + 1)
             invalid_row = next((r for r in request_rows if not row_is_valid[r]), None)
             if invalid_row is not None:
-                output.failed[request.request_id] = row_failure(logits[invalid_row])
+                output.failed[request.request_id] = row_failure(pending.logits[invalid_row])
                 continue
             output.sampled_token_ids[request.request_id] = new_token_ids
             num_top = request.sampling_params.logprobs

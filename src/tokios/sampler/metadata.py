@@ -102,45 +102,45 @@ class SamplingMetadata:
         has_frequency_presence = any(p.has_frequency_presence_penalty for p in params)
         has_penalties = has_repetition or has_frequency_presence
 
-        # All per-row floats travel in one host->device copy, all per-row ints in another.
-        float_rows: list[list[float]] = []
+        # All per-row floats travel in one host->device copy, all per-row ints in another; each
+        # row is named where it is packed and read back by that name.
+        float_rows: dict[str, list[float]] = {}
         if not all_greedy:
-            float_rows.append([1.0 if greedy else p.temperature for p, greedy in zip(params, is_greedy)])
+            float_rows["temperature"] = [1.0 if greedy else p.temperature for p, greedy in zip(params, is_greedy)]
         if has_top_p:
-            float_rows.append([1.0 if greedy else p.top_p for p, greedy in zip(params, is_greedy)])
+            float_rows["top_p"] = [1.0 if greedy else p.top_p for p, greedy in zip(params, is_greedy)]
         if has_min_p:
-            float_rows.append([0.0 if greedy else p.min_p for p, greedy in zip(params, is_greedy)])
-        if has_penalties:
-            float_rows.append([p.repetition_penalty for p in params])
-            float_rows.append([p.frequency_penalty for p in params])
-            float_rows.append([p.presence_penalty for p in params])
-        int_rows: list[list[int]] = []
+            float_rows["min_p"] = [0.0 if greedy else p.min_p for p, greedy in zip(params, is_greedy)]
+        # A penalty nobody in the batch uses is skipped rather than applied as a no-op.
+        if has_repetition:
+            float_rows["repetition_penalty"] = [p.repetition_penalty for p in params]
+        if has_frequency_presence:
+            float_rows["frequency_penalty"] = [p.frequency_penalty for p in params]
+            float_rows["presence_penalty"] = [p.presence_penalty for p in params]
+        int_rows: dict[str, list[int]] = {}
         if has_top_k:
-            int_rows.append([p.top_k if p.top_k > 0 and not greedy else vocab_size for p, greedy in zip(params, is_greedy)])
+            int_rows["top_k"] = [p.top_k if p.top_k > 0 and not greedy else vocab_size
+                                 for p, greedy in zip(params, is_greedy)]
         if not all_greedy and not all_random:
-            int_rows.append([int(greedy) for greedy in is_greedy])
+            int_rows["is_greedy_row"] = [int(greedy) for greedy in is_greedy]
         if has_penalties:
-            int_rows.append([state.penalty_row for state in states])
-        floats = iter(_to_device(float_rows, torch.float32, device))
-        ints = iter(_to_device(int_rows, torch.long, device))
+            int_rows["penalty_rows"] = [state.penalty_row for state in states]
+        floats = _named_to_device(float_rows, torch.float32, device)
+        ints = _named_to_device(int_rows, torch.long, device)
 
-        temperature = next(floats) if not all_greedy else None
-        top_p = next(floats) if has_top_p else None
-        min_p = next(floats) if has_min_p else None
-        top_k = next(ints) if has_top_k else None
+        temperature = floats.get("temperature")
+        top_p = floats.get("top_p")
+        min_p = floats.get("min_p")
+        top_k = ints.get("top_k")
         max_top_k = max((p.top_k for p in random_params if p.top_k > 0), default=vocab_size)
-        is_greedy_row = next(ints).bool() if not all_greedy and not all_random else None
+        is_greedy_row = ints["is_greedy_row"].bool() if "is_greedy_row" in ints else None
+        repetition_penalty = floats.get("repetition_penalty")
+        frequency_penalty = floats.get("frequency_penalty")
+        presence_penalty = floats.get("presence_penalty")
 
-        repetition_penalty = frequency_penalty = presence_penalty = None
         prompt_token_mask = output_token_counts = None
         if has_penalties:
-            repetition_penalty, frequency_penalty, presence_penalty = next(floats), next(floats), next(floats)
-            # A penalty nobody in the batch uses is skipped rather than applied as a no-op.
-            if not has_repetition:
-                repetition_penalty = None
-            if not has_frequency_presence:
-                frequency_penalty = presence_penalty = None
-            penalty_rows = next(ints)
+            penalty_rows = ints["penalty_rows"]
             store.fold_new_output_tokens(states, output_token_ids)
             output_token_counts = store.output_token_counts.index_select(0, penalty_rows)
             if pending_token_ids is not None and any(pending_token_ids):
@@ -214,6 +214,11 @@ class SamplingMetadata:
             state.generator = generator
             states.append(state)
         return cls.from_states(store, states, output_token_ids)
+
+
+def _named_to_device(rows: dict[str, list], dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """Equal-length rows, each under its name, to the device in one copy."""
+    return dict(zip(rows, _to_device(list(rows.values()), dtype, device)))
 
 
 def _to_device(rows: list[list], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:

@@ -125,7 +125,7 @@ def _engine_compute_dtype(engine, requested: str) -> str:
     linear layers run on the quantized kernels (8-bit activations times block integers, whatever
     the block type), else the activation dtype of the weight format it resolved."""
     model = getattr(getattr(engine, "core", None), "model", None)
-    if model is not None and getattr(model, "can_fuse_decode", False):
+    if model is not None and model.can_fuse_decode:
         return "int8"
     weight_format = getattr(getattr(engine, "core", None), "weight_format", None) or requested
     try:

@@ -12,8 +12,8 @@ that compares against them):
 - "sequences": per prompt, its token ids, transformers' greedy continuation (generate(), EOS
   ignored) and, at every position of prompt plus continuation, the top TOP_K logits with their
   ids and the logsumexp over the whole vocabulary (which moves with any logit that moves);
-- "long_prompts" (Gemma 3): a prompt's ids, at every position the logit of the next token, the
-  largest logit and its id, the logsumexp, and the greedy continuation;
+- "long_prompt" (Gemma 3): a prompt's ids, at every position the logit of the next token, the
+  largest logit and the logsumexp, and the greedy continuation;
 - "perplexity": transformers' perplexity of tests/data/perplexity_text.txt;
 - "tokenizer" (Gemma 3): transformers' ids for texts, with and without special tokens.
 """

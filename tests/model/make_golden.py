@@ -68,7 +68,6 @@ def gemma3() -> dict:
                           for index, prompt in enumerate(PROMPTS)},
             "long_prompt": {"prompt_ids": long_ids,
                             "next_token_logits": rounded(logits[:-1].gather(1, next_ids[:, None]).squeeze(1)),
-                            "top_ids": logits.argmax(-1).tolist(),
                             "top_logits": rounded(logits.max(-1).values),
                             "logsumexp": rounded(torch.logsumexp(logits, dim=-1)),
                             "greedy_ids": reference_greedy(model, long_ids, 8)},

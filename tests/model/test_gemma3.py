@@ -1,5 +1,10 @@
 """Gemma 3 270M (Q4_K_M GGUF, the pretrained model) against transformers float32 on the same file.
 
+transformers' results are read from the golden file tests/data/golden/gemma3.json (golden.py,
+make_golden.py); `test_golden_file_is_what_transformers_computes` loads transformers (about 30 s
+here) and checks, on every run, that the golden continuations are still what it computes, and
+that the engine's logits agree with its live ones at every position.
+
 - Greedy continuations of 24 tokens for 10 raw-completion prompts are identical to transformers'
   in float32, and the logits at every position of prompt plus continuation agree within
   LOGITS_ATOL. The prompts were chosen so that no continuation position is a near-tie: of 20
@@ -14,7 +19,6 @@
 - Perplexity on the ~1,000-token text: float32 matches to 1e-4, the file's own blocks within 1%.
 - The KV cache frees sliding-layer blocks out of the window during a long request.
 
-transformers takes about 55 s to load this model and 25 s for its tokenizer: once per session.
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reference import (engine_perplexity, engine_prompt_logits, load_reference_model, load_reference_tokenizer,
-                       perplexity_from_logits, reference_greedy, reference_logits)
+from golden import largest_summary_difference, load_golden
+from reference import engine_perplexity, engine_prompt_logits, load_reference_model, reference_logits
 from test_perplexity import TEXT_PATH
 from test_tokenizer_parity import CORPUS
 from tokios.model_files import gemma3_model_path
@@ -31,6 +35,9 @@ from tokios.sampling_params import SamplingParams
 from tokios.tokenizer.detokenizer import IncrementalDetokenizer
 
 NUM_TOKENS = 24
+LONG_PROMPT_TOKENS = 1400
+# transformers live against its own golden file: rounding (1e-5) and another BLAS build's order.
+GOLDEN_ATOL = 1e-3
 # Measured here: largest difference 2.9e-4 over all prompts (logits up to ~40 in magnitude).
 LOGITS_ATOL = 3e-3
 PROMPTS = [
@@ -61,8 +68,18 @@ def gemma_path():
 
 
 @pytest.fixture(scope="module")
+def gemma_golden(gemma_path):
+    return load_golden("gemma3", gemma_path)
+
+
+@pytest.fixture(scope="module")
 def gemma_reference(gemma_path):
     return load_reference_model(gemma_path)
+
+
+def long_prompt_text() -> str:
+    text = TEXT_PATH.read_text(encoding="utf-8")
+    return text + "\n\n" + text
 
 
 @pytest.fixture(scope="module")
@@ -88,80 +105,104 @@ def continuations(gemma_float32):
     return [(ids, output.outputs[0].token_ids) for ids, output in zip(token_ids, outputs)]
 
 
-@pytest.fixture(scope="module")
-def continuation_reference_logits(continuations, gemma_reference):
-    """transformers' logits over each prompt and our continuation, one causal pass each."""
-    return [reference_logits(gemma_reference, prompt_ids + ours) for prompt_ids, ours in continuations]
+def golden_sequences(gemma_golden, continuations) -> list[dict]:
+    """The golden sequence of each prompt, checked to start with the engine's prompt ids."""
+    sequences = [gemma_golden["sequences"][str(index)] for index in range(len(PROMPTS))]
+    assert len(gemma_golden["sequences"]) == len(PROMPTS), "PROMPTS changed: regenerate gemma3.json"
+    for index, ((prompt_ids, _), golden) in enumerate(zip(continuations, sequences)):
+        assert prompt_ids == golden["prompt_ids"], f"prompt {index} changed: regenerate gemma3.json"
+    return sequences
 
 
-def test_greedy_continuations_match_transformers(continuations, continuation_reference_logits):
-    """transformers' greedy choice after every prefix of our continuation is our next token, so by
-    induction its greedy continuation is ours: one causal pass a prompt, not generate()'s step a
-    token (that took 25 s more of the suite, for the same check)."""
+def test_greedy_continuations_match_transformers(continuations, gemma_golden):
+    """transformers' greedy continuation of each prompt (golden) is ours, and no position of it is a near-tie."""
     smallest_gap = float("inf")
-    for index, ((prompt_ids, ours), logits) in enumerate(zip(continuations, continuation_reference_logits)):
-        choices = logits[len(prompt_ids) - 1:-1]
-        top_two = choices.topk(2, dim=-1).values
+    for index, ((prompt_ids, ours), golden) in enumerate(zip(continuations, golden_sequences(gemma_golden,
+                                                                                              continuations))):
+        top_two = torch.tensor(golden["top_logits"])[len(prompt_ids) - 1:-1, :2]
         smallest_gap = min(smallest_gap, (top_two[:, 0] - top_two[:, 1]).min().item())
-        assert ours == choices.argmax(dim=-1).tolist(), f"prompt {index} {PROMPTS[index]!r}"
+        assert ours == golden["greedy_ids"], f"prompt {index} {PROMPTS[index]!r}"
     print(f"\nsmallest top-two logit gap over the continuations: {smallest_gap:.3f}")
     assert smallest_gap > 0.05, "a prompt sits on a near-tie; pick another"
 
 
-def test_logits_at_every_position_match_transformers(continuations, continuation_reference_logits, gemma_float32):
+def test_logits_at_every_position_match_transformers(continuations, gemma_golden, gemma_float32):
+    """At every position of prompt plus continuation: the golden top-k logits and the logsumexp
+    over the whole vocabulary (the whole-vocabulary comparison with live transformers is
+    test_golden_file_is_what_transformers_computes)."""
     largest = 0.0
-    for (prompt_ids, continuation), theirs in zip(continuations, continuation_reference_logits):
+    for (prompt_ids, continuation), golden in zip(continuations, golden_sequences(gemma_golden, continuations)):
         token_ids = prompt_ids + continuation
         ours = engine_prompt_logits(gemma_float32, token_ids)
-        assert ours.shape == theirs.shape == (len(token_ids), 262144)
-        largest = max(largest, (ours - theirs).abs().max().item())
+        assert ours.shape == (len(token_ids), 262144)
+        largest = max(largest, largest_summary_difference(ours, golden, same_argmax=False))
     print(f"\nlargest logit difference: {largest:.2e}")
     assert largest <= LOGITS_ATOL
 
 
+def test_golden_file_is_what_transformers_computes(continuations, gemma_golden, gemma_reference, gemma_float32):
+    """The live comparison: transformers, loaded here, still computes the golden file (its greedy
+    continuations by induction: its argmax after every prefix of the golden continuation is the
+    next golden token; its top-k logits and logsumexp), and the engine's logits agree with its own
+    at every position over the whole vocabulary."""
+    largest = 0.0
+    for (prompt_ids, continuation), golden in zip(continuations, golden_sequences(gemma_golden, continuations)):
+        token_ids = prompt_ids + golden["greedy_ids"]
+        theirs = reference_logits(gemma_reference, token_ids)
+        assert theirs[len(prompt_ids) - 1:-1].argmax(-1).tolist() == golden["greedy_ids"]
+        assert largest_summary_difference(theirs, golden, same_argmax=False) <= GOLDEN_ATOL
+        assert continuation == golden["greedy_ids"]
+        ours = engine_prompt_logits(gemma_float32, token_ids)
+        assert ours.shape == theirs.shape == (len(token_ids), 262144)
+        largest = max(largest, (ours - theirs).abs().max().item())
+    print(f"\nlargest logit difference against live transformers: {largest:.2e}")
+    assert largest <= LOGITS_ATOL
+
+
 @pytest.fixture(scope="module")
-def long_prompt(gemma_float32):
-    text = TEXT_PATH.read_text(encoding="utf-8")
-    token_ids = gemma_float32.tokenizer.encode(text + "\n\n" + text)[:1400]
-    assert len(token_ids) == 1400
+def long_prompt(gemma_float32, gemma_golden):
+    token_ids = gemma_float32.tokenizer.encode(long_prompt_text())[:LONG_PROMPT_TOKENS]
+    assert len(token_ids) == LONG_PROMPT_TOKENS
+    assert token_ids == gemma_golden["long_prompt"]["prompt_ids"], "the long prompt changed: regenerate gemma3.json"
     return token_ids
 
 
-@pytest.fixture(scope="module")
-def long_prompt_reference_logits(gemma_reference, long_prompt):
-    return reference_logits(gemma_reference, long_prompt)
-
-
-def test_long_prompt_past_the_window_matches_at_every_position(long_prompt, gemma_float32, gemma_reference,
-                                                               long_prompt_reference_logits):
+def test_long_prompt_past_the_window_matches_at_every_position(long_prompt, gemma_float32, gemma_golden):
     """Through the engine's own chunked prefill (256-token chunks over the paged, windowed KV
     cache): the prompt logprobs at every position, then greedy decoding past the window."""
-    theirs = torch.log_softmax(long_prompt_reference_logits, dim=-1)
+    golden = gemma_golden["long_prompt"]
     (output,) = gemma_float32.generate([long_prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
                                                                      prompt_logprobs=0))
     ours = [entry[token_id].logprob for entry, token_id in zip(output.prompt_logprobs[1:], long_prompt[1:])]
-    expected = theirs[:-1].gather(1, torch.tensor(long_prompt[1:])[:, None]).squeeze(1)
+    expected = torch.tensor(golden["next_token_logits"]) - torch.tensor(golden["logsumexp"][:-1])
     difference = (torch.tensor(ours) - expected).abs()
     print(f"\nlargest prompt-logprob difference over 1,400 positions: {difference.max().item():.2e}")
     assert difference.max().item() <= LOGITS_ATOL
-    assert output.outputs[0].token_ids == reference_greedy(gemma_reference, long_prompt, 8)
+    assert output.outputs[0].token_ids == golden["greedy_ids"]
     gemma_float32.check_invariants()
 
 
-def test_engine_logits_of_the_long_prompt_in_one_pass(long_prompt, gemma_float32, long_prompt_reference_logits):
+def test_engine_logits_of_the_long_prompt_in_one_pass(long_prompt, gemma_float32, gemma_golden):
     """The same positions in one causal pass with an independently built window mask (catches a
-    window off-by-one that the runner and the model could share)."""
-    ours = engine_prompt_logits(gemma_float32, long_prompt)
-    theirs = long_prompt_reference_logits
-    assert (ours - theirs).abs().max().item() <= LOGITS_ATOL
+    window off-by-one that the runner and the model could share): at every position the next
+    token's logit, the largest logit and the logsumexp over the whole vocabulary."""
+    golden = gemma_golden["long_prompt"]
+    ours = engine_prompt_logits(gemma_float32, long_prompt).double()
+    next_ids = torch.tensor(long_prompt[1:])[:, None]
+    differences = [ours[:-1].gather(1, next_ids).squeeze(1) - torch.tensor(golden["next_token_logits"]),
+                   ours.max(-1).values - torch.tensor(golden["top_logits"]),
+                   torch.logsumexp(ours, dim=-1) - torch.tensor(golden["logsumexp"])]
+    assert max(difference.abs().max().item() for difference in differences) <= LOGITS_ATOL
 
 
-def test_tokenizer_ids_equal_transformers(gemma_float32, gemma_path):
-    reference = load_reference_tokenizer(gemma_path)
+def test_tokenizer_ids_equal_transformers(gemma_float32, gemma_golden):
+    reference = gemma_golden["tokenizer"]
+    assert [entry["text"] for entry in reference] == GEMMA_CORPUS, "GEMMA_CORPUS changed: regenerate gemma3.json"
     ours = gemma_float32.tokenizer
-    for text in GEMMA_CORPUS:
-        assert ours.encode(text) == reference(text).input_ids, repr(text)
-        assert ours.encode(text, add_special_tokens=False) == reference(text, add_special_tokens=False).input_ids
+    for entry in reference:
+        text = entry["text"]
+        assert ours.encode(text) == entry["ids"], repr(text)
+        assert ours.encode(text, add_special_tokens=False) == entry["ids_without_special_tokens"]
     assert ours.encode("hi")[0] == ours.bos_token_id == 2
     assert ours.decode(ours.encode(GEMMA_CORPUS[-1]), skip_special_tokens=True) == GEMMA_CORPUS[-1]
 
@@ -184,8 +225,9 @@ def text_ids(gemma_float32):
 
 
 @pytest.fixture(scope="module")
-def reference_text_perplexity(gemma_reference, text_ids):
-    return perplexity_from_logits(reference_logits(gemma_reference, text_ids), text_ids)
+def reference_text_perplexity(gemma_golden, text_ids):
+    assert text_ids == gemma_golden["perplexity"]["token_ids"], "the text's ids changed: regenerate gemma3.json"
+    return gemma_golden["perplexity"]["value"]
 
 
 @pytest.mark.parametrize("engine_name, max_gap", [("gemma_float32", 1e-4), ("gemma_stored", 0.01)])

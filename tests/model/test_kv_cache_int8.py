@@ -65,19 +65,15 @@ def test_long_context_greedy_tokens_follow_bfloat16(long_conversations):
     bf16.close()
     int8 = LLM(kv_cache_memory="256MiB", kv_cache_dtype="int8")
     int8.chat(long_conversations[:1], greedy(1))
-    free_running = int8.chat(long_conversations, greedy(64))
     agreed = total = 0
-    for reference, ours in zip(references, free_running):
+    for reference in references:
         prompt, tokens = list(reference.prompt_token_ids), reference.outputs[0].token_ids
         assert len(prompt) >= 4000
         forced = int8.generate([prompt + tokens[:k] for k in range(len(tokens))], greedy(1))
         agreed += sum(output.outputs[0].token_ids[0] == token for output, token in zip(forced, tokens))
         total += len(tokens)
-        theirs = ours.outputs[0].token_ids
-        first_difference = next((i for i, (a, b) in enumerate(zip(tokens, theirs)) if a != b), len(tokens))
-        print(f"\nfree-running int8 equals bfloat16 for its first {first_difference} of {len(tokens)} tokens")
     int8.check_invariants()
-    print(f"teacher-forced agreement with bfloat16 at {len(prompt)} tokens: {agreed}/{total} = {agreed / total:.1%}")
+    print(f"\nteacher-forced agreement with bfloat16 at {len(prompt)} tokens: {agreed}/{total} = {agreed / total:.1%}")
     assert agreed / total >= MIN_TEACHER_FORCED_AGREEMENT
 
 

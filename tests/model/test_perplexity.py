@@ -3,7 +3,8 @@
 
 The engine's figure comes through the public path (SamplingParams(prompt_logprobs=0) on a
 1,010-token prompt, which the default 512-token budget prefills in two chunks), transformers'
-from one forward pass. A format that this build cannot run (UnsupportedError or ImportError at
+from one forward pass, read from the golden file tests/data/golden/smollm2.json (golden.py;
+test_parity.py checks that file against live transformers). A format that this build cannot run (UnsupportedError or ImportError at
 load) is skipped with the reason; any other failure is a failure.
 """
 
@@ -13,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from reference import engine_perplexity, perplexity_from_logits, reference_logits
+from golden import load_golden
+from reference import default_gguf, engine_perplexity
 from tokios.config import SUPPORTED_DTYPES
 from tokios.errors import UnsupportedError
 from tokios.sampling_params import SamplingParams
@@ -33,8 +35,10 @@ def text_token_ids(engine_float32) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def reference_perplexity(reference_model, text_token_ids) -> float:
-    return perplexity_from_logits(reference_logits(reference_model, text_token_ids), text_token_ids)
+def reference_perplexity(text_token_ids) -> float:
+    golden = load_golden("smollm2", default_gguf())["perplexity"]
+    assert text_token_ids == golden["token_ids"], "the text's ids changed: regenerate smollm2.json"
+    return golden["value"]
 
 
 @pytest.mark.parametrize("dtype", WEIGHT_FORMATS)

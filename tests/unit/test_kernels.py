@@ -3,7 +3,7 @@ the kernels run: each product against its dequantized weights times the activati
 quantized, at many row counts, odd output sizes, extreme block values and in a batch."""
 
 import functools
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -304,26 +304,32 @@ def test_rope_write_and_decode_attention_match_torch_path(head_dim, cache_dtype)
 
 
 @functools.lru_cache(maxsize=1)
-def older_builds() -> dict[str, object]:
-    """The kernels for each older instruction set this machine's tests check (x86-64-v2: the
-    portable loops; x86-64-v3 on a VNNI machine: AVX2), built together on first use: each build
-    is one compiler process of about a minute, so two cores build both in the time of one.
-    A march that would not build maps to its error."""
+def start_older_builds() -> dict[str, Future]:
+    """Start building the kernels for each older instruction set this machine's tests check
+    (x86-64-v2: the portable loops; x86-64-v3 on a VNNI machine: AVX2), in the background: each
+    build is one compiler process of about a minute (cached like the main build afterwards).
+    tests/conftest.py starts them when the session begins and runs the tests that use them
+    (marked builds_kernels) last, so the builds overlap the rest of the suite."""
     from tokios.model.kernels import compile_kernels
 
+    if extension is None:
+        return {}
     marches = [march for march, wanted in (("x86-64-v2", has_vector_kernels(extension)),
                                            ("x86-64-v3", extension.has_vnni())) if wanted]
     if not marches:
         return {}
-    with ThreadPoolExecutor(len(marches)) as pool:
-        futures = {march: pool.submit(compile_kernels, f"tokios_cpu_kernels_{march.replace('-', '_')}", march)
-                   for march in marches}
-    return {march: future.exception() or future.result() for march, future in futures.items()}
+    pool = ThreadPoolExecutor(len(marches), thread_name_prefix="kernel-build")
+    futures = {march: pool.submit(compile_kernels, f"tokios_cpu_kernels_{march.replace('-', '_')}", march)
+               for march in marches}
+    pool.shutdown(wait=False)
+    return futures
 
 
 def kernels_for(march: str):
-    """The kernels built for an older instruction set (cached like the main build), or a skip."""
-    build = older_builds().get(march)
+    """The kernels built for an older instruction set, or a skip. A march that would not build
+    (an older compiler) is skipped with its error."""
+    future = start_older_builds().get(march)
+    build = None if future is None else future.exception() or future.result()
     if isinstance(build, Exception):  # an older compiler without this -march
         pytest.skip(f"could not build the {march} kernels here: {str(build).splitlines()[0]}")
     assert build is not None, f"{march} is not one of this machine's older builds"
@@ -331,6 +337,7 @@ def kernels_for(march: str):
 
 
 @needs_extension
+@pytest.mark.builds_kernels
 @pytest.mark.skipif(extension is None or not extension.has_vnni(), reason="this build is not the VNNI one")
 def test_avx2_path_gives_the_vnni_path_bits():
     """A VNNI machine runs no AVX2 kernel, so build that path (x86-64-v3) and check it here: the
@@ -354,6 +361,7 @@ def test_avx2_path_gives_the_vnni_path_bits():
 
 
 @needs_extension
+@pytest.mark.builds_kernels
 @pytest.mark.skipif(extension is not None and not has_vector_kernels(extension),
                     reason="this build already is the portable one")
 def test_portable_scalar_path_matches_the_vector_path():

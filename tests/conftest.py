@@ -1,0 +1,69 @@
+"""Session-wide options, markers and test order.
+
+`--fast` (./scripts/test --fast, the inner loop) runs the unit tier and SMOKE_TESTS: the engine
+against the golden transformers results, the engine's sampling paths, and the OpenAI API of a
+real server. The tier folders' other files are not even collected.
+
+Tests marked `builds_kernels` check kernels compiled for an older instruction set (a compiler
+run of about a minute each, cached afterwards under ~/.cache/tokios/kernels). Their builds start
+in the background as soon as the session has collected them, and the tests themselves run last,
+so the compiling overlaps the rest of the suite instead of holding up the unit tier. `--fast`
+leaves them out.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+TESTS = Path(__file__).parent
+UNIT_TIER = TESTS / "unit"
+SMOKE_TESTS = (
+    "model/test_parity.py::test_greedy_continuation_matches_transformers",
+    "model/test_parity.py::test_logits_at_every_position_match_transformers",
+    "model/test_sampling_engine.py",
+    "e2e/test_server_openai.py",
+)
+SMOKE_FILES = {TESTS / test.split("::")[0] for test in SMOKE_TESTS}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--fast", action="store_true",
+                     help="only the unit tier (less the kernel-variant builds) and the model and server smoke")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "builds_kernels: compiles kernel variants; runs last, not in --fast")
+
+
+def pytest_ignore_collect(collection_path, config):
+    if not config.getoption("--fast") or collection_path.suffix != ".py" or UNIT_TIER in collection_path.parents:
+        return None
+    return True if collection_path.name.startswith("test_") and collection_path not in SMOKE_FILES else None
+
+
+def is_fast(item) -> bool:
+    if item.get_closest_marker("builds_kernels"):
+        return False
+    path = Path(item.path)
+    if UNIT_TIER in path.parents:
+        return True
+    node_id = f"{path.relative_to(TESTS).as_posix()}::{item.name}"
+    return any(node_id.startswith(test if "::" in test else test + "::") for test in SMOKE_TESTS)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    if config.getoption("--fast"):
+        dropped = [item for item in items if not is_fast(item)]
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if is_fast(item)]
+    building = [item for item in items if item.get_closest_marker("builds_kernels")]
+    items[:] = [item for item in items if not item.get_closest_marker("builds_kernels")] + building
+
+
+def pytest_collection_finish(session):
+    """Start the builds once deselection (-m, -k, --fast) has settled which tests run."""
+    for item in session.items:
+        if item.get_closest_marker("builds_kernels"):
+            start = getattr(item.module, "start_older_builds", None)
+            if start is not None:
+                start()

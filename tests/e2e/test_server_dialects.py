@@ -130,6 +130,18 @@ def test_ollama_listing_routes(ollama_client, model, tokios_server):
     assert httpx.get(f"{tokios_server.base_url}/api/version").json()["version"]
 
 
+def test_ollama_ps_shows_a_keep_alive_of_centuries_as_far_future(ollama_client, model, tokios_server):
+    # Found by the fuzzer once requests could name the served model: a finite keep_alive past the
+    # year 9999 made /api/ps a 500. Afterwards the model is kept loaded, as a single model is by default.
+    assert httpx.post(f"{tokios_server.base_url}/api/generate",
+                      json={"model": model, "keep_alive": 1e300}, timeout=60).status_code == 200
+    try:
+        (running,) = ollama_client.ps().models
+        assert running.expires_at.year == 2100
+    finally:
+        httpx.post(f"{tokios_server.base_url}/api/generate", json={"model": model, "keep_alive": -1}, timeout=60)
+
+
 def test_ollama_logprobs(ollama_client, model):
     answer = ollama_client.generate(model=model, prompt=PROMPT, logprobs=True, top_logprobs=2,
                                     options={"temperature": 0, "num_predict": 5})

@@ -161,6 +161,9 @@ class OllamaModelRequest(RequestBody):
     verbose: bool = False
 
 
+_FAR_FUTURE = 4102444800.0  # 2100-01-01, what Ollama shows for "never"
+
+
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z")
 
@@ -569,8 +572,9 @@ async def _ps_route(request: Request) -> Response:
         if entry.state != LOADED:
             continue
         expires_at = state.registry.expires_at(entry)
-        # Ollama reports a far-future time for a model that never unloads (or is in use).
-        until = (time.time() + (expires_at - time.monotonic())) if expires_at is not None else 4102444800.0
+        # Ollama reports a far-future time for a model that never unloads (or is in use); a
+        # keep_alive of centuries is shown as that time too (datetime cannot go past year 9999).
+        until = _FAR_FUTURE if expires_at is None else min(time.time() + (expires_at - time.monotonic()), _FAR_FUTURE)
         models.append({**_model_summary(entry, entry.name), "expires_at": _iso(until),
                        "size_vram": 0, "context_length": entry.serving.max_model_len})
     return JSONResponse({"models": models})

@@ -27,6 +27,7 @@ MAX_ABS_LOGIT_BIAS = 100.0
 MAX_ABS_FREQUENCY_PRESENCE_PENALTY = 2.0
 MIN_SEED = -(2**63)
 MAX_SEED = 2**64 - 1
+MAX_TOP_K = 2**31 - 1
 # Below this temperature a request is sampled greedily: dividing logits by a near-zero
 # temperature overflows float32 to inf (and inf - inf = nan in softmax), and the
 # distribution is indistinguishable from argmax long before that (vLLM uses the same cut).
@@ -146,7 +147,9 @@ class SamplingParams:
                 f"top_k must be an integer >= 1, or 0 or -1 to disable it, got {self.top_k!r}", param="top_k"
             )
         # -1 (vLLM) and 0 (OpenAI-style clients) both mean "disabled"; one spelling downstream.
-        self.top_k = max(int(self.top_k), 0)
+        # A top_k past any vocabulary keeps every token, as one of the vocabulary's size does; capped so
+        # that it packs into the sampler's int64 row tensor (a larger one crashed the engine step).
+        self.top_k = min(max(int(self.top_k), 0), MAX_TOP_K)
         self.min_p = _check_float("min_p", self.min_p, "in [0, 1]", 0.0, 1.0)
         self.repetition_penalty = _check_float(
             "repetition_penalty", self.repetition_penalty, "> 0 (1 means no penalty)", 0.0, low_inclusive=False

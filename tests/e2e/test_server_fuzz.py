@@ -93,6 +93,12 @@ def test_every_operation_survives_fuzzing(api_schema, fuzz_server, method, path,
         answers.append((response.status_code, response.text[:300]))
 
     fuzz()
+    # Some refusals need the model (the context length, token ids in the vocabulary), so a few
+    # valid cases are refused by chance: before calling the schema loose, try two more batches.
+    for _ in range(2):
+        if mode is not GenerationMode.POSITIVE or not is_validation_mismatch([status for status, _ in answers]):
+            break
+        fuzz()
     assert fuzz_server.popen.poll() is None, fuzz_server.log_tail()
     if mode is GenerationMode.POSITIVE:
         assert not is_validation_mismatch([status for status, _ in answers]), (
@@ -135,7 +141,10 @@ def test_the_server_is_clean_after_the_fuzzing(fuzz_server, statuses_before_fuzz
     statuses = {status: count for status, count in statuses.items() if count}
     print("responses by status during the fuzzing:", statuses)
     assert not any(status.startswith("5") for status in statuses), statuses
-    assert stats["num_generation_tokens"] > 0 and statuses.get("400", 0) > 0, (stats, statuses)
+    # Generated tokens are counted from the request log: the fuzzer may unload the model
+    # (keep_alive 0) and a reloaded engine's counters start again at zero.
+    num_generated = sum(int(count) for count in re.findall(r"completion_tokens=(\d+)", fuzz_server.log_text()))
+    assert num_generated > 0 and statuses.get("400", 0) > 0, (num_generated, stats, statuses)
 
 
 def test_405_names_the_allowed_methods(tokios_server):

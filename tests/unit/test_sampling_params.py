@@ -122,3 +122,11 @@ def test_clone_is_deep_and_for_child_spreads_seeds():
     assert all(c.n == 1 for c in children)
     assert SamplingParams(seed=2**64 - 1).for_child(1).seed == -(2**63)
     assert SamplingParams().for_child(2).seed is None
+
+
+def test_a_top_k_past_any_vocabulary_keeps_every_token_and_fits_the_sampler():
+    # Found by fuzzing: top_k 6.4e29 overflowed the sampler's int64 tensor and failed the step.
+    from tokios.sampling_params import MAX_TOP_K
+
+    assert SamplingParams(top_k=644028832741599229111458332672).top_k == MAX_TOP_K
+    assert SamplingParams(top_k=40).top_k == 40

@@ -100,6 +100,13 @@ class MessagesRequest(CountTokensRequest):
     ignore_eos: bool = False  # an extension (as on the OpenAI routes): benchmarks need fixed lengths
 
 
+def _check_types(block: dict[str, Any], where: str, **name_to_type: type) -> None:
+    """A block's optional fields, when present, are of their documented type."""
+    for name, expected in name_to_type.items():
+        if name in block and not isinstance(block[name], expected):
+            raise InvalidRequestError(f"{where}.{name} must be a {expected.__name__}", param=f"{where}.{name}")
+
+
 def to_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
     """Anthropic's system + messages -> the OpenAI-shaped messages of a ChatTurn."""
     messages: list[dict[str, Any]] = []
@@ -121,12 +128,14 @@ def to_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
             if kind == "text" and isinstance(block.get("text"), str):
                 texts.append(block["text"])
             elif kind == "tool_use" and message.role == "assistant":
+                _check_types(block, block_where, id=str)
                 if not isinstance(block.get("name"), str) or not isinstance(block.get("input", {}), dict):
                     raise InvalidRequestError(f"{block_where}: a tool_use block needs a name and an input object",
                                               param=block_where)
                 calls.append({"id": block.get("id") or f"toolu_{index}_{block_index}", "type": "function",
                               "function": {"name": block["name"], "arguments": block.get("input") or {}}})
             elif kind == "tool_result" and message.role == "user":
+                _check_types(block, block_where, tool_use_id=str, is_error=bool)
                 content = block.get("content", "")
                 text = join_text_parts(content, f"{block_where}.content", ("text",)) if content else ""
                 if block.get("is_error"):

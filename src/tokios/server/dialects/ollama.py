@@ -32,7 +32,7 @@ from starlette.responses import JSONResponse, Response
 from tokios import __version__
 from tokios.config import parse_duration
 from tokios.errors import InvalidRequestError, TokiosError
-from tokios.server.body import MAX_TOP_LOGPROBS, RequestBody, ResponseBody, parse_body
+from tokios.server.body import MAX_TOP_LOGPROBS, JsonFloat, RequestBody, ResponseBody, parse_body
 from tokios.server.dialects.dialect import JSON_LINES, NDJSON, Dialect, Route, guarded_stream
 from tokios.server.generation import ChatRun, ChatTurn
 from tokios.server.logprobs import MIN_LOGPROB, finite_logprob, top_ranked
@@ -108,7 +108,7 @@ class _OllamaBody(RequestBody):
         "anyOf": [{"enum": ["", "json"]}, {"type": "object"}, {"type": "null"}]})
     options: dict[str, Any] | None = Field(default=None, json_schema_extra=_options_schema())
     stream: bool = True
-    keep_alive: str | float | None = Field(default=None, json_schema_extra=_DURATION)
+    keep_alive: str | JsonFloat | None = Field(default=None, json_schema_extra=_DURATION)
     think: bool | str | None = Field(default=None, json_schema_extra=_OFF_ONLY)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -136,7 +136,7 @@ class OllamaEmbedRequest(RequestBody):
     truncate: bool = True
     options: dict[str, Any] | None = Field(default=None, json_schema_extra={
         "description": "only load-time options; a sampling option is a 400"})
-    keep_alive: str | float | None = Field(default=None, json_schema_extra=_DURATION)
+    keep_alive: str | JsonFloat | None = Field(default=None, json_schema_extra=_DURATION)
     dimensions: int | None = Field(default=None, ge=1)
 
 
@@ -147,7 +147,7 @@ class OllamaEmbeddingsRequest(RequestBody):
     # An empty prompt has no tokens to pool with most tokenizers (a 400 then).
     prompt: str = Field(json_schema_extra={"minLength": 1})
     options: dict[str, Any] | None = None
-    keep_alive: str | float | None = Field(default=None, json_schema_extra=_DURATION)
+    keep_alive: str | JsonFloat | None = Field(default=None, json_schema_extra=_DURATION)
 
 
 class OllamaModelRequest(RequestBody):

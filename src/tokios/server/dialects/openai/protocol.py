@@ -228,6 +228,13 @@ class CompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(RequestBody):
+    # Exactly one of prompt and messages (check_supported), in the published schema too.
+    model_config = ConfigDict(extra="ignore", json_schema_extra={"oneOf": [
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}},
+         "not": {"required": ["messages"], "properties": {"messages": {"type": "array"}}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}},
+         "not": {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}}}]})
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None

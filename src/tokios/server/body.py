@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, StrictInt
+from pydantic import BaseModel, BeforeValidator, ConfigDict, StrictBool, StrictInt
 
 from tokios.errors import InvalidRequestError
 
@@ -33,6 +33,8 @@ def _not_a_boolean(value: Any) -> Any:
 # true` answered). Kept lax otherwise, so 256.0 still reads as 256.
 JsonInt = Annotated[int, BeforeValidator(_not_a_boolean)]
 JsonFloat = Annotated[float, BeforeValidator(_not_a_boolean)]
+# And the other way round: a JSON boolean is true or false, never 0 or 1.
+JsonBool = StrictBool
 
 
 class RequestBody(BaseModel):

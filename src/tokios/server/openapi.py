@@ -150,12 +150,13 @@ def _models_of(dialects: tuple[Dialect, ...]) -> tuple[list[type[BaseModel]], li
 
 
 def _name_the_models(schemas: dict[str, Any], request_models: list[type[BaseModel]], model_names: list[str]) -> None:
-    """Every request's `model` (and Ollama's older `name`) as the names this server serves: any
+    """Every request's `model` as the names this server serves: any
     other name is refused (404), so the document says which ones pass. Where the name may be left
     out, an empty one means the default model too."""
     for model in request_models:
         properties = schemas.get(model.__name__, {}).get("properties", {})
-        for field_name in ("model", "name"):
+        # (Ollama's older `name` stays free: a request that also gives `model` never reads it.)
+        for field_name in ("model",):
             field = properties.get(field_name)
             if field is None or field_name not in model.model_fields:
                 continue

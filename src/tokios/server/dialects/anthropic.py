@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tokios.errors import InvalidRequestError, TokiosError
-from tokios.server.body import RequestBody, ResponseBody
+from tokios.server.body import JsonBool, RequestBody, ResponseBody
 from tokios.server.dialects.dialect import (NAMED, SSE, Dialect, Route, guarded_stream, join_text_parts,
                                            model_route)
 from tokios.server.generation import ChatRun, ChatTurn
@@ -82,10 +82,10 @@ class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(ge=1)
     stop_sequences: list[str] | None = Field(default=None, json_schema_extra={"items": {"type": "string",
                                                                                         "minLength": 1}})
-    temperature: float | None = Field(default=None, json_schema_extra={"minimum": 0, "maximum": 1})
+    temperature: float | None = Field(default=None, json_schema_extra={"minimum": 0})
     top_p: float | None = Field(default=None, json_schema_extra={"exclusiveMinimum": 0, "maximum": 1})
     top_k: int | None = Field(default=None, json_schema_extra={"minimum": 0})
-    stream: bool = False
+    stream: JsonBool = False
     metadata: dict[str, Any] | None = None
     # Only "disabled": this server runs no extended-thinking mode (a 400 otherwise).
     thinking: dict[str, Any] | None = Field(default=None, json_schema_extra={"anyOf": [
@@ -97,7 +97,7 @@ class MessagesRequest(CountTokensRequest):
             "format": {"anyOf": [{"type": "object", "required": ["type"], "properties": {
                 "type": {"const": "json_schema"}, "schema": {"type": "object"}}}, {"type": "null"}]}}},
         {"type": "null"}]})
-    ignore_eos: bool = False  # an extension (as on the OpenAI routes): benchmarks need fixed lengths
+    ignore_eos: JsonBool = False  # an extension (as on the OpenAI routes): benchmarks need fixed lengths
 
 
 def _check_types(block: dict[str, Any], where: str, **name_to_type: type) -> None:

@@ -32,7 +32,7 @@ from starlette.responses import JSONResponse, Response
 from tokios import __version__
 from tokios.config import parse_duration
 from tokios.errors import InvalidRequestError, TokiosError
-from tokios.server.body import MAX_TOP_LOGPROBS, JsonFloat, RequestBody, ResponseBody, parse_body
+from tokios.server.body import MAX_TOP_LOGPROBS, JsonBool, JsonFloat, RequestBody, ResponseBody, parse_body
 from tokios.server.dialects.dialect import JSON_LINES, NDJSON, Dialect, Route, guarded_stream
 from tokios.server.generation import ChatRun, ChatTurn
 from tokios.server.logprobs import MIN_LOGPROB, finite_logprob, top_ranked
@@ -107,10 +107,10 @@ class _OllamaBody(RequestBody):
     format: str | dict[str, Any] | None = Field(default=None, json_schema_extra={
         "anyOf": [{"enum": ["", "json"]}, {"type": "object"}, {"type": "null"}]})
     options: dict[str, Any] | None = Field(default=None, json_schema_extra=_options_schema())
-    stream: bool = True
+    stream: JsonBool = True
     keep_alive: str | JsonFloat | None = Field(default=None, json_schema_extra=_DURATION)
     think: bool | str | None = Field(default=None, json_schema_extra=_OFF_ONLY)
-    logprobs: bool = False
+    logprobs: JsonBool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
@@ -125,7 +125,7 @@ class OllamaGenerateRequest(_OllamaBody):
     system: str | None = None
     template: str | None = Field(default=None, json_schema_extra=_EMPTY_ONLY)
     context: list[int] | None = Field(default=None, json_schema_extra=_EMPTY_ONLY)
-    raw: bool = False
+    raw: JsonBool = False
     images: list[Any] | None = Field(default=None, json_schema_extra=_EMPTY_ONLY)
 
 
@@ -133,7 +133,7 @@ class OllamaEmbedRequest(RequestBody):
     model: str = Field(min_length=1)
     input: str | list[str] = Field(json_schema_extra={"minLength": 1, "minItems": 1,
                                                       "items": {"type": "string", "minLength": 1}})
-    truncate: bool = True
+    truncate: JsonBool = True
     options: dict[str, Any] | None = Field(default=None, json_schema_extra={
         "description": "only load-time options; a sampling option is a 400"})
     keep_alive: str | JsonFloat | None = Field(default=None, json_schema_extra=_DURATION)
@@ -158,7 +158,7 @@ class OllamaModelRequest(RequestBody):
 
     model: str | None = None
     name: str | None = None
-    verbose: bool = False
+    verbose: JsonBool = False
 
 
 _FAR_FUTURE = 4102444800.0  # 2100-01-01, what Ollama shows for "never"
@@ -437,7 +437,7 @@ async def _chat_route(request: Request) -> Response:
     keep_alive_s = _keep_alive(body.keep_alive)
     # What can be checked without the model is checked first: a request that only loads the model
     # still refuses a bad option (the context limit waits for the model).
-    _common_sampling(body, max_model_len=sys.maxsize)
+    make_sampling_params({**_common_sampling(body, max_model_len=sys.maxsize)[0], "max_tokens": 1})
     if not body.messages:  # Ollama: an empty chat loads (or, with keep_alive 0, unloads) the model
         return await _load_or_unload(state, body.model, keep_alive_s, {"message": {"role": "assistant", "content": ""}})
 
@@ -459,7 +459,7 @@ async def _generate_route(request: Request) -> Response:
     for name in ("suffix", "template", "context", "images"):
         if getattr(body, name):
             raise InvalidRequestError(f"{name} is not supported by this server", param=name)
-    _common_sampling(body, max_model_len=sys.maxsize)
+    make_sampling_params({**_common_sampling(body, max_model_len=sys.maxsize)[0], "max_tokens": 1})
     if not body.prompt:
         return await _load_or_unload(state, body.model, keep_alive_s, {"response": ""})
 

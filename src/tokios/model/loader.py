@@ -49,8 +49,9 @@ _GGUF_LAYER_NAMES_BY_ARCHITECTURE = {
                "attn_q_norm.weight": "self_attn.q_norm.weight",
                "attn_k_norm.weight": "self_attn.k_norm.weight"},
 }
-# Architectures whose converter keeps Q/K rows in the Hugging Face (NEOX, rotate-half) order.
-_UNPERMUTED_ROPE_ARCHITECTURES = ("gemma3",)
+# Architectures whose converter keeps Q/K rows in the Hugging Face (NEOX, rotate-half) order:
+# llama.cpp's convert_hf_to_gguf.py interleaves the rows only for the Llama family (llama, mistral).
+_UNPERMUTED_ROPE_ARCHITECTURES = ("gemma3", "qwen2")
 
 _GGUF_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                    "output.weight": "lm_head.weight"}

@@ -2,8 +2,9 @@
 
 Nothing of a peer lives in the repository. llama-cpp-python is an optional extra (`pip install
 tokios[bench]`); the llama.cpp server binary is taken from --llama-server, from PATH, or built once
-from the llama-cpp-python source distribution (its vendored llama.cpp, the same version as the
-installed binding when there is one) into ~/.cache/tokios/peers/ (TOKIOS_PEERS_DIR overrides).
+from llama.cpp's sources in the pinned llama-cpp-python source distribution (the same copy the
+tests read its converter and vocabularies from; scripts/setup fetches it) into
+~/.cache/tokios/peers/ (TOKIOS_PEERS_DIR overrides).
 ServerProcess starts a server on a free loopback port, waits for it to answer, reads its peak
 resident memory from /proc, and tears it down. Used by offline.py, prefix.py, compare.py
 and serve.py (the prompt tokenizer).
@@ -18,7 +19,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tarfile
 import time
 from pathlib import Path
 
@@ -51,9 +51,9 @@ def resolve_model_path(model: str | None, *, directory_ok: bool = False) -> str:
 
 
 def peers_dir() -> Path:
-    from tokios.model_files import cache_directory
+    from tokios.model_files import peers_directory
 
-    return Path(os.environ["TOKIOS_PEERS_DIR"]) if os.environ.get("TOKIOS_PEERS_DIR") else cache_directory() / "peers"
+    return peers_directory()
 
 
 def require_llama_cpp():
@@ -88,37 +88,35 @@ def find_llama_server(explicit_path: str | None = None, *, build: bool = True, n
     return build_llama_server(num_jobs=num_jobs)
 
 
-def _binding_version() -> str | None:
-    try:
-        from importlib.metadata import version
+def fetch_llama_cpp_sources() -> Path:
+    """llama.cpp's sources from the pinned llama-cpp-python sdist (model_files.LLAMA_CPP_PYTHON_VERSION),
+    downloaded and unpacked here if scripts/setup has not done it already."""
+    from tokios import model_files
 
-        return version("llama-cpp-python")
-    except Exception:  # not installed: build the newest source distribution
-        return None
+    try:
+        return model_files.llama_cpp_sources()
+    except ModelLoadError:
+        pass
+    downloads = peers_dir() / "sdist"
+    downloads.mkdir(parents=True, exist_ok=True)
+    version = model_files.LLAMA_CPP_PYTHON_VERSION
+    _run_logged([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
+                 "--dest", str(downloads), f"llama-cpp-python=={version}"], "pip download")
+    archive = downloads / f"llama_cpp_python-{version}.tar.gz"
+    if not archive.is_file():
+        raise TokiosError(f"pip download left no {archive.name} in {downloads}")
+    return model_files.unpack_llama_cpp_sources(archive)
 
 
 def build_llama_server(*, num_jobs: int = 2) -> str:
-    """Build llama-server from the llama-cpp-python sdist into peers_dir(); returns its path."""
+    """Build llama-server from the pinned llama.cpp sources into peers_dir(); returns its path."""
+    from tokios.model_files import LLAMA_CPP_PYTHON_VERSION
+
     for tool in ("cmake", "c++"):
         if shutil.which(tool) is None:
             raise TokiosError(f"building llama-server needs {tool} on PATH")
-    version = _binding_version()
-    requirement = f"llama-cpp-python=={version}" if version else "llama-cpp-python"
-    downloads = peers_dir() / "sdist"
-    downloads.mkdir(parents=True, exist_ok=True)
-    _run_logged([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
-                 "--dest", str(downloads), requirement], "pip download")
-    archives = sorted(downloads.glob(f"llama_cpp_python-{version or ''}*.tar.gz"))
-    if not archives:
-        raise TokiosError(f"pip download left no llama_cpp_python source archive in {downloads}")
-    archive = archives[-1]
-    source_root = peers_dir() / archive.name.removesuffix(".tar.gz")
-    if not source_root.is_dir():
-        with tarfile.open(archive) as tar:
-            tar.extractall(peers_dir(), filter="data")
-    llama_source = source_root / "vendor" / "llama.cpp"
-    build_root = peers_dir() / f"llama.cpp-{archive.name.removesuffix('.tar.gz').split('-')[-1]}"
-    build_dir = build_root / "build"
+    llama_source = fetch_llama_cpp_sources()
+    build_dir = peers_dir() / f"llama.cpp-{LLAMA_CPP_PYTHON_VERSION}" / "build"
     _run_logged(["cmake", "-S", str(llama_source), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release",
                  "-DLLAMA_BUILD_SERVER=ON", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
                  "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"], "cmake")

@@ -1,7 +1,7 @@
 """Regenerate the golden files (tests/data/golden/*.json, described in golden.py) with transformers.
 
     .venv/bin/python tests/model/make_golden.py            # every model
-    .venv/bin/python tests/model/make_golden.py gemma3     # one: smollm2 or gemma3
+    .venv/bin/python tests/model/make_golden.py gemma3     # one: smollm2, gemma3 or qwen25
 
 Run it when a model file, the prompts or texts of the tests that read a golden file, or the
 installed transformers changes what the live comparisons (test_parity.py's and test_gemma3.py's
@@ -21,7 +21,7 @@ import transformers
 from golden import golden_path, logits_summary, model_file_key, rounded
 from reference import (load_reference_model, load_reference_tokenizer, perplexity_from_logits, reference_greedy,
                        reference_logits)
-from tokios.model_files import default_model_path, gemma3_model_path
+from tokios.model_files import default_model_path, gemma3_model_path, qwen25_model_path
 from tokios.tokenizer import Tokenizer
 
 PERPLEXITY_TEXT = Path(__file__).parent.parent / "data" / "perplexity_text.txt"
@@ -77,7 +77,20 @@ def gemma3() -> dict:
                           for text in GEMMA_CORPUS]}
 
 
-MAKERS = {"smollm2": smollm2, "gemma3": gemma3}
+def qwen25() -> dict:
+    from test_qwen25 import NUM_TOKENS, PROMPTS, prompt_token_ids
+
+    path = qwen25_model_path()
+    model, tokenizer = load_reference_model(path), Tokenizer.from_gguf_file(path)
+    reference_tokenizer = load_reference_tokenizer(path)
+    return {**header(path),
+            "sequences": {name: sequence(model, prompt_token_ids(tokenizer, PROMPTS[name]), NUM_TOKENS)
+                          for name in sorted(PROMPTS)},
+            "chat_text": reference_tokenizer.apply_chat_template(PROMPTS["chat_reverse"], add_generation_prompt=True,
+                                                                 tokenize=False)}
+
+
+MAKERS = {"smollm2": smollm2, "gemma3": gemma3, "qwen25": qwen25}
 
 
 def main(names: list[str]) -> None:

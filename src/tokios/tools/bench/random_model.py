@@ -1,0 +1,86 @@
+"""`tokios bench random-model`: a full-size model of an architecture whose weights no package
+ships, with random weights, as a GGUF file written by llama.cpp's own converter.
+
+Speed does not depend on what the weights are, only on their shapes and block types, so a
+benchmark of an architecture needs its real dimensions, not its training. The model is built with
+transformers' own config and model class (seeded), saved with a real tokenizer (transformers'
+reading of one of llama.cpp's ggml-vocab-*.gguf files, from the pinned sources that
+peers.fetch_llama_cpp_sources provides), converted by `convert_hf_to_gguf.py` to F16 and kept
+under the peers cache's models/ folder; `--quantize Q4_K_M` on the other bench commands then
+requantizes it with llama-quantize, as a user's downloaded file would be. Prints the file's path.
+
+PRESETS names each architecture's published dimensions (Qwen3-0.6B's config.json, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tokios.errors import InvalidRequestError, TokiosError
+
+
+@dataclass(frozen=True)
+class RandomModelPreset:
+    config_class: str  # transformers class name
+    vocab: str  # llama.cpp's ggml-vocab-<vocab>.gguf
+    config: dict = field(default_factory=dict)
+
+
+PRESETS = {
+    # Qwen3-0.6B's published config.json (596M parameters, tied embeddings).
+    "qwen3-0.6b": RandomModelPreset("Qwen3Config", "qwen2", dict(
+        hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6,
+        tie_word_embeddings=True)),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("preset", choices=sorted(PRESETS), help="architecture and size")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def random_model_path(preset_name: str, *, seed: int = 0) -> Path:
+    """The preset's F16 GGUF in the peers cache, made once."""
+    from tokios.tools.bench.peers import fetch_llama_cpp_sources, peers_dir
+
+    if preset_name not in PRESETS:
+        raise InvalidRequestError(f"preset must be one of {', '.join(sorted(PRESETS))}, got {preset_name!r}",
+                                  param="preset")
+    target = peers_dir() / "models" / f"random-{preset_name}-seed{seed}.F16.gguf"
+    if target.is_file():
+        return target
+    sources = fetch_llama_cpp_sources()
+    try:
+        import torch
+        import transformers
+    except ImportError as exc:
+        raise TokiosError(f"random models are built with transformers and torch: {exc}") from None
+    preset = PRESETS[preset_name]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(sources / "models"),
+                                                           gguf_file=f"ggml-vocab-{preset.vocab}.gguf")
+    config = getattr(transformers, preset.config_class)(vocab_size=len(tokenizer), **preset.config)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as directory:
+        model.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+        del model
+        partial = target.with_suffix(".partial")
+        result = subprocess.run([sys.executable, str(sources / "convert_hf_to_gguf.py"), directory, "--outfile",
+                                 str(partial), "--outtype", "f16"], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise TokiosError(f"convert_hf_to_gguf.py failed ({result.returncode}):\n{result.stderr[-2000:]}")
+    partial.rename(target)
+    return target
+
+
+def run(args: argparse.Namespace) -> int:
+    print(random_model_path(args.preset, seed=args.seed))
+    return 0

@@ -8,9 +8,10 @@ Owns `converted_model()`, which makes (once per test session and architecture) t
 GGUF file and the transformers model that the parity tests compare the engine against, and
 `TinyFamily`, which says what one architecture's tiny model is.
 
-Random weights are scaled up from transformers' initialisation (std 0.02 makes every position's
-greedy choice the same token, and near-ties everywhere): with `initializer_range` around 0.5 the
-logits spread over tens of units, so a greedy decision moves only when the maths does.
+Random weights are scaled so that greedy decisions are not near-ties: with transformers' std 0.02
+a Llama-shaped model picks the same token everywhere, so those configs set `initializer_range`
+around 0.5 (logits spread over tens of units); Gemma scales its embedding by sqrt(hidden) and
+collapses at 0.5, so it keeps 0.02 with random norm weights.
 """
 
 from __future__ import annotations
@@ -32,12 +33,14 @@ from tokios.model_files import llama_cpp_sources
 class TinyFamily:
     """One architecture's tiny model: `make_config(vocab_size)` returns its transformers config;
     `vocab` names the ggml-vocab-<vocab>.gguf whose tokenizer it carries; `random_biases` fills
-    the attention biases (zero in transformers' initialisation) so that their layout is tested."""
+    the attention biases and `random_norms` moves the norm weights (zero and one in transformers'
+    initialisation) so that their layout and stored form are tested."""
 
     name: str
     make_config: Callable[[int], object]
     vocab: str
     random_biases: bool = False
+    random_norms: bool = False
     seed: int = 0
     extra_files: dict = field(default_factory=dict)  # file name -> text, written into the directory
 
@@ -59,11 +62,12 @@ def build_hf_directory(family: TinyFamily, directory: Path):
     config = family.make_config(len(tokenizer))
     torch.manual_seed(family.seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    if family.random_biases:
-        with torch.no_grad():
-            for name, parameter in model.named_parameters():
-                if name.endswith(".bias"):
-                    parameter.normal_(0.0, 0.5)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if family.random_biases and name.endswith(".bias"):
+                parameter.normal_(0.0, 0.5)
+            if family.random_norms and "norm" in name:
+                parameter.add_(torch.randn_like(parameter) * 0.5)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)

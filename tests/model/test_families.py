@@ -1,6 +1,7 @@
 """Every architecture the README names, on a file as llama.cpp's converter writes it, against
 transformers on the same weights (float32): tiny seeded random models (converted.py) of each
-family, loaded by the engine from the converted GGUF and from the Hugging Face directory.
+family, loaded by the engine from the converted GGUF and from the Hugging Face directory. This is
+each architecture's live transformers comparison (the real models' tests read golden files).
 
 For each: the engine's tokenizer gives transformers' ids on the test text; the greedy
 continuation is transformers' own; and the logits at every position of prompt plus
@@ -48,24 +49,36 @@ def mistral_config(vocab_size: int):
         tie_word_embeddings=False, initializer_range=0.5)
 
 
+def gemma3_config(vocab_size: int):
+    # Six layers so that the 5:1 sliding/global pattern has its global layer; a 32-token window.
+    return _transformers().Gemma3TextConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=160, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=32, max_position_embeddings=1024, sliding_window=32, rope_theta=1e6,
+        rope_local_base_freq=10000.0, query_pre_attn_scalar=32)
+
+
 FAMILIES = {
     family.name: family for family in (
         TinyFamily("qwen2", qwen2_config, vocab="qwen2", random_biases=True),
         TinyFamily("mistral", mistral_config, vocab="llama-bpe"),
+        TinyFamily("gemma3", gemma3_config, vocab="qwen2", random_norms=True),
     )
 }
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
-def tiny(request, tmp_path_factory):
-    return converted_model(FAMILIES[request.param], tmp_path_factory)
+# Gemma 3 loads from GGUF files only (its HF directory is refused, test below).
+GGUF_ONLY = ("gemma3",)
+CASES = [(name, source) for name in sorted(FAMILIES) for source in ("gguf", "hf_directory")
+         if source == "gguf" or name not in GGUF_ONLY]
 
 
-@pytest.fixture(scope="module", params=["gguf", "hf_directory"])
-def tiny_engine(request, tiny):
+@pytest.fixture(scope="module", params=CASES, ids=lambda case: "-".join(case))
+def tiny_engine(request, tmp_path_factory):
     from tokios.engine import LLM
 
-    path = tiny.gguf_path if request.param == "gguf" else tiny.hf_directory
+    name, source = request.param
+    tiny = converted_model(FAMILIES[name], tmp_path_factory)
+    path = tiny.gguf_path if source == "gguf" else tiny.hf_directory
     llm = LLM(model=str(path), dtype="float32", kv_cache_memory="64MiB")
     yield tiny, llm
     llm.close()
@@ -97,3 +110,13 @@ def test_greedy_continuation_and_logits_match_transformers(tiny_engine):
     spread = (theirs.max() - theirs.min()).item()
     difference = (ours - theirs).abs().max().item()
     assert difference <= LOGITS_RTOL * spread, f"largest logit difference {difference:.3g} over a spread of {spread:.3g}"
+
+
+@pytest.mark.parametrize("name", GGUF_ONLY)
+def test_a_directory_of_a_gguf_only_architecture_is_refused_by_name(name, tmp_path_factory):
+    from tokios.engine import LLM
+    from tokios.errors import UnsupportedError
+
+    tiny = converted_model(FAMILIES[name], tmp_path_factory)
+    with pytest.raises(UnsupportedError, match="not supported"):
+        LLM(model=str(tiny.hf_directory), dtype="float32", kv_cache_memory="64MiB")

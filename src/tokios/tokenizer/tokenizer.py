@@ -2,7 +2,7 @@
 
 Owns building a Hugging Face `tokenizers` pipeline from GGUF metadata (byte-level BPE with the
 pre-tokenizer llama.cpp would use, or SentencePiece-style BPE with byte fallback from
-sentencepiece.py for `llama` vocabularies; control and user-defined tokens, BOS/EOS
+sentencepiece.py for `llama` and `gemma4` vocabularies; control and user-defined tokens, BOS/EOS
 rules) or from a Hugging Face directory, and `load_tokenizer(path)` which picks between them.
 Talks to tokios/gguf_file.py (reads the file), hf_dir.py (reads a Hugging Face directory),
 bos_eos.py, pretokenizers.py, chat_template.py and byte_level.py, none of which imports this
@@ -100,10 +100,10 @@ class Tokenizer:
         tokenizer_model = metadata.get("tokenizer.ggml.model")
         if tokenizer_model is None:
             raise ModelLoadError(f"GGUF metadata has no tokenizer.ggml.model {_where(source)}")
-        if tokenizer_model not in ("gpt2", "llama"):
+        if tokenizer_model not in ("gpt2", "llama", "gemma4"):
             raise UnsupportedError(
                 f"tokenizer model {tokenizer_model!r} is not supported (supported: 'gpt2', byte-level BPE; "
-                f"'llama', SentencePiece with byte fallback) {_where(source)}"
+                f"'llama' and 'gemma4', SentencePiece-style BPE with byte fallback) {_where(source)}"
             )
         tokens = _require(metadata, "tokenizer.ggml.tokens", source)
         token_types = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
@@ -112,7 +112,7 @@ class Tokenizer:
                 f"tokenizer.ggml.token_type has {len(token_types)} entries but tokenizer.ggml.tokens has "
                 f"{len(tokens)} {_where(source)}"
             )
-        if tokenizer_model == "llama":
+        if tokenizer_model in ("llama", "gemma4"):
             backend = build_sentencepiece_bpe(metadata, metadata.get("general.architecture"), _where(source))
         else:
             merges = _require(metadata, "tokenizer.ggml.merges", source)
@@ -135,8 +135,11 @@ class Tokenizer:
         eos_token_id = token_id("tokenizer.ggml.eos_token_id")
         backend.post_processor = bos_eos_processor(
             backend,
-            # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise.
-            bos_token_id if metadata.get("tokenizer.ggml.add_bos_token", tokenizer_model == "llama") else None,
+            # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise, and
+            # to a `gemma4` one whatever its file says.
+            bos_token_id
+            if tokenizer_model == "gemma4" or metadata.get("tokenizer.ggml.add_bos_token", tokenizer_model == "llama")
+            else None,
             eos_token_id if metadata.get("tokenizer.ggml.add_eos_token", False) else None,
             _where(source),
         )

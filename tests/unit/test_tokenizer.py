@@ -14,7 +14,7 @@ from tokios.gguf_file import read_gguf_metadata
 from tokios.model_files import default_model_path
 from tokios.tokenizer import Tokenizer, load_tokenizer
 from tokios.tokenizer.byte_level import byte_to_char
-from tokios.tokenizer.pretokenizers import PRE_TOKENIZER_TO_SPLITS, build_pre_tokenizer
+from tokios.tokenizer.pretokenizers import PRE_TOKENIZATIONS, build_pre_tokenizer
 
 MULTILINGUAL_SAMPLES = [
     "Hello, world!",
@@ -120,7 +120,7 @@ def test_pre_tokenizer_splits_follow_llama_cpp(name, text, words):
 
 
 def test_every_named_pre_tokenizer_builds():
-    for name in PRE_TOKENIZER_TO_SPLITS:
+    for name in PRE_TOKENIZATIONS:
         assert build_pre_tokenizer(name).pre_tokenize_str("It's 2024!")
 
 

@@ -1,7 +1,9 @@
 """SentencePiece-style GGUF vocabularies (tokenizer/sentencepiece.py) on a toy vocabulary: merges
 recovered by score or by position, byte fallback for what the vocabulary lacks, the space marker,
-BOS as the file says, and streaming decode of byte pieces. Parity with transformers on the real
-Gemma 3 file is tests/model/test_gemma3.py's job."""
+BOS as the file says, Gemma 4's `gemma4` model (merges from the file, no space prefix, BOS always),
+and streaming decode of byte pieces. Parity with transformers on the real Gemma 3 file is
+tests/model/test_gemma3.py's job; Gemma 4's vocabulary against llama.cpp's vectors is
+tests/model/test_llama_cpp_vocabularies.py's."""
 
 from __future__ import annotations
 
@@ -57,6 +59,15 @@ def test_bos_is_added_as_the_file_says_and_by_default():
     assert Tokenizer.from_gguf_metadata(metadata).encode("a")[0] == 2
     no_bos = Tokenizer.from_gguf_metadata({**metadata, "tokenizer.ggml.add_bos_token": False})
     assert 2 not in no_bos.encode("a")
+
+
+def test_gemma4_model_merges_as_listed_without_space_prefix_and_always_adds_bos():
+    metadata = toy_metadata("gemma4", ["a", "b", "\u2581", "ab", "\u2581b"], [0.0] * 5,
+                            **{"tokenizer.ggml.model": "gemma4", "tokenizer.ggml.add_bos_token": False,
+                               "tokenizer.ggml.merges": ["a b", "\u2581 b"]})
+    tokenizer = Tokenizer.from_gguf_metadata(metadata)
+    assert tokenizer.convert_ids_to_tokens(tokenizer.encode("ab b")) == ["<bos>", "ab", "\u2581b"]
+    assert tokenizer.decode(tokenizer.encode("ab b", add_special_tokens=False)) == "ab b"
 
 
 def test_missing_characters_fall_back_to_bytes_and_decode_back():

@@ -1,13 +1,13 @@
-"""SentencePiece-style vocabularies from GGUF metadata (`tokenizer.ggml.model = llama`) as a
-`tokenizers` BPE with byte fallback.
+"""SentencePiece-style vocabularies from GGUF metadata as a `tokenizers` BPE with byte fallback.
 
-Owns build_sentencepiece_bpe(); tokenizer.py calls it for such files. A GGUF of this kind lists
-tokens, scores and token types but (usually) no merges, so the merges are recovered from the
-vocabulary: every split of a token into two tokens is a merge, ranked by the merged token's
-priority. That priority is the score for most SentencePiece models; for Gemma files it is the
-token's position, because their scores do not follow the merge order (transformers' GGUF loader
-makes the same choice, and ids must equal its ids). Spaces are the "▁" marker; pieces missing
-from the vocabulary fall back to <0xNN> byte tokens.
+Owns build_sentencepiece_bpe(); tokenizer.py calls it for `tokenizer.ggml.model = llama` files and
+for Gemma 4's `gemma4` (the same scheme on raw UTF-8, with its merges in the file and no space
+prefix). A `llama` GGUF lists tokens, scores and token types but (usually) no merges, so the merges
+are recovered from the vocabulary: every split of a token into two tokens is a merge, ranked by the
+merged token's priority. That priority is the score for most SentencePiece models; for Gemma files
+it is the token's position, because their scores do not follow the merge order (transformers' GGUF
+loader makes the same choice, and ids must equal its ids). Spaces are the "▁" marker; pieces
+missing from the vocabulary fall back to <0xNN> byte tokens.
 """
 
 from __future__ import annotations
@@ -68,13 +68,18 @@ def build_sentencepiece_bpe(metadata: Mapping[str, Any], architecture: str | Non
                                                   byte_fallback=True))
     except Exception as exc:  # tokenizers raises plain Exception for inconsistent merges
         raise ModelLoadError(f"cannot build the SentencePiece tokenizer {where}: {exc}") from None
+    # Unless the file says otherwise, llama.cpp prepends a space to `llama` vocabularies but not
+    # to Gemma's nor to the `gemma4` model (a BPE whose merges run on the text as it is).
+    adds_space_prefix = metadata.get(
+        "tokenizer.ggml.add_space_prefix", not by_position and metadata["tokenizer.ggml.model"] == "llama"
+    )
     steps = [normalizers.Replace(" ", SPACE_MARKER)]
-    if metadata.get("tokenizer.ggml.add_space_prefix", not by_position):
+    if adds_space_prefix:
         steps.insert(0, normalizers.Prepend(SPACE_MARKER))
     backend.normalizer = normalizers.Sequence(steps)
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(" "), behavior="merged_with_previous")
     decode_steps = [decoders.Replace(SPACE_MARKER, " "), decoders.ByteFallback(), decoders.Fuse()]
-    if metadata.get("tokenizer.ggml.add_space_prefix", not by_position):
+    if adds_space_prefix:
         decode_steps.append(decoders.Strip(" ", 1, 0))
     backend.decoder = decoders.Sequence(decode_steps)
     backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)

@@ -2,11 +2,12 @@
 
 Owns building a Hugging Face `tokenizers` pipeline from GGUF metadata (byte-level BPE with the
 pre-tokenizer llama.cpp would use, or SentencePiece-style BPE with byte fallback from
-sentencepiece.py; control and user-defined tokens, BOS/EOS rules) or from a Hugging Face directory,
-and `load_tokenizer(path)` which picks between them. Talks to tokios/gguf_file.py (reads the file),
-hf_dir.py (reads a Hugging Face directory), bos_eos.py, pretokenizers.py, chat_template.py and
-byte_level.py, none of which imports this module. Used by the engine front end, the server (chat
-template, prompt tokens) and the detokenizer / stop matcher.
+sentencepiece.py for `llama` and `gemma4` vocabularies; control and user-defined tokens, BOS/EOS
+rules) or from a Hugging Face directory, and `load_tokenizer(path)` which picks between them.
+Talks to tokios/gguf_file.py (reads the file), hf_dir.py (reads a Hugging Face directory),
+bos_eos.py, pretokenizers.py, chat_template.py and byte_level.py, none of which imports this
+module. Used by the engine front end, the server (chat template, prompt tokens) and the
+detokenizer / stop matcher.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from tokios.tokenizer.bos_eos import bos_eos_processor
 from tokios.tokenizer.byte_level import build_token_bytes_table, is_byte_level_spelling, spell_bytes
 from tokios.tokenizer.chat_template import ChatTemplate
 from tokios.tokenizer.hf_dir import read_hf_dir
-from tokios.tokenizer.pretokenizers import build_pre_tokenizer
+from tokios.tokenizer.pretokenizers import pre_tokenization
 from tokios.tokenizer.sentencepiece import build_sentencepiece_bpe
 
 # llama.cpp token types (tokenizer.ggml.token_type).
@@ -99,10 +100,10 @@ class Tokenizer:
         tokenizer_model = metadata.get("tokenizer.ggml.model")
         if tokenizer_model is None:
             raise ModelLoadError(f"GGUF metadata has no tokenizer.ggml.model {_where(source)}")
-        if tokenizer_model not in ("gpt2", "llama"):
+        if tokenizer_model not in ("gpt2", "llama", "gemma4"):
             raise UnsupportedError(
                 f"tokenizer model {tokenizer_model!r} is not supported (supported: 'gpt2', byte-level BPE; "
-                f"'llama', SentencePiece with byte fallback) {_where(source)}"
+                f"'llama' and 'gemma4', SentencePiece-style BPE with byte fallback) {_where(source)}"
             )
         tokens = _require(metadata, "tokenizer.ggml.tokens", source)
         token_types = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
@@ -111,13 +112,15 @@ class Tokenizer:
                 f"tokenizer.ggml.token_type has {len(token_types)} entries but tokenizer.ggml.tokens has "
                 f"{len(tokens)} {_where(source)}"
             )
-        if tokenizer_model == "llama":
+        if tokenizer_model in ("llama", "gemma4"):
             backend = build_sentencepiece_bpe(metadata, metadata.get("general.architecture"), _where(source))
         else:
             merges = _require(metadata, "tokenizer.ggml.merges", source)
-            pre_tokenizer = build_pre_tokenizer(metadata.get("tokenizer.ggml.pre"))
-            backend = _build_byte_level_bpe(tokens, token_types, merges, source)
-            backend.pre_tokenizer = pre_tokenizer
+            words = pre_tokenization(metadata.get("tokenizer.ggml.pre"))
+            backend = _build_byte_level_bpe(
+                tokens, token_types, merges, source, ignore_merges=words.keeps_whole_words
+            )
+            backend.pre_tokenizer = words.pre_tokenizer()
             backend.decoder = decoders.ByteLevel()
 
         def token_id(key: str) -> int | None:
@@ -132,8 +135,11 @@ class Tokenizer:
         eos_token_id = token_id("tokenizer.ggml.eos_token_id")
         backend.post_processor = bos_eos_processor(
             backend,
-            # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise.
-            bos_token_id if metadata.get("tokenizer.ggml.add_bos_token", tokenizer_model == "llama") else None,
+            # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise, and
+            # to a `gemma4` one whatever its file says.
+            bos_token_id
+            if tokenizer_model == "gemma4" or metadata.get("tokenizer.ggml.add_bos_token", tokenizer_model == "llama")
+            else None,
             eos_token_id if metadata.get("tokenizer.ggml.add_eos_token", False) else None,
             _where(source),
         )
@@ -324,7 +330,7 @@ def _require(metadata: Mapping[str, Any], key: str, source: str) -> Any:
 
 
 def _build_byte_level_bpe(
-    tokens: Sequence[str], token_types: Sequence[int], merges: Sequence[str], source: str
+    tokens: Sequence[str], token_types: Sequence[int], merges: Sequence[str], source: str, *, ignore_merges: bool
 ) -> tokenizers.Tokenizer:
     # Control and user-defined tokens keep their raw text: they are matched whole in the input
     # (as llama.cpp does), and the byte-level decoder passes such text through unchanged.
@@ -357,7 +363,9 @@ def _build_byte_level_bpe(
     parts_iterator = iter(" ".join(merges).split(" "))
     merge_pairs = list(zip(parts_iterator, parts_iterator))
     try:
-        backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merge_pairs, fuse_unk=False))
+        backend = tokenizers.Tokenizer(
+            models.BPE(vocab=vocab, merges=merge_pairs, fuse_unk=False, ignore_merges=ignore_merges)
+        )
     except Exception as exc:  # tokenizers raises plain Exception for inconsistent merges
         raise ModelLoadError(f"cannot build the BPE tokenizer {_where(source)}: {exc}") from None
     backend.add_special_tokens(control_tokens)

@@ -1,8 +1,9 @@
 """Golden files: what transformers computes in float32 on a model file, stored in the repository
 (tests/data/golden/<name>.json) so that most model tests compare against it without loading
-transformers. make_golden.py writes them; one live test per architecture (test_parity.py for
-llama, test_gemma3.py for Gemma 3) recomputes them with transformers on every run and fails if
-they no longer agree.
+transformers. make_golden.py writes them. Live transformers runs on every test run too: on the
+default model, test_parity.py recomputes its golden file and fails if they no longer agree; and
+every architecture is compared live on a tiny model converted by llama.cpp's script
+(test_families.py), so a transformers change in an architecture shows there.
 
 A golden file is keyed to its model file by name, size and sha256: a different file fails the
 test that reads it, naming the command that regenerates it.

@@ -4,8 +4,8 @@
     .venv/bin/python tests/model/make_golden.py gemma3     # one: smollm2, gemma3 or qwen25
 
 Run it when a model file, the prompts or texts of the tests that read a golden file, or the
-installed transformers changes what the live comparisons (test_parity.py's and test_gemma3.py's
-`test_golden_file_is_what_transformers_computes`) see; commit the files it writes. It takes a
+installed transformers changes what the live comparisons (test_parity.py's
+`test_golden_file_is_what_transformers_computes`, test_families.py) see; commit the files it writes. It takes a
 minute or two (transformers loads Gemma 3 in about 30 s).
 """
 

@@ -24,6 +24,7 @@ from tokios.model.gemma3 import Gemma3Model
 from tokios.model.llama import LlamaModel
 from tokios.model.phi3 import split_fused_projections
 from tokios.model.quant import PACKABLE_TYPES, PackedWeight, dequantize
+from tokios.model.rope import pair_unrotated_dimensions
 from tokios.model.shape import ModelShape, gguf_architecture, shape_from_gguf, shape_from_hf_directory
 
 # GGUF architecture name / HF model_type -> model class.
@@ -84,9 +85,10 @@ def _architecture_class(name: str):
 
 def model_config_from_shape(shape: ModelShape) -> ModelConfig:
     """The engine's ModelConfig: the file's shape under the names the model code reads."""
-    if shape.num_rope_dims not in (None, shape.head_dim):
-        raise UnsupportedError(f"{shape.name}: RoPE on {shape.num_rope_dims} of each head's {shape.head_dim} "
-                               "dimensions (partial rotary) is not supported")
+    if shape.num_rope_dims is not None and not (0 < shape.num_rope_dims < shape.head_dim
+                                                and shape.num_rope_dims % 2 == 0):
+        raise ModelLoadError(f"{shape.name}: RoPE on {shape.num_rope_dims} of each head's {shape.head_dim} "
+                             "dimensions (an even number below it is needed)")
     return ModelConfig(
         architecture=shape.architecture,
         num_layers=shape.num_layers,
@@ -100,6 +102,7 @@ def model_config_from_shape(shape: ModelShape) -> ModelConfig:
         rope_theta=shape.rope_theta,
         rope_scaling=shape.rope_scaling,
         rms_norm_eps=shape.rms_norm_eps,
+        num_rope_dims=shape.num_rope_dims,
         tie_word_embeddings=shape.tie_word_embeddings,
         attention_bias=shape.has_qkv_bias,
         name=shape.name,
@@ -206,7 +209,7 @@ def read_model_file(path: str, part_of: Callable[[ModelConfig], ModelPart] | Non
         keep = _weights_to_read(part_of, config)
         weights = weights_from_gguf(gguf, config, keep)
         tokenizer_source = gguf.metadata
-    weights = split_fused_projections(weights, config)
+    weights = pair_unrotated_dimensions(split_fused_projections(weights, config), config)
     if context_len is not None and context_len < config.max_model_len:
         config = replace(config, max_model_len=context_len)
     if "rope_freqs" in weights:

@@ -6,7 +6,12 @@ The checkpoint fuses the projections, q, k and v in one `qkv_proj` and gate and 
 with twice the rows; model/loader.py names them back), in rotate-half order (no Q/K permutation).
 They are split here into Llama's q/k/v and gate/up weights, so that everything keyed by those
 names (the layer's own fusing, tensor-parallel sharding) serves Phi-3 unchanged. LongRoPE, which
-the long-context models declare, is model/rope.py's, read from the file like any other scaling.
+the long-context models declare, and Phi-4-mini's partial rotary are model/rope.py's, read from
+the file like any other RoPE setting.
+
+A `sliding_window` in the config (Phi-3-mini-4k's 2047) is not applied, as llama.cpp does not
+apply it to phi3 files (its converter writes the key, its runtime turns it off); transformers
+does, so the two differ on sequences longer than the window.
 """
 
 from __future__ import annotations

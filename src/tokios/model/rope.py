@@ -32,11 +32,13 @@ import torch
 
 from tokios.config import ModelConfig
 from tokios.errors import ModelLoadError, UnsupportedError
+from tokios.model.quant import select_rows
 
 
 def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    head_dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    """[num_rope_dims / 2] the rotated pairs' frequencies, scaled as the file declares."""
+    num_dims = config.num_rope_dims or config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, num_dims, 2, dtype=torch.float64) / num_dims))
     scaling = config.rope_scaling or {}
     kind = scaling.get("type", scaling.get("rope_type", "none"))
     if kind in ("none", "default", None):
@@ -82,14 +84,44 @@ def rotation_scale(config: ModelConfig) -> float:
     return 1.0
 
 
+def pair_unrotated_dimensions(weights: dict, config: ModelConfig) -> dict:
+    """Partial rotary (num_rope_dims < head_dim: the file rotates each head's leading
+    num_rope_dims dimensions, first half against second, and passes the rest) in this module's
+    one full-head layout: every query and key head's rows reordered to [rotated first half,
+    unrotated first half, rotated second half, unrotated second half], so the rotated pairs keep
+    their partners and the unrotated dimensions pair among themselves, turned by angle 0
+    (RotaryEmbedding). Scores q.k are unchanged by reordering both alike; the values keep their
+    order. `weights` in Hugging Face names (whatever file they came from); other weights unchanged."""
+    num_rotated = config.num_rope_dims
+    if num_rotated is None:
+        return weights
+    head_dim, half = config.head_dim, config.num_rope_dims // 2
+    num_unrotated_half = (head_dim - num_rotated) // 2
+    order = torch.cat([torch.arange(half), num_rotated + torch.arange(num_unrotated_half),
+                       half + torch.arange(half), num_rotated + num_unrotated_half + torch.arange(num_unrotated_half)])
+    reordered = dict(weights)
+    for name, weight in weights.items():
+        if name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
+            num_heads = weight.shape[0] // head_dim
+            rows = (torch.arange(num_heads)[:, None] * head_dim + order[None, :]).reshape(-1)
+            reordered[name] = select_rows(weight, rows)
+    return reordered
+
+
 class RotaryEmbedding:
     """Precomputed cos/sin tables for positions [0, max_positions)."""
 
     def __init__(self, config: ModelConfig, max_positions: int, device: torch.device, dtype: torch.dtype):
         inv_freq = inverse_frequencies(config)
+        # Partial rotary: the pairs past the rotated ones (pair_unrotated_dimensions) turn by
+        # angle 0 and are not scaled, so they pass unchanged.
+        num_unrotated_pairs = config.head_dim // 2 - inv_freq.numel()
+        pair_scale = torch.cat([torch.full_like(inv_freq, rotation_scale(config)),
+                                torch.ones(num_unrotated_pairs, dtype=torch.float64)])
+        inv_freq = torch.cat([inv_freq, torch.zeros(num_unrotated_pairs, dtype=torch.float64)])
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
         angles = torch.cat([angles, angles], dim=-1)  # [max_positions, head_dim]
-        scale = rotation_scale(config)
+        scale = torch.cat([pair_scale, pair_scale])  # [head_dim]
         self.cos = (angles.cos() * scale).to(device=device, dtype=dtype)
         self.sin = (angles.sin() * scale).to(device=device, dtype=dtype)
         self.half = config.head_dim // 2

@@ -181,7 +181,7 @@ def shape_from_gguf(gguf: GGUFFile) -> ModelShape:
         rope_theta=float(get("rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling,
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-        num_rope_dims=int(get("rope.dimension_count", head_dim)),
+        num_rope_dims=_partial(int(get("rope.dimension_count", head_dim)), head_dim),
         tie_word_embeddings=is_tied,
         has_qkv_bias="blk.0.attn_q.bias" in gguf.tensors,
         file_weight_bytes=total_bytes,
@@ -227,7 +227,7 @@ def shape_from_hf_directory(directory: str | os.PathLike[str]) -> ModelShape:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-            num_rope_dims=int(head_dim * partial_rotary_factor),
+            num_rope_dims=_partial(int(head_dim * partial_rotary_factor), head_dim),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             has_qkv_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
         )
@@ -256,6 +256,10 @@ def _rope_from_hf(hf: dict) -> tuple[float | None, dict | None]:
         return None, parameters
     scaling = {key: value for key, value in parameters.items() if key != "rope_theta"}
     return float(parameters["rope_theta"]), (None if scaling.get("rope_type", "default") == "default" else scaling)
+
+
+def _partial(num_rope_dims: int, head_dim: int) -> int | None:
+    return None if num_rope_dims == head_dim else num_rope_dims
 
 
 def _longrope_from_hf(scaling: dict, hf: dict) -> dict:

@@ -72,7 +72,7 @@ def longrope_inverse_frequencies(inv_freq: torch.Tensor, scaling: dict, context_
     factors = torch.as_tensor(scaling["long_factor" if is_long else "short_factor"], dtype=torch.float64)
     if factors.shape != inv_freq.shape:
         raise ModelLoadError(f"LongRoPE {'long' if is_long else 'short'}_factor has {factors.numel()} values; "
-                               f"a head of {2 * inv_freq.numel()} rotary dimensions needs {inv_freq.numel()}")
+                             f"a head of {2 * inv_freq.numel()} rotary dimensions needs {inv_freq.numel()}")
     return inv_freq / factors
 
 

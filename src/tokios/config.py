@@ -86,6 +86,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
     rms_norm_eps: float = 1e-5
+    num_rope_dims: int | None = None  # leading dimensions of each head that RoPE rotates; None: all
     tie_word_embeddings: bool = True
     attention_bias: bool = False
     name: str = ""

@@ -17,6 +17,7 @@ collapses at 0.5, so it keeps 0.02 with random norm weights.
 from __future__ import annotations
 
 import functools
+import struct
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -71,9 +72,61 @@ def build_hf_directory(family: TinyFamily, directory: Path):
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
+    sentencepiece_model = sentencepiece_model_file(family.vocab)
+    if sentencepiece_model is not None:
+        (directory / "tokenizer.model").write_bytes(sentencepiece_model)
     for name, text in family.extra_files.items():
         (directory / name).write_text(text)
     return model
+
+
+def sentencepiece_model_file(vocab: str) -> bytes | None:
+    """The tokenizer.model a SentencePiece-vocabulary checkpoint ships beside tokenizer.json (the
+    converter reads the pieces from it for such families, Phi-3's), made from llama.cpp's
+    ggml-vocab-<vocab>.gguf: its pieces, scores and types as a SentencePiece ModelProto (BPE);
+    None for a vocabulary of another kind. transformers saves no such file from a GGUF-read
+    tokenizer. Encoded by hand (protobuf's wire format): the protobuf package is no dependency."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(llama_cpp_sources() / "models" / f"ggml-vocab-{vocab}.gguf"))
+
+    def values(key: str) -> list:
+        field = reader.fields[key]
+        return [field.parts[index] for index in field.data]
+
+    if bytes(values("tokenizer.ggml.model")[0]) != b"llama":
+        return None
+    pieces = [bytes(piece) for piece in values("tokenizer.ggml.tokens")]
+    scores = [float(score[0]) for score in values("tokenizer.ggml.scores")]
+    # GGUF and SentencePiece number the piece types alike (1 normal, 2 unknown, 3 control, 4 user
+    # defined, 5 unused, 6 byte), but SentencePiece allows one unknown piece (id 0): the padding
+    # pieces a GGUF marks unknown are unused ones there.
+    types = [2 if index == 0 else (5 if kind == 2 else kind)
+             for index, kind in enumerate(int(kind[0]) for kind in values("tokenizer.ggml.token_type"))]
+    model = b"".join(_proto_field(1, _proto_field(1, piece) + _proto_field(2, struct.pack("<f", score), wire=5)
+                                  + _proto_field(3, kind, wire=0))
+                     for piece, score, kind in zip(pieces, scores, types))
+    model += _proto_field(2, _proto_field(3, 2, wire=0) + _proto_field(35, 1, wire=0))  # trainer: BPE, byte fallback
+    # normalizer: no charsmap, a dummy prefix, whitespace kept and escaped as U+2581
+    model += _proto_field(3, _proto_field(1, b"identity") + _proto_field(3, 1, wire=0)
+                          + _proto_field(4, 0, wire=0) + _proto_field(5, 1, wire=0))
+    return model
+
+
+def _proto_field(number: int, value, wire: int = 2) -> bytes:
+    """One protobuf field: wire 0 a varint, 2 bytes with their length, 5 four bytes as given."""
+    def varint(number: int) -> bytes:
+        out = bytearray()
+        while True:
+            out.append(number & 0x7F | (0x80 if number > 0x7F else 0))
+            number >>= 7
+            if not number:
+                return bytes(out)
+
+    key = varint(number << 3 | wire)
+    if wire == 0:
+        return key + varint(value)
+    return key + (varint(len(value)) + value if wire == 2 else value)
 
 
 def convert_to_gguf(hf_directory: Path, gguf_path: Path, outtype: str = "f32") -> Path:

@@ -57,11 +57,31 @@ def gemma3_config(vocab_size: int):
         rope_local_base_freq=10000.0, query_pre_attn_scalar=32)
 
 
+# LongRoPE's boundary in the tiny Phi-3: prompts cross it well inside the 1024-token context.
+PHI3_ORIGINAL_CONTEXT = 64
+
+
+def phi3_config(vocab_size: int):
+    """Phi-4-mini's head counts (24 query, 8 KV heads) at head_dim 16 and its partial rotary
+    (RoPE on the leading 3/4 of each head), and LongRoPE as Phi-3.5 declares it (`rope_scaling`
+    with type longrope, original_max_position_embeddings at the top level) with tables far enough
+    apart (short 1 to 2, long 1 to 16) that the wrong one, or none, moves every logit past the
+    tolerance."""
+    ramp = torch.linspace(0.0, 1.0, 6)  # a factor per rotated pair: 12 of 16 dimensions
+    return _transformers().Phi3Config(
+        vocab_size=vocab_size, hidden_size=384, intermediate_size=256, num_hidden_layers=2, num_attention_heads=24,
+        num_key_value_heads=8, max_position_embeddings=1024, original_max_position_embeddings=PHI3_ORIGINAL_CONTEXT,
+        rope_scaling={"type": "longrope", "short_factor": (1 + ramp).tolist(),
+                      "long_factor": (1 + 15 * ramp ** 2).tolist()},
+        partial_rotary_factor=0.75, rope_theta=10000.0, sliding_window=None, tie_word_embeddings=False, initializer_range=0.5)
+
+
 FAMILIES = {
     family.name: family for family in (
         TinyFamily("qwen2", qwen2_config, vocab="qwen2", random_biases=True),
         TinyFamily("mistral", mistral_config, vocab="llama-bpe"),
         TinyFamily("gemma3", gemma3_config, vocab="qwen2", random_norms=True),
+        TinyFamily("phi3", phi3_config, vocab="phi-3"),
     )
 }
 

@@ -19,7 +19,7 @@ from gguf import GGML_QUANT_SIZES
 from tokios.config import ModelConfig
 from tokios.errors import InvalidRequestError, UnsupportedError
 from tokios.model.decoder import ModelPart, layer_number
-from tokios.model.quant import PackedWeight
+from tokios.model.quant import PackedWeight, select_rows
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ class ParallelPlan:
             if tp > 1:
                 module = local.rsplit(".", 1)[0]
                 if module in split_rows:
-                    weight = _rows(weight, split_rows[module])
+                    weight = select_rows(weight, split_rows[module])
                 elif local in split_columns:
                     weight = _columns(weight, split_columns[local], name, weight_format)
             kept[name] = weight
@@ -125,12 +125,6 @@ class ParallelPlan:
 
 def _slice_of(size: int, index: int) -> slice:
     return slice(index * size, (index + 1) * size)
-
-
-def _rows(weight, rows: slice):
-    if isinstance(weight, PackedWeight):
-        return weight.with_rows(weight.raw[rows].contiguous())
-    return weight[rows].contiguous()
 
 
 def _columns(weight, columns: slice, name: str, weight_format: str):

@@ -174,7 +174,8 @@ class Rank:
                                                                               for t in range(tp)],
                                                          plan.tp_rank_of(rank), self.device, spec.timeout_s)
         self.timings = messages.RankTimings(rank)
-        config, weights, _ = read_model_file(spec.model_path, lambda config: plan.part_of(rank, config.num_layers))
+        config, weights, _ = read_model_file(spec.model_path, lambda config: plan.part_of(rank, config.num_layers),
+                                             spec.model_config.max_model_len if spec.model_config else None)
         if spec.model_config is not None and _shapes(config) != _shapes(spec.model_config):
             raise RuntimeError(f"rank {rank}'s model file {spec.model_path} is not the server's model: "
                                f"{_shapes(config)} here, {_shapes(spec.model_config)} there")

@@ -101,7 +101,8 @@ class EngineCore:
         parallel = ParallelPlan.of(config.parallel)
         # In a parallel group the ranks hold the layers; this process keeps the output head.
         loaded = load_model(path, self.weight_format, self.device,
-                            ModelPart(range(0), embed=False, head=True) if parallel.is_parallel else None)
+                            ModelPart(range(0), embed=False, head=True) if parallel.is_parallel else None,
+                            config.scheduler.max_model_len)
         self.model_path = path
         self.model: Model = loaded.model
         self.model_config = loaded.config

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -22,11 +22,14 @@ from tokios.gguf_file import GGUFFile
 from tokios.model.decoder import ModelPart
 from tokios.model.gemma3 import Gemma3Model
 from tokios.model.llama import LlamaModel
+from tokios.model.phi3 import split_fused_projections
 from tokios.model.quant import PACKABLE_TYPES, PackedWeight, dequantize
+from tokios.model.rope import pair_unrotated_dimensions
 from tokios.model.shape import ModelShape, gguf_architecture, shape_from_gguf, shape_from_hf_directory
 
 # GGUF architecture name / HF model_type -> model class.
-ARCHITECTURES = {"llama": LlamaModel, "mistral": LlamaModel, "qwen2": LlamaModel, "gemma3": Gemma3Model}
+ARCHITECTURES = {"llama": LlamaModel, "mistral": LlamaModel, "qwen2": LlamaModel, "gemma3": Gemma3Model,
+                 "phi3": LlamaModel}
 
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -48,13 +51,20 @@ _GGUF_LAYER_NAMES_BY_ARCHITECTURE = {
                "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
                "attn_q_norm.weight": "self_attn.q_norm.weight",
                "attn_k_norm.weight": "self_attn.k_norm.weight"},
+    # Phi-3 keeps its fused projections: attn_qkv is q, k, v stacked; ffn_up is gate then up.
+    "phi3": {**_GGUF_LAYER_NAMES,
+             "attn_qkv.weight": "self_attn.qkv_proj.weight",
+             "ffn_up.weight": "mlp.gate_up_proj.weight"},
 }
 # Architectures whose converter keeps Q/K rows in the Hugging Face (NEOX, rotate-half) order:
 # llama.cpp's convert_hf_to_gguf.py interleaves the rows only for the Llama family (llama, mistral).
-_UNPERMUTED_ROPE_ARCHITECTURES = ("gemma3", "qwen2")
+_UNPERMUTED_ROPE_ARCHITECTURES = ("gemma3", "qwen2", "phi3")
 
 _GGUF_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                    "output.weight": "lm_head.weight"}
+# Model-wide RoPE tensors -> the names read_model_file folds into config.rope_scaling.
+_GGUF_ROPE_NAMES = {"rope_freqs.weight": "rope_freqs", "rope_factors_long.weight": "rope_factors_long",
+                    "rope_factors_short.weight": "rope_factors_short"}
 
 
 @dataclass
@@ -75,6 +85,10 @@ def _architecture_class(name: str):
 
 def model_config_from_shape(shape: ModelShape) -> ModelConfig:
     """The engine's ModelConfig: the file's shape under the names the model code reads."""
+    if shape.num_rope_dims is not None and not (0 < shape.num_rope_dims < shape.head_dim
+                                                and shape.num_rope_dims % 2 == 0):
+        raise ModelLoadError(f"{shape.name}: RoPE on {shape.num_rope_dims} of each head's {shape.head_dim} "
+                             "dimensions (an even number below it is needed)")
     return ModelConfig(
         architecture=shape.architecture,
         num_layers=shape.num_layers,
@@ -88,6 +102,7 @@ def model_config_from_shape(shape: ModelShape) -> ModelConfig:
         rope_theta=shape.rope_theta,
         rope_scaling=shape.rope_scaling,
         rms_norm_eps=shape.rms_norm_eps,
+        num_rope_dims=shape.num_rope_dims,
         tie_word_embeddings=shape.tie_word_embeddings,
         attention_bias=shape.has_qkv_bias,
         name=shape.name,
@@ -127,8 +142,8 @@ def weights_from_gguf(gguf: GGUFFile, config: ModelConfig,
                 raise UnsupportedError(f"{gguf.path}: tensor {name} is not part of the {config.architecture} "
                                        "architecture as tokios implements it")
             hf_name = f"model.layers.{index}.{layer_names[local]}"
-        elif name == "rope_freqs.weight":
-            hf_name = "rope_freqs"
+        elif name in _GGUF_ROPE_NAMES:
+            hf_name = _GGUF_ROPE_NAMES[name]
         else:
             raise UnsupportedError(f"{gguf.path}: unexpected tensor {name}")
         if keep is not None and not keep(hf_name):
@@ -177,10 +192,12 @@ def weights_from_hf(directory: str, keep: Callable[[str], bool] | None = None) -
     return weights
 
 
-def read_model_file(path: str, part_of: Callable[[ModelConfig], ModelPart] | None = None
-                    ) -> tuple[ModelConfig, dict, Any]:
+def read_model_file(path: str, part_of: Callable[[ModelConfig], ModelPart] | None = None,
+                    context_len: int | None = None) -> tuple[ModelConfig, dict, Any]:
     """A GGUF file or HF directory -> (config, weights in Hugging Face names, tokenizer source).
-    part_of: the part of the model (given its config) whose weights to read; None: all."""
+    part_of: the part of the model (given its config) whose weights to read; None: all.
+    context_len: the longest sequence the engine serves (its max_model_len), when shorter than
+    the file's; the config's max_model_len becomes it (RoPE tables, LongRoPE's choice of table)."""
     if os.path.isdir(path):
         config = model_config_from_hf(path)
         keep = _weights_to_read(part_of, config)
@@ -192,8 +209,15 @@ def read_model_file(path: str, part_of: Callable[[ModelConfig], ModelPart] | Non
         keep = _weights_to_read(part_of, config)
         weights = weights_from_gguf(gguf, config, keep)
         tokenizer_source = gguf.metadata
+    weights = pair_unrotated_dimensions(split_fused_projections(weights, config), config)
+    if context_len is not None and context_len < config.max_model_len:
+        config = replace(config, max_model_len=context_len)
     if "rope_freqs" in weights:
         config = _with_rope_factors(config, weights.pop("rope_freqs"))
+    if "rope_factors_long" in weights:
+        config = replace(config, rope_scaling={**config.rope_scaling,
+                                               "long_factor": weights.pop("rope_factors_long").tolist(),
+                                               "short_factor": weights.pop("rope_factors_short").tolist()})
     if "lm_head.weight" in weights and config.tie_word_embeddings:
         weights.pop("lm_head.weight")
     return config, weights, tokenizer_source
@@ -216,16 +240,17 @@ def build_model(path: str, config: ModelConfig, weights: dict, weight_format: st
         raise ModelLoadError(f"{path}: missing weight {exc.args[0]}") from None
 
 
-def load_model(path: str, weight_format: str, device: torch.device, part: ModelPart | None = None) -> LoadedModel:
+def load_model(path: str, weight_format: str, device: torch.device, part: ModelPart | None = None,
+               context_len: int | None = None) -> LoadedModel:
     """Load a GGUF file or HF directory into the model class of its architecture (all of it, or
-    `part` of it: the front of a parallel group builds only the output head)."""
+    `part` of it: the front of a parallel group builds only the output head), for sequences of up
+    to context_len tokens (None: the file's context)."""
     started = time.perf_counter()
-    config, weights, tokenizer_source = read_model_file(path, None if part is None else (lambda _: part))
+    config, weights, tokenizer_source = read_model_file(path, None if part is None else (lambda _: part),
+                                                        context_len)
     model = build_model(path, config, weights, weight_format, device, part)
     return LoadedModel(config, model, tokenizer_source, time.perf_counter() - started, path)
 
 
 def _with_rope_factors(config: ModelConfig, factors: torch.Tensor) -> ModelConfig:
-    from dataclasses import replace
-
     return replace(config, rope_scaling={"type": "freq_factors", "factors": factors})

@@ -103,6 +103,13 @@ def concat_rows(weights: list["torch.Tensor | PackedWeight"]) -> "torch.Tensor |
     return runs[0] if len(runs) == 1 else SegmentedWeight(runs)
 
 
+def select_rows(weight: "torch.Tensor | PackedWeight", rows: "slice | torch.Tensor") -> "torch.Tensor | PackedWeight":
+    """Some output features of a weight (a range, or indices in any order), staying packed when it is."""
+    if isinstance(weight, PackedWeight):
+        return weight.with_rows(weight.raw[rows].contiguous())
+    return weight[rows].contiguous()
+
+
 def as_dense(weight: "torch.Tensor | PackedWeight | SegmentedWeight") -> torch.Tensor:
     return weight if isinstance(weight, torch.Tensor) else weight.dequantize()
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from tokios.model.gemma3_metadata import gemma3_fields
 
 # Hugging Face class name -> model type, for a config.json that names only the class.
 HF_ARCHITECTURE_TO_TYPE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                           "Qwen2ForCausalLM": "qwen2"}
+                           "Qwen2ForCausalLM": "qwen2", "Phi3ForCausalLM": "phi3"}
 # transformers' LlamaConfig default, for a config.json without max_position_embeddings.
 DEFAULT_HF_CONTEXT_LEN = 2048
 
@@ -70,6 +71,7 @@ class ModelShape:
     rope_theta: float | None = 10000.0
     rope_scaling: dict[str, Any] | None = dataclasses.field(default=None, hash=False)
     rms_norm_eps: float = 1e-5
+    num_rope_dims: int | None = None  # leading dimensions of each head that RoPE rotates; None: all
     rope_local_theta: float | None = None  # RoPE base of the sliding layers (Gemma 3), if it differs
     query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power; None: head_dim
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
@@ -152,6 +154,13 @@ def shape_from_gguf(gguf: GGUFFile) -> ModelShape:
         rope_scaling = {"type": scaling_type, "factor": float(get("rope.scaling.factor", 1.0)),
                         "original_max_position_embeddings":
                             int(get("rope.scaling.original_context_length", get("context_length")))}
+    elif "rope_factors_long.weight" in gguf.tensors:
+        # LongRoPE as llama.cpp's converter writes it: no scaling type, the two factor tables as
+        # tensors (the loader reads them), the attention factor computed at conversion.
+        rope_scaling = {"type": "longrope",
+                        "original_max_position_embeddings": int(get("rope.scaling.original_context_length")),
+                        "attention_factor": float(get("rope.scaling.attn_factor", 1.0))}
+    head_dim = int(get("attention.key_length", hidden_size // num_heads))
     is_tied = "output.weight" not in gguf.tensors
     total_bytes = sum(t.num_bytes for t in tensors)
     block_type_to_num_bytes: dict[str, int] = collections.Counter()
@@ -166,12 +175,13 @@ def shape_from_gguf(gguf: GGUFFile) -> ModelShape:
         intermediate_size=int(get("feed_forward_length")),
         num_heads=num_heads,
         num_kv_heads=int(get("attention.head_count_kv", num_heads)),
-        head_dim=int(get("attention.key_length", hidden_size // num_heads)),
+        head_dim=head_dim,
         vocab_size=int(vocab_size),
         max_context_len=int(get("context_length")),
         rope_theta=float(get("rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling,
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        num_rope_dims=_partial(int(get("rope.dimension_count", head_dim)), head_dim),
         tie_word_embeddings=is_tied,
         has_qkv_bias="blk.0.attn_q.bias" in gguf.tensors,
         file_weight_bytes=total_bytes,
@@ -198,6 +208,11 @@ def shape_from_hf_directory(directory: str | os.PathLike[str]) -> ModelShape:
     try:
         hidden_size = int(hf["hidden_size"])
         num_heads = int(hf["num_attention_heads"])
+        head_dim = int(hf.get("head_dim") or hidden_size // num_heads)
+        partial_rotary_factor = float((hf.get("rope_parameters") or {}).get(
+            "partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+        if rope_scaling and (rope_scaling.get("rope_type") or rope_scaling.get("type")) in ("longrope", "su"):
+            rope_scaling = _longrope_from_hf(rope_scaling, hf)
         shape = ModelShape(
             name=path.name,
             architecture=model_type or (architectures[0] if architectures else ""),
@@ -206,12 +221,13 @@ def shape_from_hf_directory(directory: str | os.PathLike[str]) -> ModelShape:
             intermediate_size=int(hf["intermediate_size"]),
             num_heads=num_heads,
             num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-            head_dim=int(hf.get("head_dim") or hidden_size // num_heads),
+            head_dim=head_dim,
             vocab_size=int(hf["vocab_size"]),
             max_context_len=int(hf.get("max_position_embeddings", DEFAULT_HF_CONTEXT_LEN)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+            num_rope_dims=_partial(int(head_dim * partial_rotary_factor), head_dim),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             has_qkv_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
         )
@@ -240,6 +256,26 @@ def _rope_from_hf(hf: dict) -> tuple[float | None, dict | None]:
         return None, parameters
     scaling = {key: value for key, value in parameters.items() if key != "rope_theta"}
     return float(parameters["rope_theta"]), (None if scaling.get("rope_type", "default") == "default" else scaling)
+
+
+def _partial(num_rope_dims: int, head_dim: int) -> int | None:
+    return None if num_rope_dims == head_dim else num_rope_dims
+
+
+def _longrope_from_hf(scaling: dict, hf: dict) -> dict:
+    """LongRoPE's parameters from a config.json, with what transformers derives when they are
+    absent: original_max_position_embeddings from the config's top level (Phi-3's own place for
+    it), and the attention factor sqrt(1 + ln(factor) / ln(original)) where factor, if not given,
+    is max_position_embeddings / original_max_position_embeddings. (llama.cpp's converter
+    always derives both factors so, ignoring a `factor` or `attention_factor` the config gives.)"""
+    original = int(scaling.get("original_max_position_embeddings") or hf["original_max_position_embeddings"])
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        factor = float(scaling.get("factor") or int(hf["max_position_embeddings"]) / original)
+        attention_factor = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
+    return {"type": "longrope", "long_factor": [float(f) for f in scaling["long_factor"]],
+            "short_factor": [float(f) for f in scaling["short_factor"]],
+            "original_max_position_embeddings": original, "attention_factor": float(attention_factor)}
 
 
 def _safetensors_bytes(path: Path) -> tuple[dict[str, int], int]:

@@ -37,6 +37,10 @@ def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
         return torch.where(middle, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
     if kind == "freq_factors":  # llama.cpp's rope_freqs tensor: per-dimension divisors
         return inv_freq / scaling["factors"].to(torch.float64)
+    if kind == "proportional":  # Gemma 4: the head's first pairs rotate at the whole head's rates, the rest not
+        num_rotated = int(float(scaling["partial_rotary_factor"]) * head_dim // 2)
+        inv_freq[num_rotated:] = 0.0
+        return inv_freq / float(scaling.get("factor", 1.0))
     raise UnsupportedError(f"RoPE scaling type {kind!r} is not supported (supported: none, linear, llama3)")
 
 

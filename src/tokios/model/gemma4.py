@@ -187,8 +187,9 @@ class Gemma4Model(Gemma3Model):
             feed_forward = layer.down(ops.gelu_tanh_mul(gate_up)).to(self.dtype)
             hidden = hidden + ops.rms_norm(feed_forward, layer.post_feedforward_norm)
             if per_layer_inputs is not None and layer.has_per_layer_input:
-                gated = F.gelu(layer.per_layer_gate(hidden).to(self.dtype), approximate="tanh") * per_layer_inputs[:, index]
-                hidden = hidden + ops.rms_norm(layer.per_layer_projection(gated).to(self.dtype), layer.post_per_layer_norm)
+                gate = F.gelu(layer.per_layer_gate(hidden).to(self.dtype), approximate="tanh")
+                projected = layer.per_layer_projection(gate * per_layer_inputs[:, index]).to(self.dtype)
+                hidden = hidden + ops.rms_norm(projected, layer.post_per_layer_norm)
             if layer.output_scale is not None:
                 hidden = hidden * layer.output_scale
         return hidden

@@ -221,11 +221,12 @@ def shape_from_hf_directory(directory: str | os.PathLike[str]) -> ModelShape:
     try:
         hidden_size = int(hf["hidden_size"])
         num_heads = int(hf["num_attention_heads"])
-        extra = _HF_ARCHITECTURE_FIELDS[model_type](hf, str(config_path)) if model_type in _HF_ARCHITECTURE_FIELDS \
-            else {}
+        extra = (_HF_ARCHITECTURE_FIELDS[model_type](hf, str(config_path))
+                 if model_type in _HF_ARCHITECTURE_FIELDS else {})
         fields = dict(
             name=path.name,
-            architecture=_HF_TYPE_TO_ARCHITECTURE.get(model_type, model_type or (architectures[0] if architectures else "")),
+            architecture=_HF_TYPE_TO_ARCHITECTURE.get(model_type,
+                                                      model_type or (architectures[0] if architectures else "")),
             num_layers=int(hf["num_hidden_layers"]),
             hidden_size=hidden_size,
             intermediate_size=int(hf["intermediate_size"]),

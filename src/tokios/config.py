@@ -96,6 +96,13 @@ class ModelConfig:
     rope_local_theta: float | None = None  # RoPE base of the sliding layers (Gemma 3), if it differs
     query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power; None: head_dim
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    # Per layer: (KV heads, head_dim), where layers differ (Gemma 4's full-attention layers have
+    # wider heads); a layer's query heads have its head_dim too. None: every layer is
+    # (num_kv_heads, head_dim).
+    layer_kv_shapes: tuple[tuple[int, int], ...] | None = None
+    # Per layer: the layer whose K/V it attends over: itself, or an earlier layer whose cache it
+    # reads without computing or storing K/V of its own (Gemma 4's last layers). None: each its own.
+    kv_source_layers: tuple[int, ...] | None = None
 
     @property
     def attention_scale(self) -> float:
@@ -104,10 +111,24 @@ class ModelConfig:
     def window_of(self, layer: int) -> int | None:
         return None if self.layer_windows is None else self.layer_windows[layer]
 
+    def kv_shape_of(self, layer: int) -> tuple[int, int]:
+        """(KV heads, head_dim) of the layer."""
+        return (self.num_kv_heads, self.head_dim) if self.layer_kv_shapes is None else self.layer_kv_shapes[layer]
+
+    def kv_source_of(self, layer: int) -> int:
+        return layer if self.kv_source_layers is None else self.kv_source_layers[layer]
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers that store K/V (the others read an earlier layer's)."""
+        return tuple(layer for layer in range(self.num_layers) if self.kv_source_of(layer) == layer)
+
     def kv_bytes_per_token(self, bytes_per_element: float) -> int:
-        """Every layer's K and V of one token (what a context shorter than every window costs).
-        bytes_per_element: kv_cache/dtypes.py kv_bytes_per_element (an int8 head's scale included)."""
-        return round(kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, bytes_per_element))
+        """K and V of one token in every layer that stores them (what a context shorter than every
+        window costs). bytes_per_element: kv_cache/dtypes.py kv_bytes_per_element (an int8
+        head's scale included)."""
+        return round(sum(kv_bytes_per_token(1, *self.kv_shape_of(layer), bytes_per_element)
+                         for layer in self.kv_layers))
 
 
 @dataclass(frozen=True)

@@ -42,8 +42,17 @@ class TinyFamily:
     vocab: str
     random_biases: bool = False
     random_norms: bool = False
+    # Name endings of parameters and buffers that transformers initialises to ones (norm
+    # weights, layer scalars), drawn from [0.5, 1.5) instead so that a misplaced one shows.
+    random_scales: tuple[str, ...] = ()
     seed: int = 0
     extra_files: dict = field(default_factory=dict)  # file name -> text, written into the directory
+
+
+# Vocabularies whose file AutoTokenizer cannot open: it first reads the file's model config, and
+# transformers cannot parse gemma-4's (head_count_kv is an array per layer). The tokenizer class
+# reads only the vocabulary.
+_VOCAB_TO_TOKENIZER_CLASS = {"gemma-4": "GemmaTokenizerFast"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -51,8 +60,8 @@ def vocab_tokenizer(vocab: str):
     """transformers' tokenizer read from llama.cpp's ggml-vocab-<vocab>.gguf (10 s for a
     150k-token vocabulary)."""
     transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(llama_cpp_sources() / "models"),
-                                                      gguf_file=f"ggml-vocab-{vocab}.gguf")
+    tokenizer_class = getattr(transformers, _VOCAB_TO_TOKENIZER_CLASS.get(vocab, "AutoTokenizer"))
+    return tokenizer_class.from_pretrained(str(llama_cpp_sources() / "models"), gguf_file=f"ggml-vocab-{vocab}.gguf")
 
 
 def build_hf_directory(family: TinyFamily, directory: Path):
@@ -69,6 +78,9 @@ def build_hf_directory(family: TinyFamily, directory: Path):
                 parameter.normal_(0.0, 0.5)
             if family.random_norms and "norm" in name:
                 parameter.add_(torch.randn_like(parameter) * 0.5)
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if family.random_scales and name.endswith(family.random_scales):
+                tensor.uniform_(0.5, 1.5)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)

@@ -133,10 +133,12 @@ def engine_prompt_logits(llm, token_ids: list[int]) -> torch.Tensor:
     config = llm.model_config
     num_tokens = len(token_ids)
     kv_dtype = model.dtype
-    shape = (num_tokens, config.num_kv_heads, config.head_dim)
-    # Every layer its own cache; a sliding layer gets the causal mask cut to its window.
-    kv_caches = [(torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype))
-                 for _ in range(config.num_layers)]
+    # Every layer that stores K/V its own cache of its own head shape, which the layers reading
+    # its K/V share; a sliding layer gets the causal mask cut to its window.
+    layer_to_cache = {layer: (torch.zeros((num_tokens, *config.kv_shape_of(layer)), dtype=kv_dtype),
+                              torch.zeros((num_tokens, *config.kv_shape_of(layer)), dtype=kv_dtype))
+                      for layer in config.kv_layers}
+    kv_caches = [layer_to_cache[config.kv_source_of(layer)] for layer in range(config.num_layers)]
     slots = torch.arange(num_tokens)
     positions = torch.arange(num_tokens)
     causal = positions[None, :] <= positions[:, None]

@@ -76,12 +76,30 @@ def phi3_config(vocab_size: int):
         partial_rotary_factor=0.75, rope_theta=10000.0, sliding_window=None, tie_word_embeddings=False, initializer_range=0.5)
 
 
+def gemma4_config(vocab_size: int):
+    # Gemma4TextConfig's defaults' features, each on: per-layer input embeddings, wider heads with
+    # one KV head and k = v on the full-attention layers (proportional RoPE), the last two layers
+    # reading the K/V of the last earlier sliding and full layer; the prompt crosses the window
+    # (48). The types alternate so that both kinds store K/V before the shared layers. Norm
+    # weights and layer scalars are drawn too (transformers makes them ones). At
+    # initializer_range 0.5 every seed's greedy text repeats one token from the start; at 0.2
+    # seed 1 gives 8 distinct tokens in 16.
+    return _transformers().Gemma4TextConfig(
+        vocab_size=vocab_size, vocab_size_per_layer_input=vocab_size, hidden_size=64, intermediate_size=96,
+        num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+        num_global_key_value_heads=1, attention_k_eq_v=True, num_kv_shared_layers=2,
+        hidden_size_per_layer_input=8, layer_types=["sliding_attention", "full_attention"] * 3, sliding_window=48,
+        max_position_embeddings=1024, initializer_range=0.2, architectures=["Gemma4ForCausalLM"])
+
+
 FAMILIES = {
     family.name: family for family in (
         TinyFamily("qwen2", qwen2_config, vocab="qwen2", random_biases=True),
         TinyFamily("mistral", mistral_config, vocab="llama-bpe"),
         TinyFamily("gemma3", gemma3_config, vocab="qwen2", random_norms=True),
         TinyFamily("phi3", phi3_config, vocab="phi-3"),
+        TinyFamily("gemma4", gemma4_config, vocab="gemma-4", random_scales=("norm.weight", "layer_scalar"),
+                   seed=1),
     )
 }
 

@@ -1,7 +1,8 @@
 """Bad model files fail with one typed, one-line error that names the problem, never a traceback
 from deep inside: a missing file, a file that is not GGUF, a truncated GGUF (cut in the header
 and cut in the tensor data), an unknown architecture, an unknown tensor type (both one that
-tokios does not implement and a type id no GGUF version defines), and missing metadata. The
+tokios does not implement and a type id no GGUF version defines), missing metadata, and a
+variant of a supported architecture that is not implemented (Gemma 4 with MoE blocks). The
 command line turns the same errors into one line on stderr and exit status 1.
 
 Small GGUF files are written here with the `gguf` package's GGUFWriter.
@@ -93,6 +94,28 @@ def test_unknown_architecture(tmp_path):
         load(path)
     assert "'foo'" in raised.value.message and "llama" in raised.value.message
     assert "\n" not in raised.value.message
+
+
+def gemma4_moe_config(vocab_size: int):
+    from test_families import gemma4_config
+
+    config = gemma4_config(vocab_size)
+    config.enable_moe_block, config.num_experts, config.top_k_experts, config.moe_intermediate_size = True, 4, 2, 32
+    return config
+
+
+@pytest.mark.parametrize("source", ["gguf", "hf_directory"])
+def test_gemma4_with_moe_blocks_names_what_is_missing(source, tmp_path_factory):
+    # A real file: the tiny Gemma 4 with MoE blocks, converted by llama.cpp's own script (its
+    # vocabulary is Llama's SentencePiece one, the smallest the Gemma 4 converter accepts).
+    from converted import TinyFamily, converted_model
+
+    tiny = converted_model(TinyFamily("gemma4-moe", gemma4_moe_config, vocab="llama-spm"), tmp_path_factory)
+    with pytest.raises(UnsupportedError) as raised:
+        load(tiny.gguf_path if source == "gguf" else tiny.hf_directory)
+    message = raised.value.message
+    assert "Gemma 4 with MoE blocks is not supported" in message and "expert feed-forward" in message
+    assert "\n" not in message
 
 
 def test_tensor_type_tokios_does_not_implement(tmp_path):

@@ -240,6 +240,30 @@ def test_layout_groups_gemma3_layers_in_threes():
     assert layout.layer_to_group[6] == 2 and layout.layer_to_tensor[6] == 2
 
 
+def test_layers_reading_earlier_kv_store_none_and_map_to_their_source():
+    # Gemma 4 E2B's pattern: 35 layers, every fifth full, the last 20 reading the K/V of the last
+    # earlier layer of their kind (13 sliding, 14 full). Only layers 0..14 store K/V: 3 full and
+    # 12 sliding make 5 groups of 3 (3 tensor pairs), not the 35 layers' 7 groups of 5.
+    windows = tuple(None if (i + 1) % 5 == 0 else 512 for i in range(35))
+    sources = tuple(i if i < 15 else (14 if windows[i] is None else 13) for i in range(35))
+    layout = KVCacheLayout.for_windows(windows, sources)
+    assert [g.window for g in layout.groups] == [None] + [512] * 4
+    assert layout.groups[0].layers == (4, 9, 14)
+    assert sorted(layer for g in layout.groups for layer in g.layers) == list(range(15))
+    assert layout.num_tensor_pairs == 3
+    for layer in range(15, 35):
+        source = sources[layer]
+        assert (layout.layer_to_group[layer], layout.layer_to_tensor[layer]) == (
+            layout.layer_to_group[source], layout.layer_to_tensor[source])
+
+
+@pytest.mark.parametrize("sources", [(0, 2, 2), (0, 0, 1), (0, 1, 0)])
+def test_a_layer_reads_only_an_earlier_storing_layer_of_its_window(sources):
+    # (0, 2, 2): a later layer; (0, 0, 1): a layer that itself reads; (0, 1, 0): another window.
+    with pytest.raises(ValueError, match="reads the K/V of layer"):
+        KVCacheLayout.for_windows((8, None, None), sources)
+
+
 def test_sliding_blocks_outside_the_window_go_back_to_the_free_pool():
     kv = sliding_manager()
     a = FakeRequest("a", list(range(20)))

@@ -23,6 +23,7 @@ from tokios.kv_cache.dtypes import kv_bytes_per_element
 from tokios.kv_cache.layout import KVCacheLayout
 from tokios.kv_cache.manager import KVCacheManager
 from tokios.distributed.plan import ParallelPlan
+from tokios.model.attention import kv_block_bytes
 from tokios.model.decoder import ModelPart
 from tokios.model.dtypes import kv_cache_dtype
 from tokios.model.loader import load_model
@@ -121,7 +122,7 @@ class EngineCore:
             kv_bytes_per_element(kv_dtype, self.model_config.head_dim))
         layout = KVCacheLayout.for_config(self.model_config)
         # A block id is block_size tokens of one KV group's layers (kv_cache/layout.py).
-        block_bytes = self.kv_bytes_per_token // self.model_config.num_layers * layout.num_tensor_pairs * block_size
+        block_bytes = kv_block_bytes(self.model_config, kv_dtype, block_size)
         num_blocks = config.cache.kv_cache_memory_bytes // block_bytes
         if num_blocks < len(layout.groups):
             raise InvalidRequestError(

@@ -10,6 +10,10 @@ Gemma 3's 270M (18 layers: 15 sliding over 512 tokens, 3 full) is 6 groups of 3 
 group and five sliding ones. A sliding group never reads more than its window back, so the
 KV manager frees its blocks once they fall out of the window: a long request then holds blocks
 for all positions in 1 group and for at most a window in the other 5.
+
+A layer that reads an earlier layer's K/V (Gemma 4's last layers, `kv_source_layers`) stores
+none: it belongs to no group and maps to its source's group and tensor pair, so blocks, bytes
+and the cache tensors count only the layers that store K/V.
 """
 
 from __future__ import annotations
@@ -31,8 +35,8 @@ class KVCacheGroup:
 
 @dataclass(frozen=True)
 class KVCacheLayout:
-    groups: tuple[KVCacheGroup, ...]
-    layer_to_group: tuple[int, ...]
+    groups: tuple[KVCacheGroup, ...]  # of the layers that store K/V
+    layer_to_group: tuple[int, ...]  # every layer's group (a reading layer: its source's)
     layer_to_tensor: tuple[int, ...]  # index of the (key, value) tensor pair the layer uses
 
     @property
@@ -48,22 +52,31 @@ class KVCacheLayout:
         return any(window is not None for window in self.windows)
 
     @classmethod
-    def for_windows(cls, layer_windows: tuple[int | None, ...]) -> "KVCacheLayout":
+    def for_windows(cls, layer_windows: tuple[int | None, ...],
+                    kv_source_layers: tuple[int, ...] | None = None) -> "KVCacheLayout":
         """Groups from each layer's window (None: full). Full-attention groups come first, so
-        group 0 always covers every position when the model has a full layer."""
-        return _layout(tuple(layer_windows))
+        group 0 always covers every position when the model has a full layer. kv_source_layers:
+        per layer, the layer whose K/V it reads (itself when it stores its own); None: each its own."""
+        return _layout(tuple(layer_windows), None if kv_source_layers is None else tuple(kv_source_layers))
 
     @classmethod
     def for_config(cls, config) -> "KVCacheLayout":
         """config: a ModelConfig."""
-        return cls.for_windows(config.layer_windows or (None,) * config.num_layers)
+        return cls.for_windows(config.layer_windows or (None,) * config.num_layers, config.kv_source_layers)
 
 
 @lru_cache(maxsize=32)
-def _layout(layer_windows: tuple[int | None, ...]) -> KVCacheLayout:
+def _layout(layer_windows: tuple[int | None, ...], kv_source_layers: tuple[int, ...] | None) -> KVCacheLayout:
+    sources = kv_source_layers or tuple(range(len(layer_windows)))
+    for layer, source in enumerate(sources):
+        if source != layer and (source > layer or sources[source] != source
+                                or layer_windows[source] != layer_windows[layer]):
+            raise ValueError(f"layer {layer} reads the K/V of layer {source}, which is not an earlier layer "
+                             "storing its own with the same window")
     by_window: dict[int | None, list[int]] = {}
     for layer, window in enumerate(layer_windows):
-        by_window.setdefault(window, []).append(layer)
+        if sources[layer] == layer:
+            by_window.setdefault(window, []).append(layer)
     group_size = math.gcd(*(len(layers) for layers in by_window.values()))
     ordered = sorted(by_window.items(), key=lambda item: (item[0] is not None, item[0] or 0))
     groups = []
@@ -75,4 +88,6 @@ def _layout(layer_windows: tuple[int | None, ...]) -> KVCacheLayout:
         for position, layer in enumerate(group.layers):
             layer_to_group[layer] = group_index
             layer_to_tensor[layer] = position
+    for layer, source in enumerate(sources):
+        layer_to_group[layer], layer_to_tensor[layer] = layer_to_group[source], layer_to_tensor[source]
     return KVCacheLayout(tuple(groups), tuple(layer_to_group), tuple(layer_to_tensor))

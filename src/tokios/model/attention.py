@@ -52,29 +52,65 @@ class AttentionMetadata:
         return self.groups[self.layer_to_group[layer]] if self.groups else self
 
 
+def kv_tensor_widths(config, dtype: torch.dtype) -> list[int]:
+    """Elements per slot of each (key, value) tensor pair of `config` (a ModelConfig): the widest
+    layer that uses the pair (kv_cache/layout.py), KV heads x slot width."""
+    from tokios.kv_cache.layout import KVCacheLayout
+
+    layout = KVCacheLayout.for_config(config)
+    widths = [0] * layout.num_tensor_pairs
+    for layer in config.kv_layers:
+        num_kv_heads, head_dim = config.kv_shape_of(layer)
+        tensor = layout.layer_to_tensor[layer]
+        widths[tensor] = max(widths[tensor], num_kv_heads * slot_width(dtype, head_dim))
+    return widths
+
+
+def kv_block_bytes(config, dtype: torch.dtype, block_size: int) -> int:
+    """Bytes one block id holds: block_size slots of every tensor pair, keys and values."""
+    return 2 * sum(kv_tensor_widths(config, dtype)) * torch.empty((), dtype=dtype).element_size() * block_size
+
+
 def allocate_kv_caches(config, num_slots: int, dtype: torch.dtype, device: torch.device,
                        layers: range | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A (key, value) pair per layer of `config` (a ModelConfig), or per layer of `layers` (a
     pipeline stage's), num_slots slots each, zeroed. Layers in the same place of different KV
     groups (kv_cache/layout.py) share one pair: each group has its own block ids in the one block
-    pool, so their slots never overlap."""
+    pool, so their slots never overlap. A pair is as wide as its widest layer, and each layer
+    sees it as [num_slots, its KV heads, its slot width]; a layer that reads an earlier layer's
+    K/V gets that layer's pair."""
     from tokios.kv_cache.layout import KVCacheLayout
 
     layout = KVCacheLayout.for_config(config)
-    shape = (num_slots, config.num_kv_heads, slot_width(dtype, config.head_dim))
+    widths = kv_tensor_widths(config, dtype)
     layers = range(config.num_layers) if layers is None else layers
     tensors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    views: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+    caches = []
     for layer in layers:
-        if layout.layer_to_tensor[layer] not in tensors:
-            tensors[layout.layer_to_tensor[layer]] = (torch.zeros(shape, dtype=dtype, device=device),
-                                                      torch.zeros(shape, dtype=dtype, device=device))
-    return [tensors[layout.layer_to_tensor[layer]] for layer in layers]
+        source = config.kv_source_of(layer)
+        tensor = layout.layer_to_tensor[source]
+        num_kv_heads, head_dim = config.kv_shape_of(source)
+        width = slot_width(dtype, head_dim)
+        if tensor not in tensors:
+            tensors[tensor] = (torch.zeros(num_slots, widths[tensor], dtype=dtype, device=device),
+                               torch.zeros(num_slots, widths[tensor], dtype=dtype, device=device))
+        key = (tensor, num_kv_heads, width)
+        if key not in views:
+            views[key] = tuple(t[:, :num_kv_heads * width].view(num_slots, num_kv_heads, width)
+                               for t in tensors[tensor])
+        caches.append(views[key])
+    return caches
 
 
 def distinct_cache_pairs(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
                          ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each (key, value) tensor pair once: layers of different KV groups share pairs."""
-    return list({id(pair[0]): pair for pair in kv_caches}.values())
+    """Each allocated (key, value) tensor pair once, whole: layers of different KV groups share
+    pairs, each through its own view."""
+    def whole(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if tensor._base is None else tensor._base
+
+    return list({id(whole(key)): (whole(key), whole(value)) for key, value in kv_caches}.values())
 
 
 def quantize_kv(values: torch.Tensor) -> torch.Tensor:

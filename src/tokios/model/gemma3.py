@@ -73,14 +73,20 @@ class Gemma3Model(DecoderModel):
         self.lm_head = make_linear(embed if lm_head is None else lm_head, None, weight_format, device,
                                    precise_activations(weight_format)) if part.head else None
         self.norm = as_dense(weights.pop("model.norm.weight")).to(device=device, dtype=self.dtype)
-        self.rotary = RotaryEmbedding(config, config.max_model_len, device, torch.float32)
-        local_config = replace(config, rope_theta=config.rope_local_theta or config.rope_theta, rope_scaling=None)
-        self.local_rotary = RotaryEmbedding(local_config, config.max_model_len, device, torch.float32)
+        self.rotary, self.local_rotary = self.make_rotaries(config, device)
         self.layer_indices = part.layers
-        self.layers = [Gemma3Layer(config, weights, f"model.layers.{i}", weight_format, device,
-                                   self.rotary if config.window_of(i) is None else self.local_rotary)
-                       for i in part.layers]
+        self.layers = [self.make_layer(config, weights, i, weight_format, device) for i in part.layers]
         self.init_ops(config, self.rotary, weight_format, device)
+
+    def make_rotaries(self, config: ModelConfig, device: torch.device) -> tuple[RotaryEmbedding, RotaryEmbedding]:
+        """The RoPE of the full-attention layers and of the sliding ones."""
+        local_config = replace(config, rope_theta=config.rope_local_theta or config.rope_theta, rope_scaling=None)
+        return (RotaryEmbedding(config, config.max_model_len, device, torch.float32),
+                RotaryEmbedding(local_config, config.max_model_len, device, torch.float32))
+
+    def make_layer(self, config: ModelConfig, weights: dict, index: int, weight_format: str, device: torch.device):
+        return Gemma3Layer(config, weights, f"model.layers.{index}", weight_format, device,
+                           self.rotary if config.window_of(index) is None else self.local_rotary)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids) * self.embed_scale

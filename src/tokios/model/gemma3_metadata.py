@@ -25,6 +25,14 @@ def gemma3_fields(metadata: dict[str, Any], path: str, num_layers: int) -> dict[
     value_length = metadata.get(f"{arch}.attention.value_length", key_length)
     if key_length != value_length:
         raise UnsupportedError(f"{path}: key_length {key_length} != value_length {value_length} is not supported")
+    return {**sliding_fields(metadata, arch, path, num_layers),
+            # Gemma 3's query_pre_attn_scalar is head_dim for every size the converter writes.
+            "query_pre_attn_scalar": float(metadata.get(f"{arch}.attention.key_length"))}
+
+
+def sliding_fields(metadata: dict[str, Any], arch: str, path: str, num_layers: int) -> dict[str, Any]:
+    """Per-layer sliding windows, the sliding layers' RoPE base and the final softcap, under the
+    GGUF keys of `arch` (Gemma 3 and what builds on it)."""
     window = metadata.get(f"{arch}.attention.sliding_window")
     if window is None:
         raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.attention.sliding_window")
@@ -39,6 +47,4 @@ def gemma3_fields(metadata: dict[str, Any], path: str, num_layers: int) -> dict[
     softcap = metadata.get(f"{arch}.final_logit_softcapping")
     return {"layer_windows": tuple(int(window) if sliding else None for sliding in is_sliding),
             "rope_local_theta": float(metadata.get(f"{arch}.rope.freq_base_swa", LOCAL_ROPE_BASE)),
-            # Gemma 3's query_pre_attn_scalar is head_dim for every size the converter writes.
-            "query_pre_attn_scalar": float(metadata.get(f"{arch}.attention.key_length")),
             "final_logit_softcapping": None if softcap is None else float(softcap)}

@@ -21,6 +21,7 @@ from tokios.errors import ModelLoadError, UnsupportedError
 from tokios.gguf_file import GGUFFile
 from tokios.model.decoder import ModelPart
 from tokios.model.gemma3 import Gemma3Model
+from tokios.model.gemma4 import Gemma4Model
 from tokios.model.llama import LlamaModel
 from tokios.model.phi3 import split_fused_projections
 from tokios.model.quant import PACKABLE_TYPES, PackedWeight, dequantize
@@ -29,7 +30,7 @@ from tokios.model.shape import ModelShape, gguf_architecture, shape_from_gguf, s
 
 # GGUF architecture name / HF model_type -> model class.
 ARCHITECTURES = {"llama": LlamaModel, "mistral": LlamaModel, "qwen2": LlamaModel, "gemma3": Gemma3Model,
-                 "phi3": LlamaModel}
+                 "phi3": LlamaModel, "gemma4": Gemma4Model}
 
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -56,12 +57,23 @@ _GGUF_LAYER_NAMES_BY_ARCHITECTURE = {
              "attn_qkv.weight": "self_attn.qkv_proj.weight",
              "ffn_up.weight": "mlp.gate_up_proj.weight"},
 }
+# Gemma 4 (converter: conversion/gemma.py Gemma4Model) adds the per-layer input embedding's
+# gate, projection and norm, and a scalar on each layer's output; its norms are stored as is.
+_GGUF_LAYER_NAMES_BY_ARCHITECTURE["gemma4"] = {
+    **_GGUF_LAYER_NAMES_BY_ARCHITECTURE["gemma3"],
+    "inp_gate.weight": "per_layer_input_gate.weight",
+    "proj.weight": "per_layer_projection.weight",
+    "post_norm.weight": "post_per_layer_input_norm.weight",
+    "layer_output_scale.weight": "layer_scalar"}
 # Architectures whose converter keeps Q/K rows in the Hugging Face (NEOX, rotate-half) order:
 # llama.cpp's convert_hf_to_gguf.py interleaves the rows only for the Llama family (llama, mistral).
-_UNPERMUTED_ROPE_ARCHITECTURES = ("gemma3", "qwen2", "phi3")
+_UNPERMUTED_ROPE_ARCHITECTURES = ("gemma3", "gemma4", "qwen2", "phi3")
 
 _GGUF_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                   "output.weight": "lm_head.weight"}
+                   "output.weight": "lm_head.weight",
+                   "per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
+                   "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
+                   "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight"}
 # Model-wide RoPE tensors -> the names read_model_file folds into config.rope_scaling.
 _GGUF_ROPE_NAMES = {"rope_freqs.weight": "rope_freqs", "rope_factors_long.weight": "rope_factors_long",
                     "rope_factors_short.weight": "rope_factors_short"}
@@ -110,6 +122,8 @@ def model_config_from_shape(shape: ModelShape) -> ModelConfig:
         rope_local_theta=shape.rope_local_theta,
         query_pre_attn_scalar=shape.query_pre_attn_scalar,
         final_logit_softcapping=shape.final_logit_softcapping,
+        layer_kv_shapes=shape.layer_kv_shapes,
+        kv_source_layers=shape.kv_source_layers,
     )
 
 

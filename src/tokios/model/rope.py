@@ -61,7 +61,12 @@ def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
         return longrope_inverse_frequencies(inv_freq, scaling, config.max_model_len)
     if kind == "freq_factors":  # llama.cpp's rope_freqs tensor: per-dimension divisors
         return inv_freq / scaling["factors"].to(torch.float64)
-    raise UnsupportedError(f"RoPE scaling type {kind!r} is not supported (supported: none, linear, llama3, longrope)")
+    if kind == "proportional":  # Gemma 4: the head's first pairs rotate at the whole head's rates, the rest not
+        num_rotated = int(float(scaling["partial_rotary_factor"]) * config.head_dim // 2)
+        inv_freq[num_rotated:] = 0.0
+        return inv_freq / float(scaling.get("factor", 1.0))
+    raise UnsupportedError(f"RoPE scaling type {kind!r} is not supported "
+                           "(supported: none, linear, llama3, longrope, proportional)")
 
 
 def longrope_inverse_frequencies(inv_freq: torch.Tensor, scaling: dict, context_len: int) -> torch.Tensor:

@@ -27,6 +27,16 @@ from typing import Any
 from tokios.errors import ModelLoadError
 from tokios.gguf_file import GGUFFile
 from tokios.model.gemma3_metadata import gemma3_fields
+from tokios.model.gemma4_metadata import gemma4_fields, gemma4_hf_fields
+
+# GGUF architecture -> what its metadata adds to the common shape: fn(metadata, path, num_layers).
+_ARCHITECTURE_FIELDS = {"gemma3": gemma3_fields, "gemma4": gemma4_fields}
+# Hugging Face model_type -> what its config.json adds: fn(config, path); the architecture it runs as.
+_HF_ARCHITECTURE_FIELDS = {"gemma4_text": gemma4_hf_fields}
+_HF_TYPE_TO_ARCHITECTURE = {"gemma4_text": "gemma4"}
+# Tensors a step gathers rows from rather than reading whole (token embeddings, Gemma 4's
+# per-layer input embeddings).
+_GATHERED_TENSORS = ("token_embd.weight", "per_layer_token_embd.weight")
 
 # Hugging Face class name -> model type, for a config.json that names only the class.
 HF_ARCHITECTURE_TO_TYPE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
@@ -75,6 +85,10 @@ class ModelShape:
     rope_local_theta: float | None = None  # RoPE base of the sliding layers (Gemma 3), if it differs
     query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power; None: head_dim
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    # Per layer (KV heads, head_dim) where layers differ; None: all (num_kv_heads, head_dim).
+    layer_kv_shapes: tuple[tuple[int, int], ...] | None = None
+    # Per layer: the layer whose K/V it reads (itself unless it reuses an earlier one's); None: own.
+    kv_source_layers: tuple[int, ...] | None = None
     # The file's bytes per block type (GGUF: Q4_K, Q6_K, F32, ...; safetensors: BF16, ...).
     block_type_to_num_bytes: dict[str, int] | None = dataclasses.field(default=None, hash=False)
 
@@ -167,14 +181,15 @@ def shape_from_gguf(gguf: GGUFFile) -> ModelShape:
     for tensor in tensors:
         block_type_to_num_bytes[tensor.ggml_type.name] += tensor.num_bytes
     num_elements = sum(t.num_elements for t in tensors)
-    return ModelShape(
+    fields = dict(
         name=str(metadata.get("general.name") or Path(path).stem),
         architecture=arch,
         num_layers=num_layers,
         hidden_size=hidden_size,
-        intermediate_size=int(get("feed_forward_length")),
+        # A list: one per layer (Gemma 4's wider feed-forward on its K/V-reading layers).
+        intermediate_size=_largest(get("feed_forward_length")),
         num_heads=num_heads,
-        num_kv_heads=int(get("attention.head_count_kv", num_heads)),
+        num_kv_heads=_largest(get("attention.head_count_kv", num_heads)),
         head_dim=head_dim,
         vocab_size=int(vocab_size),
         max_context_len=int(get("context_length")),
@@ -185,11 +200,19 @@ def shape_from_gguf(gguf: GGUFFile) -> ModelShape:
         tie_word_embeddings=is_tied,
         has_qkv_bias="blk.0.attn_q.bias" in gguf.tensors,
         file_weight_bytes=total_bytes,
-        file_step_weight_bytes=sum(t.num_bytes for t in tensors if t.name != "token_embd.weight" or is_tied),
+        file_step_weight_bytes=sum(t.num_bytes for t in tensors
+                                   if t.name not in _GATHERED_TENSORS or (t.name == "token_embd.weight" and is_tied)),
         file_weight_bits=8 * total_bytes / num_elements if num_elements else None,
         block_type_to_num_bytes=dict(block_type_to_num_bytes),
-        **gemma3_fields(metadata, path, num_layers) if arch == "gemma3" else {},
     )
+    if arch in _ARCHITECTURE_FIELDS:
+        fields.update(_ARCHITECTURE_FIELDS[arch](metadata, path, num_layers))
+    return ModelShape(**fields)
+
+
+def _largest(value: Any) -> int:
+    """A GGUF count that may be one per layer: the largest."""
+    return int(max(value)) if isinstance(value, (list, tuple)) else int(value)
 
 
 # ---- Hugging Face directory ---------------------------------------------------------------------
@@ -213,9 +236,12 @@ def shape_from_hf_directory(directory: str | os.PathLike[str]) -> ModelShape:
             "partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
         if rope_scaling and (rope_scaling.get("rope_type") or rope_scaling.get("type")) in ("longrope", "su"):
             rope_scaling = _longrope_from_hf(rope_scaling, hf)
-        shape = ModelShape(
+        extra = (_HF_ARCHITECTURE_FIELDS[model_type](hf, str(config_path))
+                 if model_type in _HF_ARCHITECTURE_FIELDS else {})
+        fields = dict(
             name=path.name,
-            architecture=model_type or (architectures[0] if architectures else ""),
+            architecture=_HF_TYPE_TO_ARCHITECTURE.get(model_type,
+                                                      model_type or (architectures[0] if architectures else "")),
             num_layers=int(hf["num_hidden_layers"]),
             hidden_size=hidden_size,
             intermediate_size=int(hf["intermediate_size"]),
@@ -231,6 +257,7 @@ def shape_from_hf_directory(directory: str | os.PathLike[str]) -> ModelShape:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             has_qkv_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
         )
+        shape = ModelShape(**{**fields, **extra})
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelLoadError(f"{config_path}: missing or malformed field {exc}") from exc
     block_type_to_num_bytes, embedding_bytes = _safetensors_bytes(path)

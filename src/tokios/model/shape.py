@@ -29,7 +29,7 @@ from tokios.model.gemma3_metadata import gemma3_fields
 
 # Hugging Face class name -> model type, for a config.json that names only the class.
 HF_ARCHITECTURE_TO_TYPE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                           "Qwen2ForCausalLM": "qwen2"}
+                           "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 # transformers' LlamaConfig default, for a config.json without max_position_embeddings.
 DEFAULT_HF_CONTEXT_LEN = 2048
 

@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tokios.errors import ModelLoadError
+from tokios.errors import ModelLoadError, UnsupportedError
 from tokios.gguf_file import GGUFFile
 from tokios.model.gemma3_metadata import gemma3_fields
 
@@ -152,6 +152,8 @@ def shape_from_gguf(gguf: GGUFFile) -> ModelShape:
         rope_scaling = {"type": scaling_type, "factor": float(get("rope.scaling.factor", 1.0)),
                         "original_max_position_embeddings":
                             int(get("rope.scaling.original_context_length", get("context_length")))}
+        if scaling_type == "yarn":
+            rope_scaling.update(_gguf_yarn_parameters(metadata, arch, path))
     is_tied = "output.weight" not in gguf.tensors
     total_bytes = sum(t.num_bytes for t in tensors)
     block_type_to_num_bytes: dict[str, int] = collections.Counter()
@@ -180,6 +182,26 @@ def shape_from_gguf(gguf: GGUFFile) -> ModelShape:
         block_type_to_num_bytes=dict(block_type_to_num_bytes),
         **gemma3_fields(metadata, path, num_layers) if arch == "gemma3" else {},
     )
+
+
+# What llama.cpp's converter writes of a YaRN config beyond its factor and original context,
+# under transformers' names.
+_GGUF_YARN_KEYS = {"rope.scaling.yarn_attn_factor": "attention_factor", "rope.scaling.yarn_beta_fast": "beta_fast",
+                   "rope.scaling.yarn_beta_slow": "beta_slow"}
+
+
+def _gguf_yarn_parameters(metadata: dict[str, Any], arch: str, path: str) -> dict[str, float]:
+    """A YaRN file's optional parameters. An extrapolation factor other than 1 (transformers has
+    none) and DeepSeek's log multiplier (its mscale_all_dim, without the mscale it goes with) are
+    named as unsupported."""
+    extrapolation = metadata.get(f"{arch}.rope.scaling.yarn_ext_factor")
+    if extrapolation is not None and float(extrapolation) != 1.0:
+        raise UnsupportedError(f"{path}: {arch}.rope.scaling.yarn_ext_factor {extrapolation} is not supported "
+                               "(YaRN is implemented with extrapolation factor 1)")
+    if metadata.get(f"{arch}.rope.scaling.yarn_log_multiplier") is not None:
+        raise UnsupportedError(f"{path}: {arch}.rope.scaling.yarn_log_multiplier is not supported")
+    return {name: float(metadata[f"{arch}.{key}"]) for key, name in _GGUF_YARN_KEYS.items()
+            if metadata.get(f"{arch}.{key}") is not None}
 
 
 # ---- Hugging Face directory ---------------------------------------------------------------------

@@ -32,12 +32,14 @@ from tokios.model_files import llama_cpp_sources
 class TinyFamily:
     """One architecture's tiny model: `make_config(vocab_size)` returns its transformers config;
     `vocab` names the ggml-vocab-<vocab>.gguf whose tokenizer it carries; `random_biases` fills
-    the attention biases (zero in transformers' initialisation) so that their layout is tested."""
+    the attention biases (zero in transformers' initialisation) and `random_norms` the RMSNorm
+    weights (ones there) so that their layout is tested."""
 
     name: str
     make_config: Callable[[int], object]
     vocab: str
     random_biases: bool = False
+    random_norms: bool = False
     seed: int = 0
     extra_files: dict = field(default_factory=dict)  # file name -> text, written into the directory
 
@@ -59,11 +61,12 @@ def build_hf_directory(family: TinyFamily, directory: Path):
     config = family.make_config(len(tokenizer))
     torch.manual_seed(family.seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    if family.random_biases:
-        with torch.no_grad():
-            for name, parameter in model.named_parameters():
-                if name.endswith(".bias"):
-                    parameter.normal_(0.0, 0.5)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if family.random_biases and name.endswith(".bias"):
+                parameter.normal_(0.0, 0.5)
+            if family.random_norms and name.endswith("norm.weight"):
+                parameter.normal_(1.0, 0.3)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)

@@ -48,10 +48,43 @@ def mistral_config(vocab_size: int):
         tie_word_embeddings=False, initializer_range=0.5)
 
 
+def qwen3_config(vocab_size: int, rope_parameters: dict | None = None, max_position_embeddings: int = 1024):
+    # Qwen3's head_dim of 128 with 8 heads over a 64-wide hidden state: q is 1024 wide, so a
+    # head_dim taken as hidden / heads would not load. Four layers make 8 KiB of float32 KV a
+    # token, so that the preemption scenario (test_engine_invariance.py) fits its few blocks
+    # into the smallest KV cache the engine takes.
+    return _transformers().Qwen3Config(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=128, max_position_embeddings=max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6, **(rope_parameters or {})},
+        tie_word_embeddings=True, initializer_range=0.5)
+
+
+def qwen3_yarn_config(vocab_size: int):
+    # YaRN over an original context of 64: the 160-token prompt runs well past it.
+    return qwen3_config(vocab_size, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+                        max_position_embeddings=256)
+
+
+def llama3_config(vocab_size: int):
+    # Llama 3.x's scaling over an original context of 64 (the converter writes it as the
+    # rope_freqs tensor): with head_dim 16 and base 500,000 the dimensions fall in all three of
+    # its bands (kept, blended, divided by the factor).
+    return _transformers().LlamaConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        tie_word_embeddings=False, initializer_range=0.5)
+
+
 FAMILIES = {
     family.name: family for family in (
         TinyFamily("qwen2", qwen2_config, vocab="qwen2", random_biases=True),
         TinyFamily("mistral", mistral_config, vocab="llama-bpe"),
+        TinyFamily("qwen3", qwen3_config, vocab="qwen2", random_norms=True),
+        TinyFamily("qwen3-yarn", qwen3_yarn_config, vocab="qwen2", random_norms=True),
+        TinyFamily("llama3", llama3_config, vocab="llama-bpe"),
     )
 }
 

@@ -61,8 +61,11 @@ def qwen3_config(vocab_size: int, rope_parameters: dict | None = None, max_posit
 
 
 def qwen3_yarn_config(vocab_size: int):
-    # YaRN over an original context of 64: the 160-token prompt runs well past it.
-    return qwen3_config(vocab_size, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    # YaRN over an original context of 64: the 160-token prompt runs well past it. beta_fast 8
+    # and beta_slow 0.5 (not the defaults, so the converter writes them) put the ramp over
+    # dimensions 1 to 14 of 64: some kept, some blended, most interpolated.
+    return qwen3_config(vocab_size, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                     "beta_fast": 8.0, "beta_slow": 0.5},
                         max_position_embeddings=256)
 
 
@@ -130,3 +133,18 @@ def test_greedy_continuation_and_logits_match_transformers(tiny_engine):
     spread = (theirs.max() - theirs.min()).item()
     difference = (ours - theirs).abs().max().item()
     assert difference <= LOGITS_RTOL * spread, f"largest logit difference {difference:.3g} over a spread of {spread:.3g}"
+
+
+def test_an_unknown_rope_scaling_is_an_error_naming_it(tmp_path_factory, tmp_path):
+    import json
+    import shutil
+
+    from tokios.engine import LLM
+    from tokios.errors import UnsupportedError
+
+    directory = shutil.copytree(converted_model(FAMILIES["qwen3-yarn"], tmp_path_factory).hf_directory, tmp_path / "hf")
+    config = json.loads((directory / "config.json").read_text())
+    config["rope_parameters"]["rope_type"] = "dynamic"
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedError, match="RoPE scaling type 'dynamic' is not supported"):
+        LLM(model=str(directory), dtype="float32", kv_cache_memory="16MiB")

@@ -34,16 +34,15 @@ from tokios.model_files import llama_cpp_sources
 class TinyFamily:
     """One architecture's tiny model: `make_config(vocab_size)` returns its transformers config;
     `vocab` names the ggml-vocab-<vocab>.gguf whose tokenizer it carries; `random_biases` fills
-    the attention biases and `random_norms` moves the norm weights (zero and one in transformers'
-    initialisation) so that their layout and stored form are tested."""
+    the attention biases (zero in transformers' initialisation) so that their layout is tested;
+    `random_scales` names the endings of parameters and buffers that transformers initialises to
+    ones or zeros (norm weights, layer scalars), drawn from [0.5, 1.5) instead so that a misplaced
+    or wrongly stored one (Gemma's 1 + w) shows."""
 
     name: str
     make_config: Callable[[int], object]
     vocab: str
     random_biases: bool = False
-    random_norms: bool = False
-    # Name endings of parameters and buffers that transformers initialises to ones (norm
-    # weights, layer scalars), drawn from [0.5, 1.5) instead so that a misplaced one shows.
     random_scales: tuple[str, ...] = ()
     seed: int = 0
     extra_files: dict = field(default_factory=dict)  # file name -> text, written into the directory
@@ -76,8 +75,6 @@ def build_hf_directory(family: TinyFamily, directory: Path):
         for name, parameter in model.named_parameters():
             if family.random_biases and name.endswith(".bias"):
                 parameter.normal_(0.0, 0.5)
-            if family.random_norms and "norm" in name:
-                parameter.add_(torch.randn_like(parameter) * 0.5)
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
             if family.random_scales and name.endswith(family.random_scales):
                 tensor.uniform_(0.5, 1.5)

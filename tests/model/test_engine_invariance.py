@@ -1,10 +1,14 @@
 """Greedy tokens must not depend on how the engine schedules them (float32, the real model).
 
 Sixteen different prompts, run one by one (the reference), all together, with a 32-token step
-budget (so prompts are prefilled in chunks and share steps with decodes), with a hot prefix
-cache (the same batch again: blocks are reused, checked through stats()), and under forced
-preemption (a KV cache of a few blocks, checked through stats()). Every scenario must give
+budget (16 on the tiny Qwen3, whose chat template makes shorter prompts; either way prompts are
+prefilled in chunks and share steps with decodes), with a hot prefix cache (the same batch
+again: blocks are reused, checked through stats()), and under forced preemption (a KV cache of
+a few blocks, checked through stats()). Every scenario must give
 exactly the reference token ids, and leave the block pool idle and consistent.
+
+Each of those runs on the default model and on the tiny Qwen3 that test_families.py converts
+(random weights: its logits spread over tens of units, so its greedy choices are no near-ties).
 
 Also here: a request that could never fit (past the model's context, or larger than the whole
 KV cache) fails at once with ContextLengthExceededError and leaves nothing queued.
@@ -74,18 +78,35 @@ def run_together(llm, prompts: list[list[int]]) -> list[list[int]]:
     return [output.outputs[0].token_ids for output in outputs]
 
 
+@pytest.fixture(scope="module", params=["default", "qwen3"])
+def model_path(request, tmp_path_factory) -> str | None:
+    """The model the scheduling scenarios run on: None (the default model) or a converted tiny one."""
+    if request.param == "default":
+        return None
+    from converted import converted_model
+    from test_families import FAMILIES
+
+    return str(converted_model(FAMILIES[request.param], tmp_path_factory).gguf_path)
+
+
 @pytest.fixture(scope="module")
-def plain_engine():
+def chunk_tokens(model_path) -> int:
+    """The chunked scenario's step budget, below the longest prompt's length."""
+    return 32 if model_path is None else 16
+
+
+@pytest.fixture(scope="module")
+def plain_engine(model_path):
     from tokios.engine import LLM
 
-    return LLM(dtype="float32", enable_prefix_caching=False, kv_cache_memory="64MiB")
+    return LLM(model_path, dtype="float32", enable_prefix_caching=False, kv_cache_memory="64MiB")
 
 
 @pytest.fixture(scope="module")
-def prompts(plain_engine) -> list[list[int]]:
+def prompts(plain_engine, chunk_tokens) -> list[list[int]]:
     token_ids = [prompt_token_ids(plain_engine.tokenizer, p) for p in PROMPTS]
     assert len({tuple(t) for t in token_ids}) == len(PROMPTS)
-    assert max(len(t) for t in token_ids) > 32  # at least one prompt spans several 32-token chunks
+    assert max(len(t) for t in token_ids) > chunk_tokens  # at least one prompt spans several chunks
     return token_ids
 
 
@@ -105,10 +126,11 @@ def test_all_together_equals_one_by_one(plain_engine, prompts, reference_token_i
     assert run_together(plain_engine, prompts) == reference_token_ids
 
 
-def test_chunked_prefill_then_hot_prefix_cache_equal_one_by_one(prompts, reference_token_ids):
+def test_chunked_prefill_then_hot_prefix_cache_equal_one_by_one(model_path, chunk_tokens, prompts,
+                                                               reference_token_ids):
     from tokios.engine import LLM
 
-    llm = LLM(dtype="float32", max_num_batched_tokens=32, kv_cache_memory="64MiB")
+    llm = LLM(model_path, dtype="float32", max_num_batched_tokens=chunk_tokens, kv_cache_memory="64MiB")
     assert run_together(llm, prompts) == reference_token_ids  # cold cache, chunked
     hits_after_cold = llm.stats().prefix_cache_hits
     assert run_together(llm, prompts) == reference_token_ids  # the same batch again: a hot cache
@@ -117,11 +139,11 @@ def test_chunked_prefill_then_hot_prefix_cache_equal_one_by_one(prompts, referen
 
 
 @pytest.fixture(scope="module")
-def tight_engine(plain_engine):
+def tight_engine(model_path, plain_engine):
     from tokios.engine import LLM
 
     block_bytes = plain_engine.kv_bytes_per_token() * 16
-    return LLM(dtype="float32", kv_cache_memory=NUM_PREEMPTION_BLOCKS * block_bytes, block_size=16)
+    return LLM(model_path, dtype="float32", kv_cache_memory=NUM_PREEMPTION_BLOCKS * block_bytes, block_size=16)
 
 
 def test_forced_preemption_equals_one_by_one(tight_engine, prompts, reference_token_ids):

@@ -90,16 +90,50 @@ def gemma4_config(vocab_size: int):
         num_global_key_value_heads=1, attention_k_eq_v=True, num_kv_shared_layers=2,
         hidden_size_per_layer_input=8, layer_types=["sliding_attention", "full_attention"] * 3, sliding_window=48,
         max_position_embeddings=1024, initializer_range=0.2, architectures=["Gemma4ForCausalLM"])
+def qwen3_config(vocab_size: int, rope_parameters: dict | None = None, max_position_embeddings: int = 1024):
+    # Qwen3's head_dim of 128 with 8 heads over a 64-wide hidden state: q is 1024 wide, so a
+    # head_dim taken as hidden / heads would not load. Four layers make 8 KiB of float32 KV a
+    # token, so that the preemption scenario (test_engine_invariance.py) fits its few blocks
+    # into the smallest KV cache the engine takes.
+    return _transformers().Qwen3Config(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=128, max_position_embeddings=max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6, **(rope_parameters or {})},
+        tie_word_embeddings=True, initializer_range=0.5)
+
+
+def qwen3_yarn_config(vocab_size: int):
+    # YaRN over an original context of 64: the 160-token prompt runs well past it. beta_fast 8
+    # and beta_slow 0.5 (not the defaults, so the converter writes them) put the ramp over
+    # dimensions 1 to 14 of 64: some kept, some blended, most interpolated.
+    return qwen3_config(vocab_size, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                     "beta_fast": 8.0, "beta_slow": 0.5},
+                        max_position_embeddings=256)
+
+
+def llama3_config(vocab_size: int):
+    # Llama 3.x's scaling over an original context of 64 (the converter writes it as the
+    # rope_freqs tensor): with head_dim 16 and base 500,000 the dimensions fall in all three of
+    # its bands (kept, blended, divided by the factor).
+    return _transformers().LlamaConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        tie_word_embeddings=False, initializer_range=0.5)
 
 
 FAMILIES = {
     family.name: family for family in (
         TinyFamily("qwen2", qwen2_config, vocab="qwen2", random_biases=True),
         TinyFamily("mistral", mistral_config, vocab="llama-bpe"),
-        TinyFamily("gemma3", gemma3_config, vocab="qwen2", random_norms=True),
+        TinyFamily("gemma3", gemma3_config, vocab="qwen2", random_scales=("norm.weight",)),
         TinyFamily("phi3", phi3_config, vocab="phi-3"),
         TinyFamily("gemma4", gemma4_config, vocab="gemma-4", random_scales=("norm.weight", "layer_scalar"),
                    seed=1),
+        TinyFamily("qwen3", qwen3_config, vocab="qwen2", random_scales=("norm.weight",)),
+        TinyFamily("qwen3-yarn", qwen3_yarn_config, vocab="qwen2", random_scales=("norm.weight",)),
+        TinyFamily("llama3", llama3_config, vocab="llama-bpe"),
     )
 }
 
@@ -158,3 +192,16 @@ def test_a_directory_of_a_gguf_only_architecture_is_refused_by_name(name, tmp_pa
     tiny = converted_model(FAMILIES[name], tmp_path_factory)
     with pytest.raises(UnsupportedError, match="not supported"):
         LLM(model=str(tiny.hf_directory), dtype="float32", kv_cache_memory="64MiB")
+def test_an_unknown_rope_scaling_is_an_error_naming_it(tmp_path_factory, tmp_path):
+    import json
+    import shutil
+
+    from tokios.engine import LLM
+    from tokios.errors import UnsupportedError
+
+    directory = shutil.copytree(converted_model(FAMILIES["qwen3-yarn"], tmp_path_factory).hf_directory, tmp_path / "hf")
+    config = json.loads((directory / "config.json").read_text())
+    config["rope_parameters"]["rope_type"] = "dynamic"
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedError, match="RoPE scaling type 'dynamic' is not supported"):
+        LLM(model=str(directory), dtype="float32", kv_cache_memory="16MiB")

@@ -10,6 +10,9 @@
 - Draft = target in float32: every proposal is accepted under greedy.
 - A draft whose tokenizer differs is refused with a clear error.
 
+All of it also runs on the tiny Qwen3 that test_families.py converts (float32, the file as its
+own draft model, self-draft from its first two layers).
+
 The default-dtype engine runs without prefix caching: a prefix hit changes how a prompt was
 prefilled, which can move low-order bits in that dtype (docs/architecture.md), and that is not
 what these tests are about.
@@ -56,12 +59,14 @@ def greedy(method: str | None = None) -> SamplingParams:
     return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, speculative=speculative)
 
 
-def make_engine(dtype: str, kv_cache_memory: str = "64MiB", **kwargs):
+def make_engine(dtype: str, kv_cache_memory: str = "64MiB", model: str | None = None, self_draft_num_layers: int = 20,
+                **kwargs):
+    """An engine on `model` (None: the default model) whose draft model is that same file."""
     from tokios.engine import LLM
 
-    config = SpeculativeConfig(num_speculative_tokens=K, draft_model=str(default_model_path()),
-                               draft_dtype=dtype, enable_adaptive=False, self_draft_num_layers=20)
-    return LLM(dtype=dtype, enable_prefix_caching=dtype == "float32", kv_cache_memory=kv_cache_memory,
+    config = SpeculativeConfig(num_speculative_tokens=K, draft_model=model or str(default_model_path()),
+                               draft_dtype=dtype, enable_adaptive=False, self_draft_num_layers=self_draft_num_layers)
+    return LLM(model, dtype=dtype, enable_prefix_caching=dtype == "float32", kv_cache_memory=kv_cache_memory,
                max_num_batched_tokens=2048, speculative_config=config, **kwargs)
 
 
@@ -73,12 +78,19 @@ def token_ids(outputs) -> list[list[int]]:
 # (the costly part: one generation per prompt and method; self_draft's alone took 74 s with 8)
 # take the first 4 prompts (code to copy, a sentence to copy, two repeating lists: the prompts
 # where proposals are accepted most), while the batched run still covers all 16. The stored format runs every prompt both ways.
-NUM_SINGLE_PROMPTS = {"auto": len(PROMPTS), "float32": 4}
+NUM_SINGLE_PROMPTS = {"auto": len(PROMPTS), "float32": 4, "qwen3": 4}
 
 
-@pytest.fixture(scope="module", params=["auto", "float32"])
-def engine(request):
-    llm = make_engine(request.param)
+@pytest.fixture(scope="module", params=["auto", "float32", "qwen3"])
+def engine(request, tmp_path_factory):
+    if request.param == "qwen3":
+        from converted import converted_model
+        from test_families import FAMILIES
+
+        path = str(converted_model(FAMILIES["qwen3"], tmp_path_factory).gguf_path)
+        llm = make_engine("float32", model=path, self_draft_num_layers=2)
+    else:
+        llm = make_engine(request.param)
     prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
     plain_batched = token_ids(llm.generate(prompts, greedy()))
     plain_single = [token_ids(llm.generate([p], greedy()))[0] for p in prompts[:NUM_SINGLE_PROMPTS[request.param]]]

@@ -13,7 +13,7 @@ import struct
 
 import numpy as np
 import pytest
-from gguf import GGUFWriter
+from gguf import GGUFWriter, RopeScalingType
 
 from tokios.errors import ModelLoadError, UnsupportedError
 from tokios.gguf_file import GGUFFile
@@ -139,3 +139,34 @@ def test_rope_bases_per_layer_type_are_described_and_refused_only_by_the_loader(
 
     with pytest.raises(UnsupportedError, match="rope_parameters without rope_theta"):
         model_config_from_hf(str(tmp_path))
+
+
+def write_yarn_gguf(path, **yarn_keys: float):
+    writer = GGUFWriter(str(path), arch="qwen3")
+    for add, value in ((writer.add_block_count, 1), (writer.add_embedding_length, 8), (writer.add_feed_forward_length, 16),
+                       (writer.add_head_count, 2), (writer.add_context_length, 256)):
+        add(value)
+    writer.add_rope_scaling_type(RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(4.0)
+    writer.add_rope_scaling_orig_ctx_len(64)
+    for key, value in yarn_keys.items():
+        writer.add_float32(f"qwen3.rope.scaling.{key}", value)
+    writer.add_tensor("token_embd.weight", np.ones((16, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_yarn_gguf_gives_its_parameters_under_transformers_names(tmp_path):
+    shape = read_model_shape(write_yarn_gguf(tmp_path / "yarn.gguf", yarn_beta_fast=8.0, yarn_beta_slow=0.5,
+                                             yarn_attn_factor=1.25))
+    assert shape.rope_scaling == {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                  "beta_fast": 8.0, "beta_slow": 0.5, "attention_factor": 1.25}
+    assert read_model_shape(write_yarn_gguf(tmp_path / "plain.gguf", yarn_ext_factor=1.0)).rope_scaling == \
+        {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    with pytest.raises(UnsupportedError, match="qwen3.rope.scaling.yarn_ext_factor 2.0 is not supported"):
+        read_model_shape(write_yarn_gguf(tmp_path / "ext.gguf", yarn_ext_factor=2.0))
+    with pytest.raises(UnsupportedError, match="qwen3.rope.scaling.yarn_log_multiplier is not supported"):
+        read_model_shape(write_yarn_gguf(tmp_path / "log.gguf", yarn_log_multiplier=0.1))

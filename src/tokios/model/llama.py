@@ -46,6 +46,8 @@ class LlamaLayer:
 
 
 class LlamaModel(DecoderModel):
+    layer_class = LlamaLayer
+
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], weight_format: str,
                  device: torch.device, part: ModelPart | None = None):
         part = part or ModelPart.whole(config.num_layers)
@@ -64,7 +66,7 @@ class LlamaModel(DecoderModel):
                                    precise_activations(weight_format)) if part.head else None
         self.norm = as_dense(weights.pop("model.norm.weight")).to(device=device, dtype=self.dtype)
         self.layer_indices = part.layers
-        self.layers = [LlamaLayer(config, weights, f"model.layers.{i}", weight_format, device) for i in part.layers]
+        self.layers = [self.layer_class(config, weights, f"model.layers.{i}", weight_format, device) for i in part.layers]
         self.rotary = RotaryEmbedding(config, config.max_model_len, device, torch.float32)
         self.init_ops(config, self.rotary, weight_format, device)
 
@@ -76,12 +78,16 @@ class LlamaModel(DecoderModel):
         ops = self.ops
         rope_tables = ops.rope_tables(positions)
         for layer, (key_cache, value_cache) in zip(self.layers[start:count], kv_caches[start:count]):
-            qkv = layer.qkv(ops.rms_norm(hidden, layer.input_norm))
+            qkv = self.project_qkv(layer, hidden)
             attended = ops.attention(qkv, positions, key_cache, value_cache, metadata, rope_tables)
             hidden = hidden + layer.o_proj(attended.to(self.dtype)).to(self.dtype)
             gate_up = layer.gate_up(ops.rms_norm(hidden, layer.post_attention_norm))
             hidden = hidden + layer.down(ops.silu_mul(gate_up)).to(self.dtype)
         return hidden
+
+    def project_qkv(self, layer: LlamaLayer, hidden: torch.Tensor) -> torch.Tensor:
+        """The layer's fused q, k, v rows for its input `hidden`, before RoPE."""
+        return layer.qkv(self.ops.rms_norm(hidden, layer.input_norm))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_rows, hidden] -> float32 logits [num_rows, vocab]."""

@@ -24,13 +24,14 @@ from tokios.model.gemma3 import Gemma3Model
 from tokios.model.gemma4 import Gemma4Model
 from tokios.model.llama import LlamaModel
 from tokios.model.phi3 import split_fused_projections
+from tokios.model.qwen3 import Qwen3Model
 from tokios.model.quant import PACKABLE_TYPES, PackedWeight, dequantize
 from tokios.model.rope import pair_unrotated_dimensions
 from tokios.model.shape import ModelShape, gguf_architecture, shape_from_gguf, shape_from_hf_directory
 
 # GGUF architecture name / HF model_type -> model class.
-ARCHITECTURES = {"llama": LlamaModel, "mistral": LlamaModel, "qwen2": LlamaModel, "gemma3": Gemma3Model,
-                 "phi3": LlamaModel, "gemma4": Gemma4Model}
+ARCHITECTURES = {"llama": LlamaModel, "mistral": LlamaModel, "qwen2": LlamaModel, "qwen3": Qwen3Model,
+                 "phi3": LlamaModel, "gemma3": Gemma3Model, "gemma4": Gemma4Model}
 
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -43,15 +44,16 @@ _GGUF_LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+_GGUF_HEAD_NORM_NAMES = {"attn_q_norm.weight": "self_attn.q_norm.weight",
+                         "attn_k_norm.weight": "self_attn.k_norm.weight"}
 # Gemma's four norms per layer: attn_norm and ffn_norm are the pre-norms; llama.cpp's converter
 # stores every Gemma norm weight as (1 + w), so they multiply as stored.
 _GGUF_LAYER_NAMES_BY_ARCHITECTURE = {
-    "gemma3": {**_GGUF_LAYER_NAMES,
+    "gemma3": {**_GGUF_LAYER_NAMES, **_GGUF_HEAD_NORM_NAMES,
                "ffn_norm.weight": "pre_feedforward_layernorm.weight",
                "post_attention_norm.weight": "post_attention_layernorm.weight",
-               "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
-               "attn_q_norm.weight": "self_attn.q_norm.weight",
-               "attn_k_norm.weight": "self_attn.k_norm.weight"},
+               "post_ffw_norm.weight": "post_feedforward_layernorm.weight"},
+    "qwen3": {**_GGUF_LAYER_NAMES, **_GGUF_HEAD_NORM_NAMES},
     # Phi-3 keeps its fused projections: attn_qkv is q, k, v stacked; ffn_up is gate then up.
     "phi3": {**_GGUF_LAYER_NAMES,
              "attn_qkv.weight": "self_attn.qkv_proj.weight",
@@ -67,7 +69,7 @@ _GGUF_LAYER_NAMES_BY_ARCHITECTURE["gemma4"] = {
     "layer_output_scale.weight": "layer_scalar"}
 # Architectures whose converter keeps Q/K rows in the Hugging Face (NEOX, rotate-half) order:
 # llama.cpp's convert_hf_to_gguf.py interleaves the rows only for the Llama family (llama, mistral).
-_UNPERMUTED_ROPE_ARCHITECTURES = ("gemma3", "gemma4", "qwen2", "phi3")
+_UNPERMUTED_ROPE_ARCHITECTURES = ("gemma3", "gemma4", "qwen2", "qwen3", "phi3")
 
 _GGUF_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                    "output.weight": "lm_head.weight",

@@ -115,13 +115,18 @@ class CpuKernelOps(TorchOps):
     def fused_decoder(self, model, kv_caches, num_layers: int | None = None):
         """The all-layers C++ decode step over these caches (built once per cache list); with
         num_layers, over the first layers only (speculative self-draft). A Gemma-style layer
-        (pre_feedforward_norm) brings its extra norms, its own RoPE table and tanh-GELU."""
+        (pre_feedforward_norm) brings its extra norms, its own RoPE table and tanh-GELU; a layer
+        with per-head q/k norms (Gemma 3, Qwen3) brings those."""
         layers = model.layers[:num_layers]
         kv_caches = kv_caches[:len(layers)]
         config = self.config
         is_gemma = hasattr(layers[0], "pre_feedforward_norm")
         rotaries = [getattr(layer, "rotary", self.rotary) for layer in layers]
-        optional = (lambda name: [getattr(layer, name) for layer in layers]) if is_gemma else (lambda name: [])
+        has_head_norms = hasattr(layers[0], "q_norm")
+
+        def optional(name: str, present: bool = is_gemma) -> list:
+            return [getattr(layer, name) for layer in layers] if present else []
+
         layer_to_group = KVCacheLayout.for_config(config).layer_to_group
         layer_groups = [layer_to_group[index] for index in model.layer_indices[:len(layers)]]
         return self.extension.FusedDecoder(
@@ -132,8 +137,8 @@ class CpuKernelOps(TorchOps):
             [k for k, _ in kv_caches], [v for _, v in kv_caches],
             [r.cos for r in rotaries], [r.sin for r in rotaries], config.num_heads, config.num_kv_heads,
             config.head_dim, config.hidden_size, config.intermediate_size, config.rms_norm_eps, self.scale, is_gemma,
-            optional("post_attention_norm"), optional("post_feedforward_norm"), optional("q_norm"),
-            optional("k_norm"), layer_groups)
+            optional("post_attention_norm"), optional("post_feedforward_norm"), optional("q_norm", has_head_norms),
+            optional("k_norm", has_head_norms), layer_groups)
 
 
 def fused_decode_inputs(metadata: AttentionMetadata) -> tuple[list, list, list]:

@@ -1,4 +1,5 @@
-"""Rotary position embedding (the Hugging Face "rotate half" layout).
+"""Rotary position embedding (the Hugging Face "rotate half" layout), and the RoPE scalings a
+file may declare: linear, Llama 3 (or its `rope_freqs` divisors), YaRN.
 
 GGUF files store Q/K weights permuted for llama.cpp's interleaved rotation; the GGUF loader
 undoes that permutation, so every model here uses this one layout.
@@ -65,8 +66,10 @@ def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
         num_rotated = int(float(scaling["partial_rotary_factor"]) * config.head_dim // 2)
         inv_freq[num_rotated:] = 0.0
         return inv_freq / float(scaling.get("factor", 1.0))
+    if kind == "yarn":
+        return yarn_inverse_frequencies(inv_freq, config)
     raise UnsupportedError(f"RoPE scaling type {kind!r} is not supported "
-                           "(supported: none, linear, llama3, longrope, proportional)")
+                           "(supported: none, linear, llama3, longrope, proportional, yarn)")
 
 
 def longrope_inverse_frequencies(inv_freq: torch.Tensor, scaling: dict, context_len: int) -> torch.Tensor:
@@ -81,11 +84,15 @@ def longrope_inverse_frequencies(inv_freq: torch.Tensor, scaling: dict, context_
     return inv_freq / factors
 
 
-def rotation_scale(config: ModelConfig) -> float:
-    """The factor cos and sin are multiplied by (LongRoPE's attention factor; 1 otherwise)."""
+def attention_factor(config: ModelConfig) -> float:
+    """What the scaling multiplies cos and sin by (so every attention logit by its square):
+    LongRoPE's attention factor, YaRN's, or 1."""
     scaling = config.rope_scaling or {}
-    if scaling.get("type", scaling.get("rope_type")) in ("longrope", "su"):
+    kind = scaling.get("type", scaling.get("rope_type"))
+    if kind in ("longrope", "su"):
         return float(scaling["attention_factor"])
+    if kind == "yarn":
+        return yarn_attention_factor(config)
     return 1.0
 
 
@@ -113,6 +120,55 @@ def pair_unrotated_dimensions(weights: dict, config: ModelConfig) -> dict:
     return reordered
 
 
+def _yarn_factor(config: ModelConfig) -> float:
+    scaling = config.rope_scaling
+    factor = scaling.get("factor")
+    # transformers: a YaRN without a factor stretches the original context to the configured one.
+    return float(factor) if factor is not None else config.max_model_len / scaling["original_max_position_embeddings"]
+
+
+def yarn_inverse_frequencies(inv_freq: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """YaRN (Qwen3, Qwen2.5): dimensions that turn more than beta_fast times over the original
+    context keep their frequency, those that turn less than beta_slow times are divided by the
+    factor, and a linear ramp over dimension indices blends the two in between."""
+    scaling = config.rope_scaling
+    factor = _yarn_factor(config)
+    original_len = float(scaling["original_max_position_embeddings"])
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+    num_dims, base = 2 * inv_freq.numel(), config.rope_theta  # the rotated dimensions
+
+    def dimension_turning(num_turns: float) -> float:
+        # The dimension index whose wavelength fits num_turns times into the original context.
+        return num_dims * math.log(original_len / (num_turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dimension_turning(beta_fast), dimension_turning(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, num_dims - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(num_dims // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
+def yarn_attention_factor(config: ModelConfig) -> float:
+    """YaRN's attention temperature (transformers' attention_factor, the paper's mscale): the
+    file's own when it gives one, else 0.1 ln(factor) + 1 (DeepSeek's mscale / mscale_all_dim
+    ratio when both are given)."""
+    scaling = config.rope_scaling
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = _yarn_factor(config)
+
+    def mscale(weight: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * weight * math.log(factor) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(float(scaling["mscale"])) / mscale(float(scaling["mscale_all_dim"]))
+    return mscale()
+
+
 class RotaryEmbedding:
     """Precomputed cos/sin tables for positions [0, max_positions)."""
 
@@ -121,7 +177,7 @@ class RotaryEmbedding:
         # Partial rotary: the pairs past the rotated ones (pair_unrotated_dimensions) turn by
         # angle 0 and are not scaled, so they pass unchanged.
         num_unrotated_pairs = config.head_dim // 2 - inv_freq.numel()
-        pair_scale = torch.cat([torch.full_like(inv_freq, rotation_scale(config)),
+        pair_scale = torch.cat([torch.full_like(inv_freq, attention_factor(config)),
                                 torch.ones(num_unrotated_pairs, dtype=torch.float64)])
         inv_freq = torch.cat([inv_freq, torch.zeros(num_unrotated_pairs, dtype=torch.float64)])
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)

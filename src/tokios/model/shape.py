@@ -24,7 +24,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tokios.errors import ModelLoadError
+from tokios.errors import ModelLoadError, UnsupportedError
 from tokios.gguf_file import GGUFFile
 from tokios.model.gemma3_metadata import gemma3_fields
 from tokios.model.gemma4_metadata import gemma4_fields, gemma4_hf_fields
@@ -40,7 +40,7 @@ _GATHERED_TENSORS = ("token_embd.weight", "per_layer_token_embd.weight")
 
 # Hugging Face class name -> model type, for a config.json that names only the class.
 HF_ARCHITECTURE_TO_TYPE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                           "Qwen2ForCausalLM": "qwen2", "Phi3ForCausalLM": "phi3"}
+                           "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3"}
 # transformers' LlamaConfig default, for a config.json without max_position_embeddings.
 DEFAULT_HF_CONTEXT_LEN = 2048
 
@@ -168,6 +168,8 @@ def shape_from_gguf(gguf: GGUFFile) -> ModelShape:
         rope_scaling = {"type": scaling_type, "factor": float(get("rope.scaling.factor", 1.0)),
                         "original_max_position_embeddings":
                             int(get("rope.scaling.original_context_length", get("context_length")))}
+        if scaling_type == "yarn":
+            rope_scaling.update(_gguf_yarn_parameters(metadata, arch, path))
     elif "rope_factors_long.weight" in gguf.tensors:
         # LongRoPE as llama.cpp's converter writes it: no scaling type, the two factor tables as
         # tensors (the loader reads them), the attention factor computed at conversion.
@@ -213,6 +215,26 @@ def shape_from_gguf(gguf: GGUFFile) -> ModelShape:
 def _largest(value: Any) -> int:
     """A GGUF count that may be one per layer: the largest."""
     return int(max(value)) if isinstance(value, (list, tuple)) else int(value)
+
+
+# What llama.cpp's converter writes of a YaRN config beyond its factor and original context,
+# under transformers' names.
+_GGUF_YARN_KEYS = {"rope.scaling.yarn_attn_factor": "attention_factor", "rope.scaling.yarn_beta_fast": "beta_fast",
+                   "rope.scaling.yarn_beta_slow": "beta_slow"}
+
+
+def _gguf_yarn_parameters(metadata: dict[str, Any], arch: str, path: str) -> dict[str, float]:
+    """A YaRN file's optional parameters. An extrapolation factor other than 1 (transformers has
+    none) and DeepSeek's log multiplier (its mscale_all_dim, without the mscale it goes with) are
+    named as unsupported."""
+    extrapolation = metadata.get(f"{arch}.rope.scaling.yarn_ext_factor")
+    if extrapolation is not None and float(extrapolation) != 1.0:
+        raise UnsupportedError(f"{path}: {arch}.rope.scaling.yarn_ext_factor {extrapolation} is not supported "
+                               "(YaRN is implemented with extrapolation factor 1)")
+    if metadata.get(f"{arch}.rope.scaling.yarn_log_multiplier") is not None:
+        raise UnsupportedError(f"{path}: {arch}.rope.scaling.yarn_log_multiplier is not supported")
+    return {name: float(metadata[f"{arch}.{key}"]) for key, name in _GGUF_YARN_KEYS.items()
+            if metadata.get(f"{arch}.{key}") is not None}
 
 
 # ---- Hugging Face directory ---------------------------------------------------------------------

@@ -82,3 +82,26 @@ def largest_summary_difference(logits: torch.Tensor, summary: dict, same_argmax:
     at_top = (logits.gather(1, top_ids) - torch.tensor(summary["top_logits"], dtype=torch.float64)).abs().max()
     lse = (torch.logsumexp(logits, dim=-1) - torch.tensor(summary["logsumexp"], dtype=torch.float64)).abs().max()
     return max(at_top.item(), lse.item())
+
+
+def greedy_continuations(llm, prompts: dict, num_tokens: int) -> dict[str, tuple[list[int], list[int]]]:
+    """Every prompt (name -> text or conversation) in one batch, EOS ignored: name -> (prompt ids,
+    the engine's greedy continuation). One-by-one equality is test_engine_invariance's job."""
+    from reference import prompt_token_ids
+    from tokios.sampling_params import SamplingParams
+
+    names = sorted(prompts)
+    token_ids = [prompt_token_ids(llm.tokenizer, prompts[name]) for name in names]
+    outputs = llm.generate(token_ids, SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True))
+    llm.check_invariants()
+    return {name: (ids, list(output.outputs[0].token_ids)) for name, ids, output in zip(names, token_ids, outputs)}
+
+
+def golden_sequences(name: str, model_path: Path, continuations: dict) -> dict[str, dict]:
+    """The golden file's sequences, checked to be of the same prompts as `continuations` (from
+    greedy_continuations), with the same prompt ids."""
+    sequences = load_golden(name, model_path)["sequences"]
+    assert sorted(sequences) == sorted(continuations), f"the prompts changed: regenerate {name}.json"
+    for prompt_name, (prompt_ids, _) in continuations.items():
+        assert prompt_ids == sequences[prompt_name]["prompt_ids"], f"{prompt_name} changed: regenerate {name}.json"
+    return sequences

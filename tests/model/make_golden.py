@@ -19,8 +19,8 @@ import torch
 import transformers
 
 from golden import golden_path, logits_summary, model_file_key, rounded
-from reference import (load_reference_model, load_reference_tokenizer, perplexity_from_logits, reference_greedy,
-                       reference_logits)
+from reference import (load_reference_model, load_reference_tokenizer, perplexity_from_logits, prompt_token_ids,
+                       reference_greedy, reference_logits)
 from tokios.model_files import default_model_path, gemma3_model_path, qwen25_model_path
 from tokios.tokenizer import Tokenizer
 
@@ -44,7 +44,7 @@ def perplexity(model, token_ids: list[int]) -> dict:
 
 
 def smollm2() -> dict:
-    from test_parity import NUM_TOKENS, PROMPTS, prompt_token_ids
+    from test_parity import NUM_TOKENS, PROMPTS
 
     path = default_model_path()
     model, tokenizer = load_reference_model(path), Tokenizer.from_gguf_file(path)
@@ -78,7 +78,7 @@ def gemma3() -> dict:
 
 
 def qwen25() -> dict:
-    from test_qwen25 import NUM_TOKENS, PROMPTS, prompt_token_ids
+    from test_qwen25 import NUM_TOKENS, PROMPTS
 
     path = qwen25_model_path()
     model, tokenizer = load_reference_model(path), Tokenizer.from_gguf_file(path)

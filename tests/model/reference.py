@@ -85,6 +85,14 @@ def gguf_parsed_once():
         gguf.GGUFReader, gguf.get_tensor_name_map = original_reader, original_name_map
 
 
+def prompt_token_ids(tokenizer, prompt) -> list[int]:
+    """A test prompt's ids: a conversation (a list of messages) through the chat template, or text."""
+    if isinstance(prompt, list):
+        return tokenizer.encode(tokenizer.apply_chat_template(prompt, add_generation_prompt=True),
+                                add_special_tokens=False)
+    return tokenizer.encode(prompt)
+
+
 def reference_greedy(model, prompt_token_ids: list[int], num_tokens: int) -> list[int]:
     """transformers' generate(do_sample=False) for exactly num_tokens new tokens (EOS ignored,
     so the comparison always covers num_tokens positions)."""

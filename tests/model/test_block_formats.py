@@ -28,8 +28,8 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader, GGUFWriter
 
-from reference import default_gguf, engine_perplexity, engine_prompt_logits
-from test_engine_invariance import PROMPTS, assert_parts_only_at_near_ties, prompt_token_ids
+from reference import default_gguf, engine_perplexity, engine_prompt_logits, prompt_token_ids
+from test_engine_invariance import PROMPTS, assert_parts_only_at_near_ties
 from tokios.model.blocks.requantize import copy_metadata, mostly_q4_k_m, requantize_gguf
 from tokios.sampling_params import SamplingParams
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import pytest
 
+from reference import prompt_token_ids
 from tokios.errors import ContextLengthExceededError
 from tokios.sampling_params import SamplingParams
 
@@ -57,13 +58,6 @@ PROMPTS = [
     "The quick brown fox",
     "In the year 1969, the first humans",
 ]
-
-
-def prompt_token_ids(tokenizer, prompt) -> list[int]:
-    if isinstance(prompt, list):
-        return tokenizer.encode(tokenizer.apply_chat_template(prompt, add_generation_prompt=True),
-                                add_special_tokens=False)
-    return tokenizer.encode(prompt)
 
 
 def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
@@ -192,10 +186,11 @@ def test_low_precision_parts_from_one_by_one_only_at_near_ties(dtype, kv_cache_d
           "prompts identical")
 
 
-def assert_parts_only_at_near_ties(outputs, references, label: str) -> int:
+def assert_parts_only_at_near_ties(outputs, references, label: str, *, near_tie_nats: float = NEAR_TIE_NATS,
+                                   max_drift_nats: float = MAX_LOGPROB_DRIFT_NATS) -> int:
     """Each output's tokens equal its reference's up to a position where the reference's top two
-    candidates were within NEAR_TIE_NATS, with the chosen tokens' log-probabilities within
-    MAX_LOGPROB_DRIFT_NATS before it (both generated with logprobs=2). Returns how many were
+    candidates were within near_tie_nats, with the chosen tokens' log-probabilities within
+    max_drift_nats before it (both generated with logprobs=2). Returns how many were
     identical throughout."""
     num_identical = 0
     for index, (ours, reference) in enumerate(zip(outputs, references)):
@@ -206,12 +201,12 @@ def assert_parts_only_at_near_ties(outputs, references, label: str) -> int:
         for position in range(agreed):
             token_id = reference.token_ids[position]
             drift = abs(ours.logprobs[position][token_id].logprob - reference.logprobs[position][token_id].logprob)
-            assert drift <= MAX_LOGPROB_DRIFT_NATS, (index, position, drift)
+            assert drift <= max_drift_nats, (index, position, drift)
         if parted_at is not None:
             top_two = sorted((lp.logprob for lp in reference.logprobs[parted_at].values()), reverse=True)[:2]
             gap = top_two[0] - top_two[1]
             print(f"\n{label}: prompt {index} parts at token {parted_at}, top-two gap {gap:.3f} nats")
-            assert gap <= NEAR_TIE_NATS, f"prompt {index} parts at token {parted_at} with a clear winner ({gap:.2f} nats)"
+            assert gap <= near_tie_nats, f"prompt {index} parts at token {parted_at} with a clear winner ({gap:.2f} nats)"
     return num_identical
 
 

@@ -25,6 +25,9 @@ from tokios.sampling_params import SamplingParams
 NUM_TOKENS = 16
 PROMPT_TOKENS = 160
 LOGITS_RTOL = 1e-3
+# The quantized file against its own float32 run (test_the_file_quantized_...; measured in its docstring).
+QUANTIZED_NEAR_TIE_NATS = 1.5
+QUANTIZED_MAX_DRIFT_NATS = 0.5
 TEXT = ("The lighthouse keeper climbed the stairs every evening, counting each of the one hundred and twelve "
         "steps, because his father had counted them and his grandfather before him. Der Leuchtturm stand auf "
         "einer Klippe; 灯台は岬の上に立っていた。 Kraków, Zürich, naïve café — 1234567890 + 0.5 = ? ") * 4
@@ -192,6 +195,41 @@ def test_a_directory_of_a_gguf_only_architecture_is_refused_by_name(name, tmp_pa
     tiny = converted_model(FAMILIES[name], tmp_path_factory)
     with pytest.raises(UnsupportedError, match="not supported"):
         LLM(model=str(tiny.hf_directory), dtype="float32", kv_cache_memory="64MiB")
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_the_file_quantized_runs_as_stored_apart_from_float32_only_at_near_ties(name, tmp_path_factory):
+    """The converted file requantized by our quantizer as llama.cpp's Q4_K_M chooses types (the
+    tiny rows are too narrow for K-quants, so Q5_0 / Q5_1 / Q8_0 as llama.cpp falls back), run as
+    stored (the quantized kernels, the fused decode step with this architecture's extras) against
+    the same file dequantized to float32 (which the tests above tie to transformers): greedy tokens
+    part only at near-ties, with the log-probabilities before close. The random models' logits
+    span tens of nats, so the products' 8-bit activations move them more than a trained model's:
+    measured here, the largest drift before a parting was 0.30 nats (qwen2, mistral) and the widest
+    parting gap 1.05 (phi3); a wrong layout or a missing step moves them by several nats at once."""
+    from test_engine_invariance import assert_parts_only_at_near_ties
+    from tokios.engine import LLM
+    from tokios.model.blocks.requantize import mostly_q4_k_m, requantize_gguf
+
+    tiny = converted_model(FAMILIES[name], tmp_path_factory)
+    path = tiny.gguf_path.with_name(f"{name}.q4_k_m.gguf")
+    written = requantize_gguf(str(tiny.gguf_path), str(path), mostly_q4_k_m)
+    assert any(ggml_type.name != "F32" for ggml_type in written.values())
+    ids = prompt_ids(tiny)
+    prompts = [ids[:40], ids[:100], ids]
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
+    outputs = {}
+    for dtype in ("float32", "auto"):
+        llm = LLM(model=str(path), dtype=dtype, kv_cache_memory="64MiB")
+        try:
+            outputs[dtype] = [output.outputs[0] for output in llm.generate(prompts, params)]
+            llm.check_invariants()
+        finally:
+            llm.close()
+    assert_parts_only_at_near_ties(outputs["auto"], outputs["float32"], f"{name} as stored",
+                                   near_tie_nats=QUANTIZED_NEAR_TIE_NATS, max_drift_nats=QUANTIZED_MAX_DRIFT_NATS)
+
+
 def test_an_unknown_rope_scaling_is_an_error_naming_it(tmp_path_factory, tmp_path):
     import json
     import shutil

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hf_directory import write_hf_directory
-from reference import default_gguf
+from reference import default_gguf, prompt_token_ids
 from tokios.gguf_file import GGUFFile
 from tokios.model.loader import model_config_from_gguf, weights_from_gguf
 from tokios.sampling_params import SamplingParams
@@ -36,13 +36,6 @@ def hf_dir_engine(tmp_path_factory, engine_float32):
     config = model_config_from_gguf(gguf)
     write_hf_directory(directory, engine_float32.tokenizer, config, weights_from_gguf(gguf, config))
     return LLM(model=str(directory), dtype="float32", kv_cache_memory="64MiB")
-
-
-def prompt_token_ids(tokenizer, prompt) -> list[int]:
-    if isinstance(prompt, list):
-        return tokenizer.encode(tokenizer.apply_chat_template(prompt, add_generation_prompt=True),
-                                add_special_tokens=False)
-    return tokenizer.encode(prompt)
 
 
 def test_directory_describes_the_same_model(hf_dir_engine, engine_float32):

@@ -20,9 +20,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from golden import largest_summary_difference, load_golden
-from reference import default_gguf, engine_prompt_logits, perplexity_from_logits, reference_logits
-from tokios.sampling_params import SamplingParams
+from golden import golden_sequences as checked_golden_sequences
+from golden import greedy_continuations, largest_summary_difference, load_golden
+from reference import default_gguf, engine_prompt_logits, perplexity_from_logits, prompt_token_ids, reference_logits
 
 NUM_TOKENS = 48
 LOGITS_ATOL = 1e-3
@@ -37,32 +37,14 @@ PROMPTS = {
 }
 
 
-def prompt_token_ids(tokenizer, prompt) -> list[int]:
-    if isinstance(prompt, list):
-        return tokenizer.encode(tokenizer.apply_chat_template(prompt, add_generation_prompt=True),
-                                add_special_tokens=False)
-    return tokenizer.encode(prompt)
-
-
 @pytest.fixture(scope="module")
 def engine_continuations(engine_float32):
-    """All four prompts in one batch (one-by-one equality is test_engine_invariance's job)."""
-    names = sorted(PROMPTS)
-    token_ids = [prompt_token_ids(engine_float32.tokenizer, PROMPTS[name]) for name in names]
-    outputs = engine_float32.generate(token_ids, SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0,
-                                                                ignore_eos=True))
-    engine_float32.check_invariants()
-    return {name: (ids, output.outputs[0].token_ids) for name, ids, output in zip(names, token_ids, outputs)}
+    return greedy_continuations(engine_float32, PROMPTS, NUM_TOKENS)
 
 
 @pytest.fixture(scope="module")
 def golden_sequences(engine_continuations) -> dict[str, dict]:
-    """transformers' results for each prompt (golden), checked to start with the engine's prompt ids."""
-    sequences = load_golden("smollm2", default_gguf())["sequences"]
-    assert sorted(sequences) == sorted(PROMPTS), "PROMPTS changed: regenerate smollm2.json"
-    for name, (prompt_ids, _) in engine_continuations.items():
-        assert prompt_ids == sequences[name]["prompt_ids"], f"{name} changed: regenerate smollm2.json"
-    return sequences
+    return checked_golden_sequences("smollm2", default_gguf(), engine_continuations)
 
 
 @pytest.mark.parametrize("name", sorted(PROMPTS))

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import pytest
 
-from golden import largest_summary_difference, load_golden
+from golden import golden_sequences as checked_golden_sequences
+from golden import greedy_continuations, largest_summary_difference, load_golden
 from reference import engine_prompt_logits
 from tokios.model_files import qwen25_model_path
-from tokios.sampling_params import SamplingParams
 
 NUM_TOKENS = 24
 LOGITS_ATOL = 5e-4
@@ -34,13 +34,6 @@ PROMPTS = {
     "chat_reverse": [{"role": "user", "content": "Write a Python function that reverses a string."}],
     "code": "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
 }
-
-
-def prompt_token_ids(tokenizer, prompt) -> list[int]:
-    if isinstance(prompt, list):
-        return tokenizer.encode(tokenizer.apply_chat_template(prompt, add_generation_prompt=True),
-                                add_special_tokens=False)
-    return tokenizer.encode(prompt)
 
 
 @pytest.fixture(scope="module")
@@ -54,21 +47,12 @@ def qwen25_float32():
 
 @pytest.fixture(scope="module")
 def continuations(qwen25_float32):
-    names = sorted(PROMPTS)
-    token_ids = [prompt_token_ids(qwen25_float32.tokenizer, PROMPTS[name]) for name in names]
-    outputs = qwen25_float32.generate(token_ids, SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0,
-                                                               ignore_eos=True))
-    qwen25_float32.check_invariants()
-    return {name: (ids, list(output.outputs[0].token_ids)) for name, ids, output in zip(names, token_ids, outputs)}
+    return greedy_continuations(qwen25_float32, PROMPTS, NUM_TOKENS)
 
 
 @pytest.fixture(scope="module")
 def golden_sequences(continuations):
-    sequences = load_golden("qwen25", qwen25_model_path())["sequences"]
-    assert sorted(sequences) == sorted(PROMPTS), "PROMPTS changed: regenerate qwen25.json"
-    for name, (prompt_ids, _) in continuations.items():
-        assert prompt_ids == sequences[name]["prompt_ids"], f"{name} changed: regenerate qwen25.json"
-    return sequences
+    return checked_golden_sequences("qwen25", qwen25_model_path(), continuations)
 
 
 @pytest.mark.parametrize("name", sorted(PROMPTS))

@@ -78,3 +78,10 @@ def test_unknown_rope_scaling_is_refused_by_name(tmp_path):
     config = config_of(tmp_path, rope_scaling={"rope_type": "quadratic", "factor": 2.0})
     with pytest.raises(UnsupportedError, match="'quadratic'"):
         RotaryEmbedding(config, 16, torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_a_qwen_sliding_window_is_refused_by_name(tmp_path, model_type):
+    assert config_of(tmp_path, model_type=model_type, use_sliding_window=False).architecture == model_type
+    with pytest.raises(UnsupportedError, match="use_sliding_window"):
+        config_of(tmp_path, model_type=model_type, use_sliding_window=True, sliding_window=4096)

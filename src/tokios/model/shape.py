@@ -250,6 +250,11 @@ def shape_from_hf_directory(directory: str | os.PathLike[str]) -> ModelShape:
     architectures = outer.get("architectures") or []
     model_type = hf.get("model_type") or (HF_ARCHITECTURE_TO_TYPE.get(architectures[0]) if architectures else None)
     rope_theta, rope_scaling = _rope_from_hf(hf)
+    if hf.get("use_sliding_window"):
+        # Qwen2/Qwen3 configs carry this switch (off in every released model); llama.cpp's
+        # converter drops it, and running it as full attention would be silently wrong.
+        raise UnsupportedError(f"{config_path}: use_sliding_window is not supported for {model_type} "
+                               "(sliding-window attention on some layers of a Qwen model)")
     try:
         hidden_size = int(hf["hidden_size"])
         num_heads = int(hf["num_attention_heads"])

@@ -42,9 +42,12 @@ def mostly_q4_k_m(name: str, shape: tuple[int, int], num_layers: int) -> T:
 
 
 def storable_type(ggml_type: T, shape: tuple[int, int]) -> T:
-    """`ggml_type`, or llama.cpp's fallback where the rows do not fit its blocks."""
+    """`ggml_type`, or llama.cpp's fallback where the rows do not fit its blocks: a K-quant's
+    32-weight cousin, and F16 where rows are not even whole 32-weight blocks."""
     if ggml_type in K_QUANT_TYPES and shape[1] % 256:
-        return K_QUANT_FALLBACK[ggml_type]
+        ggml_type = K_QUANT_FALLBACK[ggml_type]
+    if ggml_type not in (T.F32, T.F16) and shape[1] % 32:
+        return T.F16
     return ggml_type
 
 
@@ -72,8 +75,9 @@ def requantize_gguf(source: str, destination: str, choose: TypeChooser) -> dict[
         shape = tuple(int(dim) for dim in reversed(tensor.shape))
         raw = np.asarray(tensor.data).view(np.uint8).reshape(-1)
         weights = dequantize(raw, tensor.tensor_type, shape, tensor.name).numpy()
-        if len(shape) == 2:
-            ggml_type = storable_type(choose(tensor.name, shape, num_layers), shape)
+        if len(shape) == 2 and (ggml_type := storable_type(choose(tensor.name, shape, num_layers), shape)) == T.F16:
+            writer.add_tensor(tensor.name, weights.astype(np.float16))
+        elif len(shape) == 2:
             blocks = quantize(weights, ggml_type).reshape(shape[0], -1)
             writer.add_tensor(tensor.name, blocks, raw_dtype=ggml_type)
         else:

@@ -41,8 +41,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--startup-timeout", type=float, default=300.0)
 
 
-def complete(base_url: str, prompt: str, max_tokens: int) -> str:
-    body = {"model": "default", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "top_k": 1,
+def served_model(base_url: str) -> str:
+    response = httpx.get(f"{base_url}/v1/models", timeout=60.0)
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
+
+
+def complete(base_url: str, model: str, prompt: str, max_tokens: int) -> str:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "top_k": 1,
             "ignore_eos": True, "stream": False}
     response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=600.0)
     response.raise_for_status()
@@ -81,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
                    else llama_server_command(args, binary, model_path, port, 1))
         print(f"starting {name}: {' '.join(command)}", file=sys.stderr)
         with ServerProcess(name, command, port).start(timeout_s=args.startup_timeout) as server:
-            texts[name] = [complete(server.base_url, prompt, args.max_tokens) for prompt in PROMPTS]
+            model = served_model(server.base_url)
+            texts[name] = [complete(server.base_url, model, prompt, args.max_tokens) for prompt in PROMPTS]
     tokenizer = Tokenizer.from_gguf_file(model_path)
     num_identical = 0
     lines = [f"Greedy continuations of {len(PROMPTS)} prompts, {args.max_tokens} tokens each, EOS ignored: "

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import functools
 import struct
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -139,15 +137,11 @@ def _proto_field(number: int, value, wire: int = 2) -> bytes:
 
 
 def convert_to_gguf(hf_directory: Path, gguf_path: Path, outtype: str = "f32") -> Path:
-    """llama.cpp's convert_hf_to_gguf.py on `hf_directory`, as a user runs it (its own gguf-py
-    first on the path, as the script arranges); a failure shows the script's last output."""
-    script = llama_cpp_sources() / "convert_hf_to_gguf.py"
-    result = subprocess.run([sys.executable, str(script), str(hf_directory), "--outfile", str(gguf_path),
-                             "--outtype", outtype], capture_output=True, text=True)
-    if result.returncode != 0 or not gguf_path.is_file():
-        raise AssertionError(f"convert_hf_to_gguf.py failed ({result.returncode}) on {hf_directory}:\n"
-                             f"{result.stderr[-3000:]}")
-    return gguf_path
+    """llama.cpp's convert_hf_to_gguf.py on `hf_directory`, as a user runs it (the same call
+    `tokios bench random-model` makes)."""
+    from tokios.tools.bench.peers import convert_hf_directory
+
+    return convert_hf_directory(hf_directory, gguf_path, outtype)
 
 
 @dataclass

@@ -108,6 +108,19 @@ def fetch_llama_cpp_sources() -> Path:
     return model_files.unpack_llama_cpp_sources(archive)
 
 
+def convert_hf_directory(hf_directory, gguf_path, outtype: str = "f16") -> Path:
+    """llama.cpp's convert_hf_to_gguf.py (the pinned sources) on a Hugging Face directory, as a
+    user runs it (its own gguf-py first on the path, as the script arranges); a failure shows the
+    script's last output."""
+    script = fetch_llama_cpp_sources() / "convert_hf_to_gguf.py"
+    result = subprocess.run([sys.executable, str(script), str(hf_directory), "--outfile", str(gguf_path),
+                             "--outtype", outtype], capture_output=True, text=True)
+    if result.returncode != 0 or not Path(gguf_path).is_file():
+        raise TokiosError(f"convert_hf_to_gguf.py failed ({result.returncode}) on {hf_directory}:\n"
+                          f"{result.stderr[-3000:]}")
+    return Path(gguf_path)
+
+
 def build_llama_server(*, num_jobs: int = 2) -> str:
     """Build llama-server from the pinned llama.cpp sources into peers_dir(); returns its path."""
     from tokios.model_files import LLAMA_CPP_PYTHON_VERSION

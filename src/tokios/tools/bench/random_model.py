@@ -15,8 +15,6 @@ PRESETS names each architecture's published dimensions (Qwen3-0.6B's config.json
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def random_model_path(preset_name: str, *, seed: int = 0) -> Path:
     """The preset's F16 GGUF in the peers cache, made once."""
-    from tokios.tools.bench.peers import fetch_llama_cpp_sources, peers_dir
+    from tokios.tools.bench.peers import convert_hf_directory, fetch_llama_cpp_sources, peers_dir
 
     if preset_name not in PRESETS:
         raise InvalidRequestError(f"preset must be one of {', '.join(sorted(PRESETS))}, got {preset_name!r}",
@@ -72,11 +70,7 @@ def random_model_path(preset_name: str, *, seed: int = 0) -> Path:
         model.save_pretrained(directory)
         tokenizer.save_pretrained(directory)
         del model
-        partial = target.with_suffix(".partial")
-        result = subprocess.run([sys.executable, str(sources / "convert_hf_to_gguf.py"), directory, "--outfile",
-                                 str(partial), "--outtype", "f16"], capture_output=True, text=True)
-        if result.returncode != 0:
-            raise TokiosError(f"convert_hf_to_gguf.py failed ({result.returncode}):\n{result.stderr[-2000:]}")
+        partial = convert_hf_directory(directory, target.with_suffix(".partial"), "f16")
     partial.rename(target)
     return target
 

@@ -85,6 +85,9 @@ class _HeaderReader:
         self.u32 = struct.Struct(byte_order + "I")
         self.u64 = struct.Struct(byte_order + "Q")
         self.scalar_structs = {code: struct.Struct(byte_order + fmt) for code, fmt in _SCALAR_TYPE_TO_FORMAT.items()}
+        # key -> (GGUF value type code, element type code of an array or None), for writers that
+        # copy a file's metadata as stored.
+        self.value_types: dict[str, tuple[int, int | None]] = {}
 
     def error(self, problem: str) -> ModelLoadError:
         return ModelLoadError(f"{problem}: {self.path}")
@@ -186,7 +189,12 @@ class _HeaderReader:
             self.context = f"metadata key #{index}"
             key = self.read_name("metadata key")
             self.context = f"metadata key {key!r}"
-            metadata[key] = self.read_value(self.read_u32(), key)
+            value_type = self.read_u32()
+            element_type = None
+            if value_type == _TYPE_ARRAY:
+                element_type = self.u32.unpack_from(self.buffer, self.offset)[0] if self.offset + 4 <= self.size else None
+            self.value_types[key] = (value_type, element_type)
+            metadata[key] = self.read_value(value_type, key)
         return metadata
 
     def read_tensor_infos(self, num_tensors: int) -> list[tuple[str, list[int], int, int]]:
@@ -257,7 +265,8 @@ class GGUFFile:
     """Metadata and tensor infos of one GGUF file; tensor bytes stay memory-mapped.
 
     Attributes: path, version, byte_order ("<" or ">"), metadata (key -> plain Python value),
-    tensors (name -> TensorInfo, in file order), data_offset (where tensor data starts).
+    value_types (key -> (GGUF value type code, an array's element type code or None)), tensors
+    (name -> TensorInfo, in file order), data_offset (where tensor data starts).
     """
 
     def __init__(self, path: str | os.PathLike[str]):
@@ -267,6 +276,7 @@ class GGUFFile:
         try:
             self.version, num_tensors, num_kv = reader.read_counts()
             self.metadata = reader.read_metadata(num_kv)
+            self.value_types = reader.value_types
             raw_infos = reader.read_tensor_infos(num_tensors)
         except _TruncatedError as exc:
             raise reader.truncated(exc) from None

@@ -26,10 +26,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
-from gguf import GGUFReader, GGUFWriter
+from gguf import GGUFWriter
 
 from reference import default_gguf, engine_perplexity, engine_prompt_logits, prompt_token_ids
 from test_engine_invariance import PROMPTS, assert_parts_only_at_near_ties
+from tokios.gguf_file import GGUFFile
 from tokios.model.blocks.requantize import copy_metadata, mostly_q4_k_m, requantize_gguf
 from tokios.sampling_params import SamplingParams
 
@@ -65,7 +66,7 @@ def random_k_quant_model(directory: Path) -> Path:
         return path
     from tokios.model.blocks import quantize
 
-    source = GGUFReader(str(default_gguf()))
+    source = GGUFFile(default_gguf())
     writer = GGUFWriter(str(path), "llama")
     copy_metadata(source, writer, skip_prefixes=("llama.",))  # the tokenizer; new hyper-parameters below
     hidden, intermediate, heads, kv_heads, head_dim, layers = 256, 768, 4, 2, 64, 2
@@ -77,7 +78,7 @@ def random_k_quant_model(directory: Path) -> Path:
     writer.add_context_length(2048)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
-    vocab = len(source.fields["tokenizer.ggml.tokens"].contents())
+    vocab = len(source.metadata["tokenizer.ggml.tokens"])
     rng = np.random.default_rng(0)
 
     def add(name, shape, ggml_type, scale):
@@ -112,7 +113,7 @@ def engine(path: Path, **options):
 
 def runs_as_stored(llm, path: Path) -> None:
     """The engine's linear layers hold exactly the file's block types."""
-    expected = Counter(tensor.tensor_type for tensor in GGUFReader(str(path)).tensors if len(tensor.shape) == 2)
+    expected = Counter(tensor.ggml_type for tensor in GGUFFile(path).tensors.values() if len(tensor.shape) == 2)
     model = llm.core.model
     ran = Counter(t for linear in [model.lm_head] + model.layer_linears() for t in linear.tensor_types)
     if model.config.tie_word_embeddings:

@@ -13,7 +13,9 @@ from typing import Callable
 
 import numpy as np
 from gguf import GGMLQuantizationType as T
-from gguf import GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGUFValueType, GGUFWriter
+
+from tokios.gguf_file import GGUFFile
 
 from tokios.model.blocks.quantize import K_QUANT_TYPES, quantize
 from tokios.model.quant import dequantize
@@ -51,30 +53,29 @@ def storable_type(ggml_type: T, shape: tuple[int, int]) -> T:
     return ggml_type
 
 
-def copy_metadata(reader: GGUFReader, writer: GGUFWriter, skip_prefixes: tuple[str, ...] = ()) -> None:
-    """Every key of `reader` into `writer`, but the header's own fields, the architecture (the
-    writer adds it) and keys starting with one of `skip_prefixes`."""
-    for field in reader.fields.values():
-        if field.name.startswith(("GGUF.", "general.architecture") + skip_prefixes):
+def copy_metadata(source: GGUFFile, writer: GGUFWriter, skip_prefixes: tuple[str, ...] = ()) -> None:
+    """Every key of `source` into `writer` with its stored type, but the architecture (the writer
+    adds it), the alignment (the writer's own) and keys starting with one of `skip_prefixes`."""
+    for key, value in source.metadata.items():
+        if key.startswith(("general.architecture", "general.alignment") + skip_prefixes):
             continue
-        value_type = field.types[0]
-        sub_type = field.types[-1] if value_type == GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, field.contents(), value_type, sub_type=sub_type)
+        value_type, element_type = source.value_types[key]
+        sub_type = GGUFValueType(element_type) if element_type is not None else None
+        writer.add_key_value(key, value, GGUFValueType(value_type), sub_type=sub_type)
 
 
 def requantize_gguf(source: str, destination: str, choose: TypeChooser) -> dict[str, T]:
     """Write `destination` from `source` with each 2-D weight in the type `choose` names (made
     storable); returns tensor name -> type written."""
-    reader = GGUFReader(source)
-    architecture = reader.fields["general.architecture"].contents()
-    num_layers = int(reader.fields[f"{architecture}.block_count"].contents())
+    reader = GGUFFile(source)
+    architecture = reader.architecture
+    num_layers = int(reader.metadata[f"{architecture}.block_count"])
     writer = GGUFWriter(destination, architecture)
     copy_metadata(reader, writer)
     written: dict[str, T] = {}
-    for tensor in reader.tensors:
-        shape = tuple(int(dim) for dim in reversed(tensor.shape))
-        raw = np.asarray(tensor.data).view(np.uint8).reshape(-1)
-        weights = dequantize(raw, tensor.tensor_type, shape, tensor.name).numpy()
+    for tensor in reader.tensors.values():
+        shape = tensor.shape
+        weights = dequantize(reader.raw_bytes(tensor.name), tensor.ggml_type, shape, tensor.name).numpy()
         if len(shape) == 2 and (ggml_type := storable_type(choose(tensor.name, shape, num_layers), shape)) == T.F16:
             writer.add_tensor(tensor.name, weights.astype(np.float16))
         elif len(shape) == 2:

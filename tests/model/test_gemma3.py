@@ -161,11 +161,11 @@ def test_engine_logits_of_the_long_prompt_in_one_pass(long_prompt, gemma_float32
     window off-by-one that the runner and the model could share): at every position the next
     token's logit, the largest logit and the logsumexp over the whole vocabulary."""
     golden = gemma_golden["long_prompt"]
-    ours = engine_prompt_logits(gemma_float32, long_prompt).double()
+    ours = engine_prompt_logits(gemma_float32, long_prompt)  # reduced in float32, as in golden.py
     next_ids = torch.tensor(long_prompt[1:])[:, None]
-    differences = [ours[:-1].gather(1, next_ids).squeeze(1) - torch.tensor(golden["next_token_logits"]),
-                   ours.max(-1).values - torch.tensor(golden["top_logits"]),
-                   torch.logsumexp(ours, dim=-1) - torch.tensor(golden["logsumexp"])]
+    differences = [ours[:-1].gather(1, next_ids).squeeze(1).double() - torch.tensor(golden["next_token_logits"]),
+                   ours.max(-1).values.double() - torch.tensor(golden["top_logits"]),
+                   torch.logsumexp(ours, dim=-1).double() - torch.tensor(golden["logsumexp"])]
     assert max(difference.abs().max().item() for difference in differences) <= LOGITS_ATOL
 
 

@@ -289,8 +289,10 @@ def test_stored_blocks_part_from_one_by_one_only_at_near_ties(gemma_stored, inva
     print(f"\nGemma 3 as stored: {num_identical} of {len(invariance_prompts)} prompts identical batched")
 
 
-@pytest.mark.parametrize("method", ["ngram", "self_draft"])
-def test_speculative_decoding_is_lossless(gemma_path, invariance_prompts, method):
+@pytest.fixture(scope="module")
+def speculative_engine(gemma_path, invariance_prompts):
+    """The file as stored with speculation configured, and its plain greedy tokens for three
+    prompts (one past the window), one request at a time."""
     from tokios.engine import LLM
     from tokios.config import SpeculativeConfig
 
@@ -301,9 +303,17 @@ def test_speculative_decoding_is_lossless(gemma_path, invariance_prompts, method
                                                    self_draft_num_layers=6))
     prompts = invariance_prompts[:2] + invariance_prompts[-1:]
     plain = [llm.generate([ids], greedy(24))[0].outputs[0].token_ids for ids in prompts]
+    yield llm, prompts, plain
+    llm.close()
+
+
+@pytest.mark.parametrize("method", ["ngram", "self_draft"])
+def test_speculative_decoding_is_lossless(speculative_engine, method):
+    llm, prompts, plain = speculative_engine
+    drafts_before = llm.stats().spec_num_drafts
     params = greedy(24, speculative={"method": method, "num_tokens": 3})
     assert [llm.generate([ids], params)[0].outputs[0].token_ids for ids in prompts] == plain
-    assert llm.stats().spec_num_drafts > 0
+    assert llm.stats().spec_num_drafts > drafts_before
     llm.check_invariants()
 
 

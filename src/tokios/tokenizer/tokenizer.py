@@ -16,6 +16,9 @@ import copy
 import hashlib
 import itertools
 import operator
+import os
+import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from functools import cached_property
 from pathlib import Path
@@ -301,12 +304,35 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     raise ModelLoadError(f"expected a .gguf file or a directory with tokenizer.json: {path}")
 
 
+# Tokenizers built from GGUF files, by the file's identity (path, size, modification time): a
+# model loaded again in one process (an evicted model coming back, a draft on the target's file,
+# a second engine) reuses the tokenizer instead of rebuilding it (2 s for Gemma's 262k-piece
+# vocabulary, whose merges are recovered from the pieces). Tokenizers are immutable.
+_GGUF_TOKENIZER_CACHE_SIZE = 4
+_gguf_tokenizers: OrderedDict[tuple, Tokenizer] = OrderedDict()
+_gguf_tokenizers_lock = threading.Lock()
+
+
 def tokenizer_for_loaded_model(source: Mapping[str, Any] | str | Path, path: str) -> Tokenizer:
     """The tokenizer of a model the loader read: `source` is the GGUF metadata it already parsed
     (no second read of the file), or the Hugging Face directory. `path` names the model in errors."""
-    if isinstance(source, Mapping):
+    if not isinstance(source, Mapping):
+        return Tokenizer.from_hf_dir(source)
+    try:
+        status = os.stat(path)
+    except OSError:
         return Tokenizer.from_gguf_metadata(source, source=path)
-    return Tokenizer.from_hf_dir(source)
+    key = (os.path.realpath(path), status.st_size, status.st_mtime_ns)
+    with _gguf_tokenizers_lock:
+        if key in _gguf_tokenizers:
+            _gguf_tokenizers.move_to_end(key)
+            return _gguf_tokenizers[key]
+    tokenizer = Tokenizer.from_gguf_metadata(source, source=path)
+    with _gguf_tokenizers_lock:
+        _gguf_tokenizers[key] = tokenizer
+        while len(_gguf_tokenizers) > _GGUF_TOKENIZER_CACHE_SIZE:
+            _gguf_tokenizers.popitem(last=False)
+    return tokenizer
 
 
 def _starts_with_gguf_magic(path: Path) -> bool:

@@ -205,6 +205,17 @@ def test_grouped_equals_row_by_row_reference(kind):
     torch.testing.assert_close(layer(hidden), _reference(layer, hidden), atol=1e-5, rtol=1e-5)
 
 
+def test_activation_formulas():
+    generator = torch.Generator().manual_seed(12)
+    gate, up = torch.randn(50, generator=generator) * 3, torch.randn(50, generator=generator) * 3
+    torch.testing.assert_close(ExpertActivation("silu")(gate, up), gate / (1 + torch.exp(-gate)) * up)
+    tanh_gelu = 0.5 * gate * (1 + torch.tanh(math.sqrt(2 / math.pi) * (gate + 0.044715 * gate ** 3)))
+    torch.testing.assert_close(ExpertActivation("gelu_tanh")(gate, up), tanh_gelu * up)
+    clamped_gate, clamped_up = gate.clamp(max=2.0), up.clamp(-2.0, 2.0)
+    torch.testing.assert_close(ExpertActivation("swiglu_oai", alpha=1.5, limit=2.0)(gate, up),
+                               clamped_gate / (1 + torch.exp(-1.5 * clamped_gate)) * (clamped_up + 1))
+
+
 def test_expert_biases_and_router_bias_are_applied():
     generator = torch.Generator().manual_seed(11)
     biases = dict(router_bias=torch.randn(NUM_EXPERTS, generator=generator),
@@ -233,7 +244,9 @@ class _CountingFunctional:
 
 
 def _expert_reads(layer: SparseMoE, counting: _CountingFunctional) -> dict[int, tuple[int, int, int]]:
-    return {expert_id: tuple(counting.reads[tensor[expert_id].data_ptr()] for tensor in (layer.gate, layer.up, layer.down))
+    """expert id -> how many products read its (gate, up, down) matrices."""
+    return {expert_id: tuple(counting.reads[tensor[expert_id].data_ptr()]
+                             for tensor in (layer.gate, layer.up, layer.down))
             for expert_id in range(layer.routing.num_experts)}
 
 
@@ -275,20 +288,15 @@ def test_each_chosen_expert_is_read_once_per_call(monkeypatch):
 def test_an_expert_no_row_chooses_is_never_read():
     """Expert 7's weights are NaN and no row chooses it: the output stays finite and equals that
     of the same layer with expert 7 zeroed."""
-    layer = _biased_towards([5, 2], 2)
-    router_bias = layer.router_bias.clone()
+    layer = _layer()
+    router_bias = torch.zeros(NUM_EXPERTS)
     router_bias[7] = -100.0
-    zeroed = SparseMoE(layer.routing, layer.router_weight, layer.gate.clone(), layer.up.clone(), layer.down.clone(),
-                       router_bias=router_bias)
-    poisoned = SparseMoE(layer.routing, layer.router_weight, layer.gate.clone(), layer.up.clone(), layer.down.clone(),
-                         router_bias=router_bias)
+    zeroed, poisoned = (SparseMoE(layer.routing, layer.router_weight, layer.gate.clone(), layer.up.clone(),
+                                  layer.down.clone(), router_bias=router_bias) for _ in range(2))
     for tensor in (zeroed.gate, zeroed.up, zeroed.down):
         tensor[7] = 0.0
     for tensor in (poisoned.gate, poisoned.up, poisoned.down):
         tensor[7] = math.nan
-    # Rows that do not all choose the same experts: the unbiased router, with expert 7 pushed out.
-    for tensor in (zeroed.router_bias, poisoned.router_bias):
-        tensor[:7] = 0.0
     hidden = _hidden(29)
     expert_ids, _ = route(F.linear(hidden, poisoned.router_weight, poisoned.router_bias), poisoned.routing)
     assert 7 not in expert_ids.tolist() and len(set(expert_ids.flatten().tolist())) > 2
@@ -314,8 +322,10 @@ def test_shared_expert_on_and_off():
 @pytest.mark.parametrize("with_shared_expert", [False, True])
 def test_one_row_and_no_rows(with_shared_expert):
     generator = torch.Generator().manual_seed(6)
-    shared_expert = SharedExpert(torch.randn(12, HIDDEN, generator=generator), torch.randn(12, HIDDEN, generator=generator),
-                                 torch.randn(HIDDEN, 12, generator=generator), torch.randn(HIDDEN, generator=generator))
+    shared_expert = SharedExpert(torch.randn(12, HIDDEN, generator=generator),
+                                 torch.randn(12, HIDDEN, generator=generator),
+                                 torch.randn(HIDDEN, 12, generator=generator),
+                                 torch.randn(HIDDEN, generator=generator))
     layer = _layer(shared_expert=shared_expert if with_shared_expert else None)
     hidden = _hidden(5)
     full = layer(hidden)

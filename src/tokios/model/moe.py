@@ -74,10 +74,11 @@ def route(router_logits: torch.Tensor, routing: Routing,
     the k experts in descending score order.
 
     Equal scores are ordered by expert id, the lower first, on every device: torch.topk documents
-    no order among ties (and CPU and CUDA differ), so the choice is a stable descending sort,
-    whose stability torch documents. selection_bias [num_experts] (DeepSeek-V3's score correction
-    bias, llama.cpp's exp_probs_b) is added to the scores for choosing only; the weights are the
-    unbiased scores."""
+    no order among ties, so the choice is a stable descending sort (torch documents that it keeps
+    equal elements in their original order), at the cost of sorting all num_experts scores.
+
+    selection_bias [num_experts] (DeepSeek-V3's score correction bias, llama.cpp's exp_probs_b) is
+    added to the scores for choosing only; the weights are the unbiased scores."""
     logits = router_logits.float()
     if routing.scoring == "softmax":
         scores = torch.softmax(logits, dim=-1)
@@ -127,11 +128,11 @@ class ExpertActivation:
         return gate * torch.sigmoid(gate * self.alpha) * (up + 1)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class SharedExpert:
     """An expert every row passes through (Qwen2-MoE): gate, up [intermediate, hidden], down
     [hidden, intermediate]; output_gate [hidden] (or [1, hidden]), when given, scales its output
-    by sigmoid(hidden . output_gate) per row."""
+    by sigmoid(hidden . output_gate) per row. It uses the routed experts' activation."""
 
     gate: torch.Tensor
     up: torch.Tensor
@@ -222,7 +223,7 @@ class SparseMoE(nn.Module):
         flat_ids = expert_ids.reshape(-1)  # pair p = row * k + slot
         pair_order = torch.argsort(flat_ids, stable=True)  # [rows * k], pairs grouped by expert
         counts = torch.bincount(flat_ids, minlength=self.routing.num_experts).tolist()
-        grouped = x[pair_order // k]  # [rows * k, hidden], each group contiguous
+        grouped = x[pair_order // k]  # [rows * k, hidden]: pair p's row is p // k; groups contiguous
         grouped_output = torch.empty_like(grouped)
         start = 0
         for expert_id, count in enumerate(counts):

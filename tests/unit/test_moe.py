@@ -30,7 +30,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokios.errors import InvalidRequestError, ModelLoadError
+from tokios.errors import ModelLoadError, UnsupportedError
 from tokios.model import moe
 from tokios.model.moe import ExpertActivation, Routing, SharedExpert, SparseMoE, route
 
@@ -408,13 +408,14 @@ def test_route_of_no_rows():
     (dict(num_experts=4, num_experts_per_token=2, scale=0.0), "scale"),
 ])
 def test_routing_refuses_what_it_cannot_honour(fields, param):
-    with pytest.raises(InvalidRequestError) as error:
+    with pytest.raises(ModelLoadError) as error:
         Routing(**fields)
     assert error.value.param == param
+    assert isinstance(error.value, UnsupportedError) == (param == "scoring")
 
 
 def test_unknown_activation_and_mismatched_shapes_are_refused():
-    with pytest.raises(InvalidRequestError) as error:
+    with pytest.raises(UnsupportedError) as error:
         ExpertActivation("relu2")
     assert error.value.param == "activation"
     layer = _layer()

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokios.errors import InvalidRequestError, ModelLoadError
+from tokios.errors import ModelLoadError, UnsupportedError
 
 SCORINGS = ("softmax", "sigmoid", "top_k_softmax")
 ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")
@@ -58,14 +58,14 @@ class Routing:
 
     def __post_init__(self) -> None:
         if self.num_experts < 1:
-            raise InvalidRequestError(f"num_experts must be >= 1, got {self.num_experts}", param="num_experts")
+            raise ModelLoadError(f"num_experts must be >= 1, got {self.num_experts}", param="num_experts")
         if not 1 <= self.num_experts_per_token <= self.num_experts:
-            raise InvalidRequestError(f"num_experts_per_token must be in [1, num_experts={self.num_experts}], "
+            raise ModelLoadError(f"num_experts_per_token must be in [1, num_experts={self.num_experts}], "
                                       f"got {self.num_experts_per_token}", param="num_experts_per_token")
         if self.scoring not in SCORINGS:
-            raise InvalidRequestError(f"scoring must be one of {SCORINGS}, got {self.scoring!r}", param="scoring")
+            raise UnsupportedError(f"scoring must be one of {SCORINGS}, got {self.scoring!r}", param="scoring")
         if not self.scale > 0:
-            raise InvalidRequestError(f"scale must be > 0, got {self.scale}", param="scale")
+            raise ModelLoadError(f"scale must be > 0, got {self.scale}", param="scale")
 
 
 def route(router_logits: torch.Tensor, routing: Routing,
@@ -116,7 +116,7 @@ class ExpertActivation:
 
     def __post_init__(self) -> None:
         if self.kind not in ACTIVATIONS:
-            raise InvalidRequestError(f"activation must be one of {ACTIVATIONS}, got {self.kind!r}", param="activation")
+            raise UnsupportedError(f"activation must be one of {ACTIVATIONS}, got {self.kind!r}", param="activation")
 
     def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if self.kind == "silu":

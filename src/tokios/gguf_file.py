@@ -190,11 +190,11 @@ class _HeaderReader:
             key = self.read_name("metadata key")
             self.context = f"metadata key {key!r}"
             value_type = self.read_u32()
-            element_type = None
-            if value_type == _TYPE_ARRAY:
-                element_type = self.u32.unpack_from(self.buffer, self.offset)[0] if self.offset + 4 <= self.size else None
-            self.value_types[key] = (value_type, element_type)
+            value_offset = self.offset
             metadata[key] = self.read_value(value_type, key)
+            # An array's element type is its first u32, read above.
+            element_type = self.u32.unpack_from(self.buffer, value_offset)[0] if value_type == _TYPE_ARRAY else None
+            self.value_types[key] = (value_type, element_type)
         return metadata
 
     def read_tensor_infos(self, num_tensors: int) -> list[tuple[str, list[int], int, int]]:

@@ -16,7 +16,6 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFValueType, GGUFWriter
 
 from tokios.gguf_file import GGUFFile
-
 from tokios.model.blocks.quantize import K_QUANT_TYPES, quantize
 from tokios.model.quant import dequantize
 

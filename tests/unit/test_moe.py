@@ -51,27 +51,31 @@ def _fused_experts(block, routing: Routing, shared_expert: SharedExpert | None =
                      block.experts.down_proj.detach(), shared_expert=shared_expert)
 
 
-def _qwen3_moe(norm_topk_prob: bool):
-    from transformers import Qwen3MoeConfig
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+def _transformers_block(model_type: str, config_class: str, block_class: str, seed: int, **config_fields):
+    """transformers' own MoE block of `model_type` (eager experts), its weights drawn from `seed`."""
+    import importlib
 
-    config = Qwen3MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=INTERMEDIATE, num_experts=NUM_EXPERTS,
-                            num_experts_per_tok=TOP_K, norm_topk_prob=norm_topk_prob)
+    import transformers
+
+    config = getattr(transformers, config_class)(hidden_size=HIDDEN, num_experts_per_tok=TOP_K, **config_fields)
     config._experts_implementation = "eager"
-    block = Qwen3MoeSparseMoeBlock(config)
-    _randomize(block, 1)
+    modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    block = getattr(modeling, block_class)(config)
+    _randomize(block, seed)
+    return block, config
+
+
+def _qwen3_moe(norm_topk_prob: bool):
+    block, _ = _transformers_block("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeSparseMoeBlock", 1,
+                                   moe_intermediate_size=INTERMEDIATE, num_experts=NUM_EXPERTS,
+                                   norm_topk_prob=norm_topk_prob)
     return block, _fused_experts(block, Routing(NUM_EXPERTS, TOP_K, normalize_top_k=norm_topk_prob))
 
 
 def _qwen2_moe():
-    from transformers import Qwen2MoeConfig
-    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
-
-    config = Qwen2MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=INTERMEDIATE, num_experts=NUM_EXPERTS,
-                            num_experts_per_tok=TOP_K, norm_topk_prob=False, shared_expert_intermediate_size=12)
-    config._experts_implementation = "eager"
-    block = Qwen2MoeSparseMoeBlock(config)
-    _randomize(block, 2)
+    block, _ = _transformers_block("qwen2_moe", "Qwen2MoeConfig", "Qwen2MoeSparseMoeBlock", 2,
+                                   moe_intermediate_size=INTERMEDIATE, num_experts=NUM_EXPERTS,
+                                   norm_topk_prob=False, shared_expert_intermediate_size=12)
     shared = block.shared_expert
     shared_expert = SharedExpert(shared.gate_proj.weight.detach(), shared.up_proj.weight.detach(),
                                  shared.down_proj.weight.detach(), block.shared_expert_gate.weight.detach())
@@ -79,39 +83,21 @@ def _qwen2_moe():
 
 
 def _mixtral():
-    from transformers import MixtralConfig
-    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
-
-    config = MixtralConfig(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_local_experts=NUM_EXPERTS,
-                           num_experts_per_tok=TOP_K)
-    config._experts_implementation = "eager"
-    block = MixtralSparseMoeBlock(config)
-    _randomize(block, 3)
+    block, _ = _transformers_block("mixtral", "MixtralConfig", "MixtralSparseMoeBlock", 3,
+                                   intermediate_size=INTERMEDIATE, num_local_experts=NUM_EXPERTS)
     return block, _fused_experts(block, Routing(NUM_EXPERTS, TOP_K, normalize_top_k=True))
 
 
 def _olmoe():
-    from transformers import OlmoeConfig
-    from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
-
-    config = OlmoeConfig(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_experts=NUM_EXPERTS,
-                         num_experts_per_tok=TOP_K, norm_topk_prob=False)
-    config._experts_implementation = "eager"
-    block = OlmoeSparseMoeBlock(config)
-    _randomize(block, 4)
+    block, _ = _transformers_block("olmoe", "OlmoeConfig", "OlmoeSparseMoeBlock", 4,
+                                   intermediate_size=INTERMEDIATE, num_experts=NUM_EXPERTS, norm_topk_prob=False)
     return block, _fused_experts(block, Routing(NUM_EXPERTS, TOP_K))
 
 
 def _gpt_oss():
-    from transformers import GptOssConfig
-    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
-
     # A limit of 0.5 against weights of std 0.5 makes both clamps bite on these rows.
-    config = GptOssConfig(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_local_experts=NUM_EXPERTS,
-                          num_experts_per_tok=TOP_K, swiglu_limit=0.5)
-    config._experts_implementation = "eager"
-    block = GptOssMLP(config)
-    _randomize(block, 5)
+    block, config = _transformers_block("gpt_oss", "GptOssConfig", "GptOssMLP", 5, intermediate_size=INTERMEDIATE,
+                                        num_local_experts=NUM_EXPERTS, swiglu_limit=0.5)
     experts = block.experts
     gate_up = experts.gate_up_proj.detach().transpose(1, 2)  # [E, 2I, H], gate and up rows interleaved
     gate_up_bias = experts.gate_up_proj_bias.detach()

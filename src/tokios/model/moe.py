@@ -61,7 +61,7 @@ class Routing:
             raise ModelLoadError(f"num_experts must be >= 1, got {self.num_experts}", param="num_experts")
         if not 1 <= self.num_experts_per_token <= self.num_experts:
             raise ModelLoadError(f"num_experts_per_token must be in [1, num_experts={self.num_experts}], "
-                                      f"got {self.num_experts_per_token}", param="num_experts_per_token")
+                                 f"got {self.num_experts_per_token}", param="num_experts_per_token")
         if self.scoring not in SCORINGS:
             raise UnsupportedError(f"scoring must be one of {SCORINGS}, got {self.scoring!r}", param="scoring")
         if not self.scale > 0:
@@ -155,56 +155,47 @@ class SparseMoE(nn.Module):
                  router_bias: torch.Tensor | None = None, selection_bias: torch.Tensor | None = None,
                  gate_bias: torch.Tensor | None = None, up_bias: torch.Tensor | None = None,
                  down_bias: torch.Tensor | None = None, shared_expert: SharedExpert | None = None):
-        super().__init__()
         num_experts = routing.num_experts
         if gate.dim() != 3 or gate.shape[0] != num_experts:
             raise ModelLoadError(f"expert gate weight must be [num_experts={num_experts}, intermediate, hidden], "
                                  f"got {list(gate.shape)}", param="ffn_gate_exps")
         _, intermediate, hidden = gate.shape
-        expected = {
-            "ffn_up_exps": (up, (num_experts, intermediate, hidden)),
-            "ffn_down_exps": (down, (num_experts, hidden, intermediate)),
-            "ffn_gate_inp": (router_weight, (num_experts, hidden)),
-            "ffn_gate_inp.bias": (router_bias, (num_experts,)),
-            "exp_probs_b": (selection_bias, (num_experts,)),
-            "ffn_gate_exps.bias": (gate_bias, (num_experts, intermediate)),
-            "ffn_up_exps.bias": (up_bias, (num_experts, intermediate)),
-            "ffn_down_exps.bias": (down_bias, (num_experts, hidden)),
+        shared_gate = shared_up = shared_down = shared_output_gate = shared_intermediate = None
+        if shared_expert is not None:
+            shared_gate, shared_up, shared_down = shared_expert.gate, shared_expert.up, shared_expert.down
+            shared_intermediate = shared_gate.shape[0]
+            if shared_expert.output_gate is not None:
+                shared_output_gate = shared_expert.output_gate.reshape(1, -1)
+        # buffer name -> (tensor or None, the GGUF tensor it comes from, its shape)
+        buffers = {
+            "router_weight": (router_weight, "ffn_gate_inp", (num_experts, hidden)),
+            "router_bias": (router_bias, "ffn_gate_inp.bias", (num_experts,)),
+            "selection_bias": (selection_bias, "exp_probs_b", (num_experts,)),
+            "gate": (gate, "ffn_gate_exps", (num_experts, intermediate, hidden)),
+            "up": (up, "ffn_up_exps", (num_experts, intermediate, hidden)),
+            "down": (down, "ffn_down_exps", (num_experts, hidden, intermediate)),
+            "gate_bias": (gate_bias, "ffn_gate_exps.bias", (num_experts, intermediate)),
+            "up_bias": (up_bias, "ffn_up_exps.bias", (num_experts, intermediate)),
+            "down_bias": (down_bias, "ffn_down_exps.bias", (num_experts, hidden)),
+            "shared_gate": (shared_gate, "ffn_gate_shexp", (shared_intermediate, hidden)),
+            "shared_up": (shared_up, "ffn_up_shexp", (shared_intermediate, hidden)),
+            "shared_down": (shared_down, "ffn_down_shexp", (hidden, shared_intermediate)),
+            "shared_output_gate": (shared_output_gate, "ffn_gate_inp_shexp", (1, hidden)),
         }
-        for name, (tensor, shape) in expected.items():
-            if tensor is not None and tuple(tensor.shape) != shape:
-                raise ModelLoadError(f"{name} must be {list(shape)}, got {list(tensor.shape)}", param=name)
+        super().__init__()
         self.routing = routing
         self.activation = activation
-        self.register_buffer("router_weight", router_weight)
-        self.register_buffer("router_bias", router_bias)
-        self.register_buffer("selection_bias", selection_bias)
-        for name, tensor in (("gate", gate), ("up", up), ("down", down), ("gate_bias", gate_bias),
-                             ("up_bias", up_bias), ("down_bias", down_bias)):
-            self.register_buffer(name, tensor)
-        self.has_shared_expert = shared_expert is not None
-        if shared_expert is not None:
-            shared_intermediate = shared_expert.gate.shape[0]
-            for name, tensor, shape in (("ffn_gate_shexp", shared_expert.gate, (shared_intermediate, hidden)),
-                                        ("ffn_up_shexp", shared_expert.up, (shared_intermediate, hidden)),
-                                        ("ffn_down_shexp", shared_expert.down, (hidden, shared_intermediate))):
-                if tuple(tensor.shape) != shape:
-                    raise ModelLoadError(f"{name} must be {list(shape)}, got {list(tensor.shape)}", param=name)
-            output_gate = shared_expert.output_gate
-            if output_gate is not None and output_gate.numel() != hidden:
-                raise ModelLoadError(f"ffn_gate_inp_shexp must have hidden={hidden} elements, got "
-                                     f"{list(output_gate.shape)}", param="ffn_gate_inp_shexp")
-            self.register_buffer("shared_gate", shared_expert.gate)
-            self.register_buffer("shared_up", shared_expert.up)
-            self.register_buffer("shared_down", shared_expert.down)
-            self.register_buffer("shared_output_gate", None if output_gate is None else output_gate.reshape(1, hidden))
+        for buffer_name, (tensor, gguf_name, shape) in buffers.items():
+            if tensor is not None and tuple(tensor.shape) != shape:
+                raise ModelLoadError(f"{gguf_name} must be {list(shape)}, got {list(tensor.shape)}", param=gguf_name)
+            self.register_buffer(buffer_name, tensor)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         x = hidden.to(self.gate.dtype)
         router_logits = F.linear(x, self.router_weight, self.router_bias)  # [rows, num_experts]
         expert_ids, weights = route(router_logits, self.routing, self.selection_bias)
         output = self.run_experts(x, expert_ids, weights)
-        if self.has_shared_expert:
+        if self.shared_gate is not None:
             shared = F.linear(self.activation(F.linear(x, self.shared_gate), F.linear(x, self.shared_up)),
                               self.shared_down)
             if self.shared_output_gate is not None:

@@ -103,6 +103,11 @@ class ModelConfig:
     # Per layer: the layer whose K/V it attends over: itself, or an earlier layer whose cache it
     # reads without computing or storing K/V of its own (Gemma 4's last layers). None: each its own.
     kv_source_layers: tuple[int, ...] | None = None
+    # Mixture of experts (model/moe.py), as ModelShape describes it; num_experts 0: dense.
+    num_experts: int = 0
+    num_experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
 
     @property
     def attention_scale(self) -> float:

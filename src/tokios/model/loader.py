@@ -126,6 +126,10 @@ def model_config_from_shape(shape: ModelShape) -> ModelConfig:
         final_logit_softcapping=shape.final_logit_softcapping,
         layer_kv_shapes=shape.layer_kv_shapes,
         kv_source_layers=shape.kv_source_layers,
+        num_experts=shape.num_experts,
+        num_experts_per_token=shape.num_experts_per_token,
+        expert_intermediate_size=shape.expert_intermediate_size,
+        shared_expert_intermediate_size=shape.shared_expert_intermediate_size,
     )
 
 

@@ -91,6 +91,16 @@ class ModelShape:
     kv_source_layers: tuple[int, ...] | None = None
     # The file's bytes per block type (GGUF: Q4_K, Q6_K, F32, ...; safetensors: BF16, ...).
     block_type_to_num_bytes: dict[str, int] | None = dataclasses.field(default=None, hash=False)
+    # Mixture of experts: every layer's feed-forward is num_experts routed experts of width
+    # expert_intermediate_size, of which a token uses num_experts_per_token, plus (Qwen2-MoE) a
+    # shared expert of width shared_expert_intermediate_size that every token uses. num_experts
+    # 0: a dense feed-forward of intermediate_size.
+    num_experts: int = 0
+    num_experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    # Bytes of the routed experts' tensors in the file (all of them; a step reads its tokens' share).
+    file_expert_bytes: int | None = None
 
     @property
     def q_size(self) -> int:
@@ -101,10 +111,31 @@ class ModelShape:
         return self.num_kv_heads * self.head_dim
 
     @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
     def num_layer_linear_params(self) -> int:
-        """Parameters of the matrices in all decoder layers (q, k, v, o, gate, up, down)."""
+        """Parameters of the matrices in all decoder layers (q, k, v, o, and the feed-forward:
+        gate, up, down; of a mixture of experts, every expert's, the router's and the shared
+        expert's)."""
+        return self._layer_linear_params(self.num_experts)
+
+    @property
+    def num_active_layer_linear_params(self) -> int:
+        """The layer parameters one token multiplies by: a mixture of experts' routed experts
+        count num_experts_per_token of num_experts (a dense model: all of them)."""
+        return self._layer_linear_params(self.num_experts_per_token)
+
+    def _layer_linear_params(self, num_experts: int) -> int:
         attention = self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
-        mlp = 3 * self.hidden_size * self.intermediate_size
+        if self.is_moe:
+            shared = 3 * self.hidden_size * self.shared_expert_intermediate_size
+            shared_gate = self.hidden_size if self.shared_expert_intermediate_size else 0
+            router = self.hidden_size * self.num_experts
+            mlp = 3 * self.hidden_size * self.expert_intermediate_size * num_experts + router + shared + shared_gate
+        else:
+            mlp = 3 * self.hidden_size * self.intermediate_size
         bias = (self.q_size + 2 * self.kv_size) if self.has_qkv_bias else 0
         return self.num_layers * (attention + mlp + bias)
 
@@ -121,8 +152,9 @@ class ModelShape:
 
     @property
     def num_step_params(self) -> int:
-        """Parameters a decode step reads whole: the layer matrices and the output projection."""
-        return self.num_layer_linear_params + self.num_embedding_params
+        """Parameters a one-token decode step reads: the layer matrices (of a mixture of experts,
+        the token's experts only) and the output projection."""
+        return self.num_active_layer_linear_params + self.num_embedding_params
 
 
 def read_model_shape(path: str | os.PathLike[str]) -> ModelShape:
@@ -183,6 +215,14 @@ def shape_from_gguf(gguf: GGUFFile) -> ModelShape:
     for tensor in tensors:
         block_type_to_num_bytes[tensor.ggml_type.name] += tensor.num_bytes
     num_elements = sum(t.num_elements for t in tensors)
+    num_experts = int(metadata.get(f"{arch}.expert_count") or 0)
+    num_experts_per_token = int(metadata.get(f"{arch}.expert_used_count") or 0) if num_experts else 0
+    expert_bytes = sum(t.num_bytes for t in tensors if _is_routed_expert_tensor(t.name))
+    step_bytes = sum(t.num_bytes for t in tensors
+                     if t.name not in _GATHERED_TENSORS or (t.name == "token_embd.weight" and is_tied))
+    if num_experts:
+        # A one-token step reads its k experts' share of every routed expert tensor.
+        step_bytes -= expert_bytes - expert_bytes * num_experts_per_token // num_experts
     fields = dict(
         name=str(metadata.get("general.name") or Path(path).stem),
         architecture=arch,
@@ -202,14 +242,25 @@ def shape_from_gguf(gguf: GGUFFile) -> ModelShape:
         tie_word_embeddings=is_tied,
         has_qkv_bias="blk.0.attn_q.bias" in gguf.tensors,
         file_weight_bytes=total_bytes,
-        file_step_weight_bytes=sum(t.num_bytes for t in tensors
-                                   if t.name not in _GATHERED_TENSORS or (t.name == "token_embd.weight" and is_tied)),
+        file_step_weight_bytes=step_bytes,
         file_weight_bits=8 * total_bytes / num_elements if num_elements else None,
         block_type_to_num_bytes=dict(block_type_to_num_bytes),
+        num_experts=num_experts,
+        num_experts_per_token=num_experts_per_token,
+        # Mixtral's converter writes no expert width: its experts are feed_forward_length wide.
+        expert_intermediate_size=(int(metadata.get(f"{arch}.expert_feed_forward_length")
+                                      or _largest(get("feed_forward_length"))) if num_experts else 0),
+        shared_expert_intermediate_size=int(metadata.get(f"{arch}.expert_shared_feed_forward_length") or 0),
+        file_expert_bytes=expert_bytes if num_experts else None,
     )
     if arch in _ARCHITECTURE_FIELDS:
         fields.update(_ARCHITECTURE_FIELDS[arch](metadata, path, num_layers))
     return ModelShape(**fields)
+
+
+def _is_routed_expert_tensor(name: str) -> bool:
+    """blk.N.ffn_{gate,up,down,gate_up}_exps (weights and biases): the experts' stacked tensors."""
+    return name.startswith("blk.") and name.split(".")[2].endswith("_exps")
 
 
 def _largest(value: Any) -> int:
@@ -283,19 +334,36 @@ def shape_from_hf_directory(directory: str | os.PathLike[str]) -> ModelShape:
             num_rope_dims=_partial(int(head_dim * partial_rotary_factor), head_dim),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             has_qkv_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+            **_experts_from_hf(hf),
         )
         shape = ModelShape(**{**fields, **extra})
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelLoadError(f"{config_path}: missing or malformed field {exc}") from exc
-    block_type_to_num_bytes, embedding_bytes = _safetensors_bytes(path)
+    block_type_to_num_bytes, embedding_bytes, expert_bytes = _safetensors_bytes(path)
     if not block_type_to_num_bytes:
         bits = _TORCH_DTYPE_TO_BITS.get(str(hf.get("torch_dtype", "bfloat16")), 16)
         return dataclasses.replace(shape, file_weight_bits=float(bits))
     total_bytes = sum(block_type_to_num_bytes.values())
     step_bytes = total_bytes if shape.tie_word_embeddings else total_bytes - embedding_bytes
+    if shape.is_moe:
+        step_bytes -= expert_bytes - expert_bytes * shape.num_experts_per_token // shape.num_experts
     return dataclasses.replace(shape, file_weight_bytes=total_bytes, file_step_weight_bytes=step_bytes,
                                file_weight_bits=8 * total_bytes / shape.num_params,
-                               block_type_to_num_bytes=block_type_to_num_bytes)
+                               block_type_to_num_bytes=block_type_to_num_bytes,
+                               file_expert_bytes=expert_bytes if shape.is_moe else None)
+
+
+def _experts_from_hf(hf: dict) -> dict[str, int]:
+    """A mixture of experts' counts and widths under transformers' names (Qwen-MoE and OLMoE
+    num_experts, Mixtral and gpt-oss num_local_experts; no moe_intermediate_size: the experts
+    are intermediate_size wide)."""
+    num_experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+    if not num_experts:
+        return {}
+    return dict(num_experts=num_experts,
+                num_experts_per_token=int(hf.get("num_experts_per_tok") or hf["num_experts_per_token"]),
+                expert_intermediate_size=int(hf.get("moe_intermediate_size") or hf["intermediate_size"]),
+                shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0))
 
 
 def _rope_from_hf(hf: dict) -> tuple[float | None, dict | None]:
@@ -332,10 +400,11 @@ def _longrope_from_hf(scaling: dict, hf: dict) -> dict:
             "original_max_position_embeddings": original, "attention_factor": float(attention_factor)}
 
 
-def _safetensors_bytes(path: Path) -> tuple[dict[str, int], int]:
-    """(bytes per dtype, bytes of the token embedding) from the safetensors headers; no files: ({}, 0)."""
+def _safetensors_bytes(path: Path) -> tuple[dict[str, int], int, int]:
+    """(bytes per dtype, bytes of the token embedding, bytes of the routed experts) from the
+    safetensors headers; no files: ({}, 0, 0)."""
     dtype_to_num_bytes: dict[str, int] = collections.Counter()
-    embedding = 0
+    embedding = experts = 0
     for file in sorted(path.glob("*.safetensors")):
         with file.open("rb") as handle:
             header_len = int.from_bytes(handle.read(8), "little")
@@ -350,5 +419,7 @@ def _safetensors_bytes(path: Path) -> tuple[dict[str, int], int]:
             dtype_to_num_bytes[info["dtype"]] += num_bytes
             if name.endswith("embed_tokens.weight"):
                 embedding += num_bytes
-    return dict(dtype_to_num_bytes), embedding
+            elif ".mlp.experts." in name:  # per expert (experts.7.up_proj) or stacked (experts.gate_up_proj)
+                experts += num_bytes
+    return dict(dtype_to_num_bytes), embedding, experts
 

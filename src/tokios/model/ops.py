@@ -129,16 +129,21 @@ class CpuKernelOps(TorchOps):
 
         layer_to_group = KVCacheLayout.for_config(config).layer_to_group
         layer_groups = [layer_to_group[index] for index in model.layer_indices[:len(layers)]]
+        # A mixture of experts' layers bring their C++ SparseExperts (model/kernels/experts.py)
+        # in place of the gated MLP's two products.
+        is_moe = config.num_experts > 0
         return self.extension.FusedDecoder(
             [layer.input_norm for layer in layers],
             [layer.pre_feedforward_norm if is_gemma else layer.post_attention_norm for layer in layers],
             [layer.qkv.linear for layer in layers], [layer.o_proj.linear for layer in layers],
-            [layer.gate_up.linear for layer in layers], [layer.down.linear for layer in layers],
+            [] if is_moe else [layer.gate_up.linear for layer in layers],
+            [] if is_moe else [layer.down.linear for layer in layers],
             [k for k, _ in kv_caches], [v for _, v in kv_caches],
             [r.cos for r in rotaries], [r.sin for r in rotaries], config.num_heads, config.num_kv_heads,
             config.head_dim, config.hidden_size, config.intermediate_size, config.rms_norm_eps, self.scale, is_gemma,
             optional("post_attention_norm"), optional("post_feedforward_norm"), optional("q_norm", has_head_norms),
-            optional("k_norm", has_head_norms), layer_groups)
+            optional("k_norm", has_head_norms), layer_groups,
+            [layer.feed_forward.kernel for layer in layers] if is_moe else [])
 
 
 def fused_decode_inputs(metadata: AttentionMetadata) -> tuple[list, list, list]:

@@ -116,16 +116,22 @@ def quantize_q4_1(weight: torch.Tensor) -> torch.Tensor:
     return torch.cat([_halves_as_bytes(scale), _halves_as_bytes(minimum), packed], dim=-1).reshape(n, -1)
 
 
-def _packed_segment(extension, raw: torch.Tensor, ggml_type: T, shape: tuple[int, int], name: str) -> torch.Tensor:
-    ints = unpack(raw.numpy(), ggml_type, shape, name)
+def packed_groups(extension, raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...], name: str) -> torch.Tensor:
+    """A tensor's file blocks -> the kernel's groups of 16 features. shape: [out, in], or
+    [num_experts, out, in] (a 3-D expert tensor, raw [num_experts * out, row_bytes]): packed
+    expert after expert (experts.h)."""
+    num_experts = shape[0] if len(shape) == 3 else 1
+    ints = unpack(raw.numpy(), ggml_type, (num_experts * shape[-2], shape[-1]), name)
 
     def as_tensor(array):  # fp16 and int8 arrays travel as their bits (int16 / uint8)
         if array is None:
             return None
         return torch.from_numpy(np.ascontiguousarray(array).view(np.int16 if array.dtype.itemsize == 2 else np.uint8))
 
-    return extension.pack_ints(as_tensor(ints.values), as_tensor(ints.scales), as_tensor(ints.minimums),
-                               as_tensor(ints.sub_scales), as_tensor(ints.sub_minimums), FORMAT_BY_TYPE[ggml_type])
+    arrays = [as_tensor(a) for a in (ints.values, ints.scales, ints.minimums, ints.sub_scales, ints.sub_minimums)]
+    if len(shape) == 3:
+        return extension.pack_expert_ints(*arrays, FORMAT_BY_TYPE[ggml_type], num_experts)
+    return extension.pack_ints(*arrays, FORMAT_BY_TYPE[ggml_type])
 
 
 class QuantizedLinear:
@@ -164,7 +170,7 @@ class QuantizedLinear:
         self.bias = None if bias is None else bias.float().contiguous().to(device)
         self.extension = load_extension() if device.type == "cpu" else None
         if self.extension is not None:
-            packed = [_packed_segment(self.extension, part.raw, part.ggml_type, part.shape, part.name) for part in segments]
+            packed = [packed_groups(self.extension, part.raw, part.ggml_type, part.shape, part.name) for part in segments]
             self.formats = [FORMAT_BY_TYPE[part.ggml_type] for part in segments]
             self.segment_out_features = [part.shape[0] for part in segments]
             self.linear = self.extension.PackedLinear(packed, self.formats, self.segment_out_features,

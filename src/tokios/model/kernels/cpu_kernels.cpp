@@ -40,6 +40,7 @@
 #include <utility>
 
 #include "blocks.h"
+#include "experts.h"
 #include "isa.h"
 #include "quant_matmul.h"
 
@@ -954,6 +955,34 @@ at::Tensor pack_ints(const at::Tensor& values, const at::Tensor& scales, const c
   return out;
 }
 
+// The integer form of one projection of every expert, [num_experts * out_features, K] (the
+// experts' rows one after another, as a GGUF 3-D tensor holds them) -> the kernel's groups,
+// expert after expert: [num_experts * ceil(out_features / 16), row_bytes] (experts.h).
+at::Tensor pack_expert_ints(const at::Tensor& values, const at::Tensor& scales,
+                            const c10::optional<at::Tensor>& minimums, const c10::optional<at::Tensor>& sub_scales,
+                            const c10::optional<at::Tensor>& sub_minimums, int64_t format, int64_t num_experts) {
+  TORCH_CHECK(num_experts >= 1 && values.dim() == 2 && values.size(0) % num_experts == 0,
+              "values must hold num_experts experts' rows, got ", values.sizes(), " for ", num_experts, " experts");
+  std::vector<at::Tensor> experts;
+  auto slice = [&](const c10::optional<at::Tensor>& t, int64_t e) -> c10::optional<at::Tensor> {
+    if (!t) return c10::nullopt;
+    const int64_t rows = t->size(0) / num_experts;
+    return t->narrow(0, e * rows, rows);
+  };
+  const int64_t out_features = values.size(0) / num_experts;
+  for (int64_t e = 0; e < num_experts; ++e) {
+    experts.push_back(pack_ints(values.narrow(0, e * out_features, out_features),
+                                scales.narrow(0, e * out_features, out_features), slice(minimums, e),
+                                slice(sub_scales, e), slice(sub_minimums, e), format));
+  }
+  const int64_t groups = experts[0].size(0), row_bytes = experts[0].size(1);
+  at::Tensor out = weight_buffer(num_experts * groups, row_bytes);
+  for (int64_t e = 0; e < num_experts; ++e) {
+    std::memcpy(out.data_ptr<uint8_t>() + e * groups * row_bytes, experts[e].data_ptr<uint8_t>(), groups * row_bytes);
+  }
+  return out;
+}
+
 // Packed groups -> [N, K] float32, the weights the kernel multiplies by (tests; the bf16 product
 // that a build without AVX2 uses for long chunks).
 at::Tensor dequantize_packed(const at::Tensor& packed, int64_t format, int64_t out_features, int64_t in_features) {
@@ -1051,6 +1080,11 @@ class PackedLinear {
 
   int64_t out_features() const { return total_out_; }
   int64_t in_features() const { return in_features_; }
+  int64_t num_bytes() const {
+    int64_t total = 0;
+    for (const at::Tensor& p : packed_) total += p.numel();
+    return total;
+  }
 
  private:
   std::vector<at::Tensor> packed_;
@@ -1058,6 +1092,220 @@ class PackedLinear {
   int64_t in_features_, total_out_ = 0;
   bool precise_;
   at::Tensor bias_;
+};
+
+// gpt-oss's clamped SwiGLU (model/moe.py ExpertActivation "swiglu_oai"): gate clamped above at
+// limit, up to [-limit, limit], out = gate * sigmoid(alpha * gate) * (up + 1).
+void swiglu_oai_rows(const float* gate_up, int64_t rows, int64_t intermediate, float alpha, float limit, float* out) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* gate = gate_up + r * 2 * intermediate;
+      const float* up = gate + intermediate;
+      for (int64_t j = 0; j < intermediate; ++j) {
+        const float g = std::min(gate[j], limit), u = std::clamp(up[j], -limit, limit);
+        out[r * intermediate + j] = g / (1.f + std::exp(-alpha * g)) * (u + 1.f);
+      }
+    }
+  });
+}
+
+// x . y over n floats, summed in a fixed order (a row's router logits never depend on the batch).
+inline float dot_f32(const float* x, const float* y, int64_t n) {
+  int64_t i = 0;
+  float total = 0.f;
+#if TOKIOS_VNNI || TOKIOS_AVX2
+  Vec sum = vset1(0.f);
+  for (; i + kLanes <= n; i += kLanes) sum = vfmadd(vload(x + i), vload(y + i), sum);
+  total = vsum(sum);
+#endif
+  for (; i < n; ++i) total += x[i] * y[i];
+  return total;
+}
+
+// A layer's sparse mixture of experts on packed blocks: the packed counterpart of model/moe.py's
+// SparseMoE, called by the per-op path and by the fused decode step alike. hidden [M, H] ->
+// router logits (float32 router) -> route_row -> the (row, slot) pairs laid out expert by expert
+// -> the chosen experts' gate and up (one grouped product), the activation, their down (a second)
+// -> each row's k outputs summed in slot order with their weights, plus the shared expert.
+class SparseExperts {
+ public:
+  // router_weight [E, H] float32; gate, up: packed by pack_expert_ints for [E * I, H], down for
+  // [E * H, I]; biases [E, I] / [E, H]; scoring: Scoring; activation: 0 SiLU, 1 tanh-GELU,
+  // 2 gpt-oss's clamped SwiGLU (alpha, limit); shared: none, or the shared expert's fused
+  // gate-and-up and its down; shared_output_gate [H] (its sigmoid gate), when given.
+  SparseExperts(at::Tensor router_weight, c10::optional<at::Tensor> router_bias,
+                c10::optional<at::Tensor> selection_bias, int64_t num_experts_per_token, int64_t scoring,
+                bool normalize, double scale, at::Tensor gate, int64_t gate_format, at::Tensor up, int64_t up_format,
+                at::Tensor down, int64_t down_format, int64_t intermediate, c10::optional<at::Tensor> gate_bias,
+                c10::optional<at::Tensor> up_bias, c10::optional<at::Tensor> down_bias, int64_t activation,
+                double alpha, double limit, bool precise, std::vector<PackedLinear> shared,
+                c10::optional<at::Tensor> shared_output_gate)
+      : router_weight_(router_weight), num_experts_(router_weight.size(0)), hidden_(router_weight.size(1)),
+        k_(num_experts_per_token), intermediate_(intermediate), scoring_(static_cast<Scoring>(scoring)),
+        normalize_(normalize), scale_(static_cast<float>(scale)), gate_(gate), up_(up), down_(down),
+        activation_(activation), alpha_(static_cast<float>(alpha)), limit_(static_cast<float>(limit)),
+        precise_(precise), shared_(std::move(shared)) {
+    check_f32(router_weight_, "router_weight");
+    TORCH_CHECK(router_weight_.dim() == 2, "router_weight must be [num_experts, hidden]");
+    TORCH_CHECK(k_ >= 1 && k_ <= num_experts_, "num_experts_per_token must be in [1, ", num_experts_, "]");
+    TORCH_CHECK(scoring >= 0 && scoring <= 2 && activation >= 0 && activation <= 2, "unknown scoring or activation");
+    TORCH_CHECK(shared_.empty() || shared_.size() == 2, "shared: none, or gate_up and down");
+    auto vector = [&](const c10::optional<at::Tensor>& t, int64_t numel, const char* name) -> at::Tensor {
+      if (!t) return at::Tensor();
+      check_f32(*t, name);
+      TORCH_CHECK(t->numel() == numel, name, " must have ", numel, " elements, got ", t->numel());
+      return *t;
+    };
+    router_bias_ = vector(router_bias, num_experts_, "router_bias");
+    selection_bias_ = vector(selection_bias, num_experts_, "selection_bias");
+    shared_output_gate_ = vector(shared_output_gate, hidden_, "shared_output_gate");
+    auto projection = [&](const at::Tensor& packed, int64_t format, int64_t out_features, int64_t in_features,
+                          const at::Tensor& bias, int64_t column, const char* name) {
+      TORCH_CHECK(valid_format(format), "unknown kernel format ", format, " for ", name);
+      TORCH_CHECK(!precise_ || format == kQ4_1 || format == kQ8_0,
+                  "precise activations are offered for Q4_1 and Q8_0 weights only");
+      TORCH_CHECK(in_features % (kTraits[format].sub ? kSuperBlock : kBlock) == 0, name, ": in_features ",
+                  in_features, " is not a whole number of blocks of format ", format);
+      const GroupLayout layout(format, in_features);
+      const int64_t groups = (out_features + kGroup - 1) / kGroup;
+      TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                      packed.size(0) == num_experts_ * groups && packed.size(1) == layout.row_bytes,
+                  name, " must be packed by pack_expert_ints for ", num_experts_, " experts of [", out_features, ", ",
+                  in_features, "]");
+      return ExpertProjection{packed.data_ptr<uint8_t>(), format, out_features,
+                              bias.defined() ? bias.data_ptr<float>() : nullptr, column};
+    };
+    gate_bias_ = vector(gate_bias, num_experts_ * intermediate_, "gate_bias");
+    up_bias_ = vector(up_bias, num_experts_ * intermediate_, "up_bias");
+    down_bias_ = vector(down_bias, num_experts_ * hidden_, "down_bias");
+    gate_up_projections_ = {projection(gate_, gate_format, intermediate_, hidden_, gate_bias_, 0, "gate"),
+                            projection(up_, up_format, intermediate_, hidden_, up_bias_, intermediate_, "up")};
+    down_projections_ = {projection(down_, down_format, hidden_, intermediate_, down_bias_, 0, "down")};
+  }
+
+  // x [M, H] -> out [M, H].
+  void forward(const float* x, int64_t M, float* out) {
+    const int64_t H = hidden_, E = num_experts_, I = intermediate_, P = M * k_;
+    grow(logits_, M * E);
+    grow(weights_, P);
+    expert_ids_.resize(std::max<size_t>(expert_ids_.size(), P));
+    at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores(E);
+      for (int64_t m = begin; m < end; ++m) {
+        float* logits = logits_.data() + m * E;
+        for (int64_t e = 0; e < E; ++e) {
+          logits[e] = dot_f32(x + m * H, router_weight_.data_ptr<float>() + e * H, H) +
+                      (router_bias_.defined() ? router_bias_.data_ptr<float>()[e] : 0.f);
+        }
+        route_row(logits, E, k_, scoring_, normalize_, scale_,
+                  selection_bias_.defined() ? selection_bias_.data_ptr<float>() : nullptr, scores.data(),
+                  expert_ids_.data() + m * k_, weights_.data() + m * k_);
+      }
+    });
+    // Pairs p = m * k + slot laid out expert by expert (rows ascending within an expert).
+    rows_.expert_ids.clear();
+    rows_.row_starts.assign(1, 0);
+    std::vector<int64_t> starts(E + 1, 0);
+    for (int64_t p = 0; p < P; ++p) ++starts[expert_ids_[p] + 1];
+    for (int64_t e = 0; e < E; ++e) {
+      if (starts[e + 1]) {
+        rows_.expert_ids.push_back(e);
+        rows_.row_starts.push_back(starts[e] + starts[e + 1]);
+      }
+      starts[e + 1] += starts[e];
+    }
+    pair_positions_.resize(std::max<size_t>(pair_positions_.size(), P));
+    for (int64_t p = 0; p < P; ++p) pair_positions_[p] = starts[expert_ids_[p]]++;
+    grow(grouped_, P * H);
+    at::parallel_for(0, P, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        std::memcpy(grouped_.data() + pair_positions_[p] * H, x + (p / k_) * H, H * sizeof(float));
+      }
+    });
+    quantize_activations(grouped_.data(), P, H, precise_, activations_);
+    grow(gate_up_, P * 2 * I);
+    grow(activated_, P * I);
+    int64_t num_bytes = grouped_expert_matmul(activations_, rows_, gate_up_projections_, precise_, gate_up_.data(), 2 * I);
+    if (activation_ == 2) {
+      swiglu_oai_rows(gate_up_.data(), P, I, alpha_, limit_, activated_.data());
+    } else {
+      glu_rows(gate_up_.data(), P, I, activated_.data(), activation_ == 1);
+    }
+    quantize_activations(activated_.data(), P, I, precise_, activations_);
+    grow(pair_out_, P * H);
+    num_bytes += grouped_expert_matmul(activations_, rows_, down_projections_, precise_, pair_out_.data(), H);
+    at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; ++m) {
+        float* o = out + m * H;
+        std::fill(o, o + H, 0.f);
+        for (int64_t slot = 0; slot < k_; ++slot) {
+          const float w = weights_[m * k_ + slot];
+          const float* expert_out = pair_out_.data() + pair_positions_[m * k_ + slot] * H;
+          for (int64_t h = 0; h < H; ++h) o[h] += w * expert_out[h];
+        }
+      }
+    });
+    if (!shared_.empty()) {
+      const int64_t S = shared_[1].in_features();
+      grow(shared_gate_up_, M * 2 * S);
+      grow(shared_activated_, M * S);
+      grow(shared_out_, M * H);
+      shared_[0].forward(x, M, shared_gate_up_.data());
+      glu_rows(shared_gate_up_.data(), M, S, shared_activated_.data(), activation_ == 1);
+      shared_[1].forward(shared_activated_.data(), M, shared_out_.data());
+      for (int64_t m = 0; m < M; ++m) {
+        const float g = shared_output_gate_.defined()
+                            ? 1.f / (1.f + std::exp(-dot_f32(x + m * H, shared_output_gate_.data_ptr<float>(), H)))
+                            : 1.f;
+        for (int64_t h = 0; h < H; ++h) out[m * H + h] += g * shared_out_[m * H + h];
+      }
+      num_bytes += shared_[0].num_bytes() + shared_[1].num_bytes() + (shared_output_gate_.defined() ? H * 4 : 0);
+    }
+    weight_bytes_read_ += num_bytes + router_weight_.numel() * 4;
+  }
+
+  at::Tensor call(const at::Tensor& x) {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu() && x.size(1) == hidden_,
+                "x must be a [rows, ", hidden_, "] float32 CPU tensor");
+    const at::Tensor input = x.contiguous();
+    at::Tensor out = at::empty({x.size(0), hidden_}, x.options());
+    forward(input.data_ptr<float>(), x.size(0), out.data_ptr<float>());
+    return out;
+  }
+
+  // The weight bytes every call so far has read: the chosen experts', the router's and the
+  // shared expert's (a step's is the difference across it).
+  int64_t weight_bytes_read() const { return weight_bytes_read_; }
+  int64_t num_bytes() const {
+    int64_t total = router_weight_.numel() * 4 + gate_.numel() + up_.numel() + down_.numel();
+    for (const PackedLinear& linear : shared_) total += linear.num_bytes();
+    return total;
+  }
+
+ private:
+  static void grow(std::vector<float>& buffer, int64_t size) {
+    if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(size);
+  }
+
+  at::Tensor router_weight_, router_bias_, selection_bias_;
+  int64_t num_experts_, hidden_, k_, intermediate_;
+  Scoring scoring_;
+  bool normalize_;
+  float scale_;
+  at::Tensor gate_, up_, down_, gate_bias_, up_bias_, down_bias_;
+  int64_t activation_;
+  float alpha_, limit_;
+  bool precise_;
+  std::vector<PackedLinear> shared_;
+  at::Tensor shared_output_gate_;
+  std::vector<ExpertProjection> gate_up_projections_, down_projections_;
+  int64_t weight_bytes_read_ = 0;
+  // Scratch kept across calls (only grown).
+  std::vector<float> logits_, weights_, grouped_, gate_up_, activated_, pair_out_, shared_gate_up_,
+      shared_activated_, shared_out_;
+  std::vector<int64_t> expert_ids_, pair_positions_;
+  ExpertRows rows_;
+  QuantizedActivations activations_;
 };
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -1148,7 +1396,8 @@ class FusedDecoder {
                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t hidden_size,
                int64_t intermediate_size, double eps, double scale, bool gelu,
                std::vector<at::Tensor> post_attention_norms, std::vector<at::Tensor> post_feedforward_norms,
-               std::vector<at::Tensor> q_norms, std::vector<at::Tensor> k_norms, std::vector<int64_t> layer_groups)
+               std::vector<at::Tensor> q_norms, std::vector<at::Tensor> k_norms, std::vector<int64_t> layer_groups,
+               std::vector<SparseExperts> experts)
       : input_norms_(std::move(input_norms)), post_norms_(std::move(post_norms)), qkv_(std::move(qkv)),
         o_proj_(std::move(o_proj)), gate_up_(std::move(gate_up)), down_(std::move(down)),
         key_caches_(std::move(key_caches)), value_caches_(std::move(value_caches)), cos_(std::move(cos)),
@@ -1156,9 +1405,14 @@ class FusedDecoder {
         intermediate_size_(intermediate_size), eps_(static_cast<float>(eps)), scale_(static_cast<float>(scale)),
         gelu_(gelu), post_attention_norms_(std::move(post_attention_norms)),
         post_feedforward_norms_(std::move(post_feedforward_norms)), q_norms_(std::move(q_norms)),
-        k_norms_(std::move(k_norms)), layer_groups_(std::move(layer_groups)) {
+        k_norms_(std::move(k_norms)), layer_groups_(std::move(layer_groups)), experts_(std::move(experts)) {
     const size_t L = qkv_.size();
     TORCH_CHECK(cos_.size() == L && sin_.size() == L && layer_groups_.size() == L, "one RoPE table and group per layer");
+    TORCH_CHECK(experts_.empty() ? gate_up_.size() == L && down_.size() == L : experts_.size() == L && gate_up_.empty(),
+                "every layer's feed-forward: gate_up and down, or sparse experts");
+    for (const auto* linears : {&qkv_, &o_proj_, &gate_up_, &down_}) {
+      for (const PackedLinear& linear : *linears) dense_bytes_ += linear.num_bytes();
+    }
     for (auto* optional : {&post_attention_norms_, &post_feedforward_norms_, &q_norms_, &k_norms_}) {
       TORCH_CHECK(optional->empty() || optional->size() == L, "optional norms: none or one per layer");
     }
@@ -1183,6 +1437,7 @@ class FusedDecoder {
     std::vector<float>&normed = normed_, &qkv = qkv_out_, &attended = attended_, &projected = projected_,
                       &gate_up = gate_up_out_, &activated = activated_;
     float* h = hidden.data_ptr<float>();
+    ++num_steps_;
     for (size_t layer = 0; layer < qkv_.size(); ++layer) {
       const int64_t group = layer_groups_[layer];
       const at::Tensor &slot_table = slot_tables[group];
@@ -1204,15 +1459,27 @@ class FusedDecoder {
       }
       for (int64_t i = 0; i < D * H; ++i) h[i] += projected[i];
       rms_norm_rows(h, post_norms_[layer].data_ptr<float>(), normed.data(), D, H, eps_);
-      gate_up_[layer].forward(normed.data(), D, gate_up.data());
-      glu_rows(gate_up.data(), D, intermediate_size_, activated.data(), gelu_);
-      down_[layer].forward(activated.data(), D, projected.data());
+      if (experts_.empty()) {
+        gate_up_[layer].forward(normed.data(), D, gate_up.data());
+        glu_rows(gate_up.data(), D, intermediate_size_, activated.data(), gelu_);
+        down_[layer].forward(activated.data(), D, projected.data());
+      } else {
+        experts_[layer].forward(normed.data(), D, projected.data());
+      }
       if (!post_feedforward_norms_.empty()) {
         rms_norm_rows(projected.data(), post_feedforward_norms_[layer].data_ptr<float>(), projected.data(), D, H, eps_);
       }
       for (int64_t i = 0; i < D * H; ++i) h[i] += projected[i];
     }
     return hidden;
+  }
+
+  // The weight bytes every step so far has read in the layers (every dense product's, the
+  // chosen experts'); a step's is the difference across it.
+  int64_t weight_bytes_read() const {
+    int64_t total = dense_bytes_ * num_steps_;
+    for (const SparseExperts& experts : experts_) total += experts.weight_bytes_read();
+    return total;
   }
 
  private:
@@ -1226,6 +1493,8 @@ class FusedDecoder {
   bool gelu_;
   std::vector<at::Tensor> post_attention_norms_, post_feedforward_norms_, q_norms_, k_norms_;
   std::vector<int64_t> layer_groups_;
+  std::vector<SparseExperts> experts_;
+  int64_t dense_bytes_ = 0, num_steps_ = 0;
   std::vector<float> normed_, qkv_out_, attended_, projected_, gate_up_out_, activated_;
 };
 
@@ -1242,13 +1511,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   using release_gil = pybind11::call_guard<pybind11::gil_scoped_release>;
   module.def("pack_ints", &pack_ints, "a tensor's block integers -> the kernel's interleaved groups of 16 features",
              release_gil());
+  module.def("pack_expert_ints", &pack_expert_ints,
+             "every expert's block integers -> the kernel's groups, expert after expert", release_gil());
   module.def("dequantize_packed", &dequantize_packed, "packed groups -> [N, K] float32", release_gil());
   pybind11::class_<PackedLinear>(module, "PackedLinear")
       .def(pybind11::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>, int64_t, bool,
                           c10::optional<at::Tensor>>())
       .def("__call__", &PackedLinear::call, release_gil())
       .def_property_readonly("out_features", &PackedLinear::out_features)
-      .def_property_readonly("in_features", &PackedLinear::in_features);
+      .def_property_readonly("in_features", &PackedLinear::in_features)
+      .def_property_readonly("num_bytes", &PackedLinear::num_bytes);
+  pybind11::class_<SparseExperts>(module, "SparseExperts")
+      .def(pybind11::init<at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>, int64_t, int64_t, bool,
+                          double, at::Tensor, int64_t, at::Tensor, int64_t, at::Tensor, int64_t, int64_t,
+                          c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<at::Tensor>, int64_t,
+                          double, double, bool, std::vector<PackedLinear>, c10::optional<at::Tensor>>())
+      .def("__call__", &SparseExperts::call, release_gil())
+      .def_property_readonly("weight_bytes_read", &SparseExperts::weight_bytes_read)
+      .def_property_readonly("num_bytes", &SparseExperts::num_bytes);
   module.def("rms_norm", &rms_norm, "RMSNorm over the last dimension (float32)", release_gil());
   module.def("glu_mul", &glu_mul, "act(gate) * up from a fused [rows, 2 * intermediate] tensor (SiLU, or tanh-GELU)",
              release_gil());
@@ -1266,6 +1546,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
                           std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                           std::vector<at::Tensor>, int64_t, int64_t, int64_t, int64_t, int64_t, double, double, bool,
                           std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                          std::vector<at::Tensor>, std::vector<int64_t>>())
-      .def("forward", &FusedDecoder::forward, release_gil());
+                          std::vector<at::Tensor>, std::vector<int64_t>, std::vector<SparseExperts>>())
+      .def("forward", &FusedDecoder::forward, release_gil())
+      .def_property_readonly("weight_bytes_read", &FusedDecoder::weight_bytes_read);
 }

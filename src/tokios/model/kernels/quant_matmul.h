@@ -538,29 +538,39 @@ inline const DotKernel& dot_kernel(int64_t format, bool precise) {
   return table[format][precise];
 }
 
+// Groups [group_begin, group_end) of one packed weight times activation rows [row_begin, row_end):
+// out rows r (stride out_stride) get features [g * 16, g * 16 + 16) of each group g, N features
+// in all. The body every product runs (quant_matmul, grouped_expert_matmul in experts.h), so a
+// row's result depends on neither which rows share the call nor how the groups are split.
+inline void matmul_groups(const QuantizedActivations& activations, int64_t row_begin, int64_t row_end,
+                          const uint8_t* weight, const GroupLayout& layout, const DotKernel& kernel, int64_t N,
+                          int64_t group_begin, int64_t group_end, const float* bias, float* out, int64_t out_stride) {
+  // A group's weights (at most a few KiB per 576 inputs) stay in L1 while tiles of rows pass over
+  // them; rows are taken 64 at a time so that their activations stay in L2 (long prefill chunks).
+  constexpr int64_t kRowChunk = 64;
+  prefetch_start(weight + group_begin * layout.row_bytes, (group_end - group_begin) * layout.row_bytes);
+  for (int64_t m0 = row_begin; m0 < row_end; m0 += kRowChunk) {
+    const int64_t m1 = std::min(row_end, m0 + kRowChunk);
+    for (int64_t g = group_begin; g < group_end; ++g) {
+      const int valid = static_cast<int>(std::min<int64_t>(kGroup, N - g * kGroup));
+      const float* group_bias = bias ? bias + g * kGroup : nullptr;
+      for (int64_t r0 = m0; r0 < m1; r0 += kernel.max_rows) {
+        const int tile = static_cast<int>(std::min<int64_t>(kernel.max_rows, m1 - r0));
+        kernel.by_rows[tile](weight + g * layout.row_bytes, layout, activations, r0, group_bias, valid,
+                             out + r0 * out_stride + g * kGroup, out_stride);
+      }
+    }
+  }
+}
+
 // out[:, 0:N) (row stride out_stride) = activations . W^T (+ bias) for one packed weight.
 inline void quant_matmul(const QuantizedActivations& activations, int64_t M, const uint8_t* weight, int64_t N,
                          int64_t format, bool precise, const float* bias, float* out, int64_t out_stride) {
   const GroupLayout layout(format, activations.in_features);
   const DotKernel& kernel = dot_kernel(format, precise);
   const int64_t num_groups = (N + kGroup - 1) / kGroup;
-  // A group's weights (at most a few KiB per 576 inputs) stay in L1 while tiles of rows pass over
-  // them; rows are taken 64 at a time so that their activations stay in L2 (long prefill chunks).
-  constexpr int64_t kRowChunk = 64;
   at::parallel_for(0, num_groups, 1, [&](int64_t begin, int64_t end) {
-    prefetch_start(weight + begin * layout.row_bytes, (end - begin) * layout.row_bytes);
-    for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
-      const int64_t m1 = std::min(M, m0 + kRowChunk);
-      for (int64_t g = begin; g < end; ++g) {
-        const int valid = static_cast<int>(std::min<int64_t>(kGroup, N - g * kGroup));
-        const float* group_bias = bias ? bias + g * kGroup : nullptr;
-        for (int64_t r0 = m0; r0 < m1; r0 += kernel.max_rows) {
-          const int tile = static_cast<int>(std::min<int64_t>(kernel.max_rows, m1 - r0));
-          kernel.by_rows[tile](weight + g * layout.row_bytes, layout, activations, r0, group_bias, valid,
-                               out + r0 * out_stride + g * kGroup, out_stride);
-        }
-      }
-    }
+    matmul_groups(activations, 0, M, weight, layout, kernel, N, begin, end, bias, out, out_stride);
   });
 }
 

@@ -203,6 +203,11 @@ class QuantizedLinear:
     def num_bytes(self) -> int:
         return self._num_bytes
 
+    @property
+    def weight_bytes_read(self) -> int | None:
+        """The weight bytes the kernel's products have read so far (None off the kernel)."""
+        return None if self.linear is None else self.linear.weight_bytes_read
+
 
 def _quantized(weight: torch.Tensor, ggml_type: T, name: str, num_tensors: int) -> PackedWeight:
     blocks = quantize_q4_1(weight) if ggml_type == T.Q4_1 else quantize_q8_0(weight)

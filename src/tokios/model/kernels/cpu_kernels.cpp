@@ -1045,6 +1045,7 @@ class PackedLinear {
                       p.size(0) == (out_features_[s] + kGroup - 1) / kGroup && p.size(1) == layout.row_bytes,
                   "weight must be packed by pack_ints for these in_features and out_features");
       total_out_ += out_features_[s];
+      num_bytes_ += p.numel();
     }
     if (bias.has_value()) {
       TORCH_CHECK(bias->numel() == total_out_ && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
@@ -1061,6 +1062,7 @@ class PackedLinear {
     QuantizedActivations& activations = buffer;
     quantize_activations(x, M, in_features_, precise_, activations);
     const float* bias = bias_.defined() ? bias_.data_ptr<float>() : nullptr;
+    bytes_read_->fetch_add(num_bytes_, std::memory_order_relaxed);
     int64_t column = 0;
     for (size_t s = 0; s < packed_.size(); ++s) {
       quant_matmul(activations, M, packed_[s].data_ptr<uint8_t>(), out_features_[s], formats_[s], precise_,
@@ -1080,18 +1082,18 @@ class PackedLinear {
 
   int64_t out_features() const { return total_out_; }
   int64_t in_features() const { return in_features_; }
-  int64_t num_bytes() const {
-    int64_t total = 0;
-    for (const at::Tensor& p : packed_) total += p.numel();
-    return total;
-  }
+  int64_t num_bytes() const { return num_bytes_; }
+  // The weight bytes every call so far has read, this layer's copies included (the fused step
+  // holds copies): a step's is the difference across it.
+  int64_t weight_bytes_read() const { return bytes_read_->load(std::memory_order_relaxed); }
 
  private:
   std::vector<at::Tensor> packed_;
   std::vector<int64_t> formats_, out_features_;
-  int64_t in_features_, total_out_ = 0;
+  int64_t in_features_, total_out_ = 0, num_bytes_ = 0;
   bool precise_;
   at::Tensor bias_;
+  std::shared_ptr<std::atomic<int64_t>> bytes_read_ = std::make_shared<std::atomic<int64_t>>(0);
 };
 
 // gpt-oss's clamped SwiGLU (model/moe.py ExpertActivation "swiglu_oai"): gate clamped above at
@@ -1259,9 +1261,9 @@ class SparseExperts {
                             : 1.f;
         for (int64_t h = 0; h < H; ++h) out[m * H + h] += g * shared_out_[m * H + h];
       }
-      num_bytes += shared_[0].num_bytes() + shared_[1].num_bytes() + (shared_output_gate_.defined() ? H * 4 : 0);
+      num_bytes += shared_output_gate_.defined() ? H * 4 : 0;  // the shared products count their own
     }
-    weight_bytes_read_ += num_bytes + router_weight_.numel() * 4;
+    bytes_read_->fetch_add(num_bytes + router_weight_.numel() * 4, std::memory_order_relaxed);
   }
 
   at::Tensor call(const at::Tensor& x) {
@@ -1273,9 +1275,14 @@ class SparseExperts {
     return out;
   }
 
-  // The weight bytes every call so far has read: the chosen experts', the router's and the
-  // shared expert's (a step's is the difference across it).
-  int64_t weight_bytes_read() const { return weight_bytes_read_; }
+  // The weight bytes every call so far has read, its copies' included: the chosen experts', the
+  // router's and the shared expert's gate (a step's is the difference across it; the shared
+  // expert's products count theirs).
+  int64_t weight_bytes_read() const {
+    int64_t total = bytes_read_->load(std::memory_order_relaxed);
+    for (const PackedLinear& linear : shared_) total += linear.weight_bytes_read();
+    return total;
+  }
   int64_t num_bytes() const {
     int64_t total = router_weight_.numel() * 4 + gate_.numel() + up_.numel() + down_.numel();
     for (const PackedLinear& linear : shared_) total += linear.num_bytes();
@@ -1299,7 +1306,7 @@ class SparseExperts {
   std::vector<PackedLinear> shared_;
   at::Tensor shared_output_gate_;
   std::vector<ExpertProjection> gate_up_projections_, down_projections_;
-  int64_t weight_bytes_read_ = 0;
+  std::shared_ptr<std::atomic<int64_t>> bytes_read_ = std::make_shared<std::atomic<int64_t>>(0);
   // Scratch kept across calls (only grown).
   std::vector<float> logits_, weights_, grouped_, gate_up_, activated_, pair_out_, shared_gate_up_,
       shared_activated_, shared_out_;
@@ -1410,9 +1417,7 @@ class FusedDecoder {
     TORCH_CHECK(cos_.size() == L && sin_.size() == L && layer_groups_.size() == L, "one RoPE table and group per layer");
     TORCH_CHECK(experts_.empty() ? gate_up_.size() == L && down_.size() == L : experts_.size() == L && gate_up_.empty(),
                 "every layer's feed-forward: gate_up and down, or sparse experts");
-    for (const auto* linears : {&qkv_, &o_proj_, &gate_up_, &down_}) {
-      for (const PackedLinear& linear : *linears) dense_bytes_ += linear.num_bytes();
-    }
+
     for (auto* optional : {&post_attention_norms_, &post_feedforward_norms_, &q_norms_, &k_norms_}) {
       TORCH_CHECK(optional->empty() || optional->size() == L, "optional norms: none or one per layer");
     }
@@ -1437,7 +1442,6 @@ class FusedDecoder {
     std::vector<float>&normed = normed_, &qkv = qkv_out_, &attended = attended_, &projected = projected_,
                       &gate_up = gate_up_out_, &activated = activated_;
     float* h = hidden.data_ptr<float>();
-    ++num_steps_;
     for (size_t layer = 0; layer < qkv_.size(); ++layer) {
       const int64_t group = layer_groups_[layer];
       const at::Tensor &slot_table = slot_tables[group];
@@ -1474,14 +1478,6 @@ class FusedDecoder {
     return hidden;
   }
 
-  // The weight bytes every step so far has read in the layers (every dense product's, the
-  // chosen experts'); a step's is the difference across it.
-  int64_t weight_bytes_read() const {
-    int64_t total = dense_bytes_ * num_steps_;
-    for (const SparseExperts& experts : experts_) total += experts.weight_bytes_read();
-    return total;
-  }
-
  private:
   std::vector<at::Tensor> input_norms_, post_norms_;
   std::vector<PackedLinear> qkv_, o_proj_, gate_up_, down_;
@@ -1494,7 +1490,6 @@ class FusedDecoder {
   std::vector<at::Tensor> post_attention_norms_, post_feedforward_norms_, q_norms_, k_norms_;
   std::vector<int64_t> layer_groups_;
   std::vector<SparseExperts> experts_;
-  int64_t dense_bytes_ = 0, num_steps_ = 0;
   std::vector<float> normed_, qkv_out_, attended_, projected_, gate_up_out_, activated_;
 };
 
@@ -1520,7 +1515,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
       .def("__call__", &PackedLinear::call, release_gil())
       .def_property_readonly("out_features", &PackedLinear::out_features)
       .def_property_readonly("in_features", &PackedLinear::in_features)
-      .def_property_readonly("num_bytes", &PackedLinear::num_bytes);
+      .def_property_readonly("num_bytes", &PackedLinear::num_bytes)
+      .def_property_readonly("weight_bytes_read", &PackedLinear::weight_bytes_read);
   pybind11::class_<SparseExperts>(module, "SparseExperts")
       .def(pybind11::init<at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>, int64_t, int64_t, bool,
                           double, at::Tensor, int64_t, at::Tensor, int64_t, at::Tensor, int64_t, int64_t,
@@ -1547,6 +1543,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
                           std::vector<at::Tensor>, int64_t, int64_t, int64_t, int64_t, int64_t, double, double, bool,
                           std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                           std::vector<at::Tensor>, std::vector<int64_t>, std::vector<SparseExperts>>())
-      .def("forward", &FusedDecoder::forward, release_gil())
-      .def_property_readonly("weight_bytes_read", &FusedDecoder::weight_bytes_read);
+      .def("forward", &FusedDecoder::forward, release_gil());
 }

@@ -35,6 +35,15 @@ PRESETS = {
         hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
         num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6,
         tie_word_embeddings=True)),
+    # Qwen3-30B-A3B's published config.json (48 layers, hidden 2048, 128 experts of width 768,
+    # top-8, GQA 32/4 of head_dim 128) scaled down in depth, width and expert count with its
+    # ratios kept: experts 1/4 of hidden wide, top-8, 4 query heads per KV head. 1.05B
+    # parameters, 0.18B of them active per token beyond the (tied) embeddings.
+    "qwen3-moe-1b": RandomModelPreset("Qwen3MoeConfig", "qwen2", dict(
+        hidden_size=1024, intermediate_size=3072, moe_intermediate_size=256, num_experts=64, num_experts_per_tok=8,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=16,
+        num_attention_heads=16, num_key_value_heads=4, head_dim=128, max_position_embeddings=40960, rope_theta=1e6,
+        rms_norm_eps=1e-6, tie_word_embeddings=True)),
 }
 
 

@@ -127,6 +127,12 @@ class ModelShape:
         count num_experts_per_token of num_experts (a dense model: all of them)."""
         return self._layer_linear_params(self.num_experts_per_token)
 
+    @property
+    def num_routed_expert_params(self) -> int:
+        """Parameters of every routed expert of every layer (0 for a dense model): what must be
+        resident though a token multiplies by only num_experts_per_token of num_experts."""
+        return self.num_layers * 3 * self.hidden_size * self.expert_intermediate_size * self.num_experts
+
     def _layer_linear_params(self, num_experts: int) -> int:
         attention = self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
         if self.is_moe:
@@ -149,6 +155,14 @@ class ModelShape:
         norms = (2 * self.num_layers + 1) * self.hidden_size
         output = 0 if self.tie_word_embeddings else self.num_embedding_params
         return self.num_layer_linear_params + norms + self.num_embedding_params + output
+
+    @property
+    def num_active_params(self) -> int:
+        """All parameters less the routed experts a token does not use (a dense model: all of
+        them); counted as num_params is, embedding included, as Qwen's "A3B" counts."""
+        if not self.is_moe:
+            return self.num_params
+        return self.num_params - self.num_layer_linear_params + self.num_active_layer_linear_params
 
     @property
     def num_step_params(self) -> int:

@@ -10,6 +10,10 @@ weights (`count / tp` such replicas serve users in parallel); each device keeps 
 memory free (allocator fragmentation, the unexpected) and loses the runtime's own overhead
 (CUDA context, workspaces); activations are sized for a prefill chunk of `MAX_BATCHED_TOKENS`
 tokens plus the logits of a full batch; what remains holds the KV cache.
+
+A mixture of experts holds every expert (the weights are all of them) while a step reads the
+dense part and the experts its tokens chose (formulas.weight_bytes_read, uniform routing): k of
+n at batch 1, more at the target concurrency and in a prefill. The plan reports both sides.
 """
 
 from __future__ import annotations
@@ -148,6 +152,9 @@ class Plan:
     num_replicas: int
     weight_bytes: float
     weight_bits: float
+    num_params: int
+    num_active_params: int  # a mixture of experts: less the routed experts a token does not use
+    expert_weight_bytes: float  # every routed expert, all resident (0 for a dense model)
     kv_bytes_per_token: float
     kv_bytes_per_sequence: float
     kv_bytes_total: float
@@ -163,16 +170,21 @@ class Plan:
     kv_capacity_tokens: int  # per replica
     decode_context_len: float
     batch1_step_bytes: float
+    batch1_weight_bytes_read: float
     batch1_tpot_s: float
     batch1_tokens_per_s: float
     prompt_len: int
     prefill_flops: float
+    prefill_weight_bytes_read: float
     ttft_floor_s: float
     ridge_batch_size: float  # at the decode context; infinity when never compute-bound
     ridge_batch_size_short_context: float  # weights only: the ridge as context goes to 0
     concurrency_tpot_s: float
     concurrency_tokens_per_s: float  # output tokens/s across all replicas at the target
     concurrency_regime: str
+    concurrency_weight_bytes_read: float  # one step of the users a replica serves
+    # Distinct routed experts per layer that step reads (expected, uniform routing); None: dense.
+    concurrency_num_experts_read: float | None
     spec_tokens_per_verify: float | None
     spec_speedup: float | None
     spec_tpot_s: float | None
@@ -196,6 +208,11 @@ def make_plan(inputs: PlanInputs, *, with_suggestions: bool = True) -> Plan:
 
     weights = formulas.weight_bytes(model, inputs.weight_bits)
     step_weights = formulas.step_weight_bytes(model, inputs.weight_bits)
+    expert_weights = formulas.expert_weight_bytes(model, inputs.weight_bits)
+
+    def weights_read(num_tokens: float) -> float:
+        return formulas.weight_bytes_read(model, step_weights, expert_weights, num_tokens)
+
     kv_per_token = formulas.kv_bytes_per_token(model, inputs.kv_bytes_per_element, tp=tp)
     kv_per_sequence = formulas.kv_bytes_per_sequence(model, inputs.kv_bytes_per_element, inputs.context_len,
                                                      tp=tp)
@@ -222,10 +239,10 @@ def make_plan(inputs: PlanInputs, *, with_suggestions: bool = True) -> Plan:
     prompt_len = inputs.prompt_len or inputs.context_len
     prefill_flops = formulas.prefill_flops(model, prompt_len)
     ttft = max(prefill_flops / peak,
-               formulas.prefill_bytes(step_weights, kv_read_per_token(prompt_len), prompt_len) / bandwidth)
+               formulas.prefill_bytes(weights_read(prompt_len), kv_read_per_token(prompt_len), prompt_len) / bandwidth)
     step_flops = formulas.decode_step_flops(model, users_per_replica, decode_context)
-    step_bytes = formulas.decode_step_bytes(step_weights, kv_read_per_token(decode_context), users_per_replica,
-                                            decode_context)
+    step_bytes = formulas.decode_step_bytes(weights_read(users_per_replica), kv_read_per_token(decode_context),
+                                            users_per_replica, decode_context)
     step_seconds = formulas.decode_step_seconds(step_flops, step_bytes, peak, bandwidth)
 
     spec_tokens = spec_speedup = spec_tpot = None
@@ -242,6 +259,9 @@ def make_plan(inputs: PlanInputs, *, with_suggestions: bool = True) -> Plan:
         num_replicas=inputs.num_replicas,
         weight_bytes=weights,
         weight_bits=8 * weights / model.num_params,
+        num_params=model.num_params,
+        num_active_params=model.num_active_params,
+        expert_weight_bytes=expert_weights,
         kv_bytes_per_token=kv_per_token,
         kv_bytes_per_sequence=kv_per_sequence,
         kv_bytes_total=kv_per_sequence * users_per_replica,
@@ -257,19 +277,23 @@ def make_plan(inputs: PlanInputs, *, with_suggestions: bool = True) -> Plan:
         kv_capacity_tokens=capacity_tokens,
         decode_context_len=decode_context,
         batch1_step_bytes=batch1_bytes,
+        batch1_weight_bytes_read=step_weights,
         batch1_tpot_s=batch1_tpot,
         batch1_tokens_per_s=1 / batch1_tpot,
         prompt_len=prompt_len,
         prefill_flops=prefill_flops,
+        prefill_weight_bytes_read=weights_read(prompt_len),
         ttft_floor_s=ttft,
         ridge_batch_size=formulas.decode_ridge_batch_size(
-            model, step_weights, kv_per_token, decode_context, peak, bandwidth),
+            model, step_weights, kv_per_token, decode_context, peak, bandwidth, expert_weights=expert_weights),
         ridge_batch_size_short_context=formulas.decode_ridge_batch_size(
-            model, step_weights, kv_per_token, 0, peak, bandwidth),
+            model, step_weights, kv_per_token, 0, peak, bandwidth, expert_weights=expert_weights),
         concurrency_tpot_s=step_seconds,
         concurrency_tokens_per_s=users_per_replica / step_seconds * inputs.num_replicas,
         concurrency_regime="compute-bound" if step_flops / peak > step_bytes / bandwidth
         else "bandwidth-bound",
+        concurrency_weight_bytes_read=weights_read(users_per_replica),
+        concurrency_num_experts_read=formulas.num_experts_read(model, users_per_replica) if model.is_moe else None,
         spec_tokens_per_verify=spec_tokens,
         spec_speedup=spec_speedup,
         spec_tpot_s=spec_tpot,
@@ -294,10 +318,16 @@ def _max_context_len(model: ModelShape, kv_bytes_per_element: float, tp: int, fr
 
 def _activation_bytes(model: ModelShape, compute_dtype: str) -> float:
     """Live activations of one prefill chunk (residual, normed input, q/k/v, attention output,
-    gate and up projections) plus fp32 logits for a full batch. Sized for the engine's limits,
-    not the target concurrency, so that the capacity figures do not move with the target."""
+    gate and up projections: of a mixture of experts, each token's k experts' and the shared
+    expert's, and the router's logits) plus fp32 logits for a full batch. Sized for the engine's
+    limits, not the target concurrency, so that the capacity figures do not move with the target."""
     element_bytes = 4 if compute_dtype == "fp32" else 2
-    width = 3 * model.hidden_size + model.q_size + 2 * model.kv_size + 2 * model.intermediate_size
+    if model.is_moe:
+        feed_forward = (2 * (model.num_experts_per_token * model.expert_intermediate_size
+                             + model.shared_expert_intermediate_size) + model.num_experts)
+    else:
+        feed_forward = 2 * model.intermediate_size
+    width = 3 * model.hidden_size + model.q_size + 2 * model.kv_size + feed_forward
     return MAX_BATCHED_TOKENS * width * element_bytes + MAX_LOGITS_ROWS * model.vocab_size * 4
 
 

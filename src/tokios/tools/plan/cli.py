@@ -91,6 +91,8 @@ def _inputs_dict(inputs: PlanInputs) -> dict:
     hardware = inputs.hardware
     return {
         "model": inputs.model.name, "num_params": inputs.model.num_params,
+        "num_active_params": inputs.model.num_active_params, "num_experts": inputs.model.num_experts,
+        "num_experts_per_token": inputs.model.num_experts_per_token,
         "hardware": hardware.name, "memory_bandwidth": hardware.memory_bandwidth,
         "dtype_to_peak_flops": hardware.dtype_to_peak_flops, "count": inputs.count,
         "tp": inputs.tp_size, "weight_bits": inputs.weight_bits, "kv_dtype": inputs.kv_dtype,
@@ -117,17 +119,42 @@ def _ridge_text(batch_size: float) -> str:
         else f"batch >= {math.ceil(batch_size):,}"
 
 
+def _expert_rows(inputs: PlanInputs, plan: Plan) -> list[tuple[str, str]]:
+    """A mixture of experts: the memory every expert needs against the weight bytes a step reads,
+    at batch 1, at the users a replica serves and in the prefill (none for a dense model)."""
+    model = inputs.model
+    if not model.is_moe:
+        return []
+    shared = (f" + a shared expert {model.shared_expert_intermediate_size:,} wide"
+              if model.shared_expert_intermediate_size else "")
+    users = math.ceil(inputs.concurrency / plan.num_replicas)
+    return [
+        ("experts", f"{model.num_experts} x {model.expert_intermediate_size:,} wide, "
+                    f"{model.num_experts_per_token} per token{shared}: "
+                    f"{format_bytes(plan.expert_weight_bytes)} resident, all of them"),
+        ("weights read", f"{format_bytes(plan.batch1_weight_bytes_read)} a step at batch 1 "
+                         f"({model.num_experts_per_token} of {model.num_experts} experts a layer); "
+                         f"{format_bytes(plan.concurrency_weight_bytes_read)} at batch {users:,} "
+                         f"({plan.concurrency_num_experts_read:,.1f} expected, uniform routing); "
+                         f"{format_bytes(plan.prefill_weight_bytes_read)} for a prefill of {plan.prompt_len:,} tokens"),
+    ]
+
+
 def render_table(inputs: PlanInputs, plan: Plan) -> str:
     model, hardware = inputs.model, inputs.hardware
     measured = " (measured)" if hardware.is_measured else ""
+    params = f"{model.num_params / 1e9:,.3f} B params"
+    if model.is_moe:
+        params += f" ({model.num_active_params / 1e9:,.3f} B active per token)"
     rows: list[tuple[str, str]] = [
-        ("model", f"{model.name}: {model.num_params / 1e9:,.3f} B params, {model.num_layers} layers, "
+        ("model", f"{model.name}: {params}, {model.num_layers} layers, "
                   f"{model.num_heads} heads / {model.num_kv_heads} KV heads x {model.head_dim}"),
         ("hardware", f"{inputs.count} x {hardware.name}{measured}, tensor parallel {inputs.tp_size}, "
                      f"{plan.num_replicas} replica(s); {hardware.memory_bandwidth / 1e9:,.0f} GB/s, "
                      f"{hardware.peak_flops(plan.compute_dtype) / 1e12:,.2f} TFLOP/s {plan.compute_dtype}"),
         ("", ""),
         ("weights", f"{format_bytes(plan.weight_bytes)} ({plan.weight_bits:.2f} bits/weight)"),
+        *_expert_rows(inputs, plan),
         ("KV per token", f"{plan.kv_bytes_per_token / 1024:,.1f} KiB ({inputs.kv_dtype})"),
         ("KV per sequence", f"{format_bytes(plan.kv_bytes_per_sequence)} at {inputs.context_len:,} tokens"),
         ("KV for all users", f"{format_bytes(plan.kv_bytes_total)} per replica "

@@ -11,6 +11,12 @@ Conventions (why): a multiply-add is 2 FLOPs. Logits are computed for the last p
 request only (as vLLM and llama.cpp do), so prefill pays the output projection once. A decode
 step reads every layer matrix and the output projection in full, but only one row of the token
 embedding per request (negligible), unless the embedding is tied to the output projection.
+
+A mixture of experts keeps every expert resident (`weight_bytes`) but a token multiplies by its
+k of n (FLOPs count the active parameters), and a step reads each expert that any of its tokens
+chose once (the kernel groups rows by expert): `weight_bytes_read` counts the dense part and the
+expected share of the experts a step of B tokens reads, `num_experts_read`, which assumes uniform
+routing.
 """
 
 from __future__ import annotations
@@ -52,18 +58,56 @@ def weight_bytes(model: ModelShape, weight_bits: float | None) -> float:
     return model.num_params * weight_bits / 8
 
 
-def step_weight_bytes(model: ModelShape, weight_bits: float | None) -> float:
-    """Weight bytes one decode step reads: layer matrices and the output projection."""
+def expert_weight_bytes(model: ModelShape, weight_bits: float | None) -> float:
+    """Bytes of every routed expert of a mixture of experts (0 for a dense model): resident, though
+    a step reads only the experts its tokens chose."""
+    if not model.is_moe:
+        return 0.0
     if weight_bits is None:
-        if model.file_step_weight_bytes is not None:
-            return float(model.file_step_weight_bytes)
+        if model.file_expert_bytes is not None:
+            return float(model.file_expert_bytes)
         weight_bits = model.file_weight_bits or 16
-    return model.num_step_params * weight_bits / 8
+    return model.num_routed_expert_params * weight_bits / 8
+
+
+def step_weight_bytes(model: ModelShape, weight_bits: float | None, num_tokens: float = 1) -> float:
+    """Weight bytes a step of `num_tokens` tokens reads: layer matrices and the output projection,
+    of a mixture of experts the experts those tokens chose (weight_bytes_read)."""
+    if weight_bits is None and model.file_step_weight_bytes is not None:
+        one_token = float(model.file_step_weight_bytes)
+    else:
+        one_token = model.num_step_params * (weight_bits or model.file_weight_bits or 16) / 8
+    return weight_bytes_read(model, one_token, expert_weight_bytes(model, weight_bits), num_tokens)
+
+
+def num_experts_read(model: ModelShape, num_tokens: float) -> float:
+    """Expected number of distinct routed experts, per layer, that `num_tokens` tokens choose
+    together, each its k of n: n (1 - (1 - k/n)^B). Assumes uniform routing, each token's experts
+    drawn independently and evenly: a router that favours some experts reads fewer, so this is an
+    upper estimate for batches. k at B = 1; it approaches n as B grows (Qwen3-30B-A3B, 8 of 128:
+    8, 52, 82 and 112 at B = 1, 8, 16 and 32; Mixtral, 2 of 8: 7.9 at B = 16). 0 for a dense model."""
+    if not model.is_moe or num_tokens <= 0:
+        return 0.0
+    num_experts = model.num_experts
+    return num_experts * (1 - (1 - model.num_experts_per_token / num_experts) ** num_tokens)
+
+
+def weight_bytes_read(model: ModelShape, one_token_bytes: float, expert_bytes: float, num_tokens: float) -> float:
+    """Weight bytes a step of `num_tokens` tokens reads, given what a one-token step reads
+    (`one_token_bytes`: the dense part and k of n experts) and all routed experts' bytes: the
+    dense part once, and each expert the tokens chose once (num_experts_read). A dense model's
+    step reads the same bytes whatever its tokens."""
+    if not model.is_moe:
+        return one_token_bytes
+    num_experts = model.num_experts
+    dense = one_token_bytes - expert_bytes * model.num_experts_per_token / num_experts
+    return dense + expert_bytes * num_experts_read(model, num_tokens) / num_experts
 
 
 def linear_flops_per_token(model: ModelShape) -> float:
-    """FLOPs of the layer matrices for one token (no attention scores, no output projection)."""
-    return 2 * model.num_layer_linear_params
+    """FLOPs of the layer matrices for one token (no attention scores, no output projection); of a
+    mixture of experts, the token's k experts (and the router and shared expert) only."""
+    return 2 * model.num_active_layer_linear_params
 
 
 def logits_flops(model: ModelShape) -> float:
@@ -92,12 +136,15 @@ def decode_step_flops(model: ModelShape, batch_size: int, context_len: float) ->
 
 def decode_step_bytes(step_weights: float, kv_per_token: float, batch_size: int,
                       context_len: float) -> float:
-    """Bytes one decode step reads: the weights once (shared by the batch) and each request's KV."""
+    """Bytes one decode step reads: its weights once (shared by the batch; a mixture of experts'
+    batch reads more experts than one token, step_weight_bytes at batch_size tokens) and each
+    request's KV."""
     return step_weights + batch_size * kv_per_token * context_len
 
 
 def prefill_bytes(step_weights: float, kv_per_token: float, prompt_len: int) -> float:
-    """Bytes a prefill moves at least: the weights once, and the KV it writes."""
+    """Bytes a prefill moves at least: its weights once (of a mixture of experts, those its
+    prompt's tokens chose: step_weight_bytes at prompt_len tokens), and the KV it writes."""
     return step_weights + kv_per_token * prompt_len
 
 
@@ -107,19 +154,37 @@ def decode_step_seconds(flops: float, num_bytes: float, peak_flops: float, bandw
 
 
 def decode_ridge_batch_size(model: ModelShape, step_weights: float, kv_per_token: float,
-                            context_len: float, peak_flops: float, bandwidth: float) -> float:
+                            context_len: float, peak_flops: float, bandwidth: float, *,
+                            expert_weights: float = 0.0) -> float:
     """Smallest batch at which a decode step's compute time reaches its memory time.
 
     Solves B * f / P = (W + B * k * C) / BW for B. Each request's KV read grows with the batch
     as fast as its FLOPs do, so when that read alone outpaces compute the step never turns
-    compute-bound: the answer is then infinity.
+    compute-bound: the answer is then infinity. `step_weights` is what a one-token step reads;
+    a mixture of experts (`expert_weights`: all routed experts' bytes) reads W(B), more experts
+    the larger the batch (weight_bytes_read), and B is found by bisection.
     """
     flops_per_request = decode_step_flops(model, 1, context_len)
     kv_bytes_per_request = kv_per_token * context_len
     margin = flops_per_request / peak_flops - kv_bytes_per_request / bandwidth
     if margin <= 0:
         return math.inf
-    return (step_weights / bandwidth) / margin
+    if not model.is_moe or not expert_weights:
+        return (step_weights / bandwidth) / margin
+
+    def gap(batch_size: float) -> float:
+        return batch_size * margin - weight_bytes_read(model, step_weights, expert_weights, batch_size) / bandwidth
+
+    # gap is a line less a rising, bounded, concave W(B) / BW: convex, negative at 0 and not
+    # negative once the line covers every weight, so it crosses zero once in between.
+    low, high = 0.0, (step_weights + expert_weights) / bandwidth / margin
+    for _ in range(200):
+        middle = (low + high) / 2
+        if gap(middle) < 0:
+            low = middle
+        else:
+            high = middle
+    return high
 
 
 def kv_capacity_tokens(free_bytes: float, kv_per_token: float) -> int:

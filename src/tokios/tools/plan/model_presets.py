@@ -20,6 +20,16 @@ def _llama(name: str, layers: int, hidden: int, inter: int, heads: int, kv_heads
                       tie_word_embeddings=tied, has_qkv_bias=qkv_bias, architecture=architecture)
 
 
+def _moe(name: str, layers: int, hidden: int, inter: int, heads: int, kv_heads: int, head_dim: int, vocab: int,
+         context: int, *, num_experts: int, num_experts_per_token: int, expert_inter: int,
+         qkv_bias: bool = False, layer_windows: tuple[int | None, ...] | None = None,
+         architecture: str) -> ModelShape:
+    return ModelShape(name, layers, hidden, inter, heads, kv_heads, head_dim, vocab, context,
+                      has_qkv_bias=qkv_bias, layer_windows=layer_windows, architecture=architecture,
+                      num_experts=num_experts, num_experts_per_token=num_experts_per_token,
+                      expert_intermediate_size=expert_inter)
+
+
 # Shapes from each model's published config.json.
 NAME_TO_PRESET: dict[str, ModelShape] = {
     preset.name: preset
@@ -33,6 +43,20 @@ NAME_TO_PRESET: dict[str, ModelShape] = {
         _llama("mistral-7b", 32, 4096, 14336, 32, 8, 32768, 32768, architecture="mistral"),
         _llama("qwen2.5-7b", 28, 3584, 18944, 28, 4, 152064, 32768, qkv_bias=True, architecture="qwen2"),
         _llama("smollm2-135m", 30, 576, 1536, 9, 3, 49152, 8192, tied=True),
+        # Mixtures of experts, from the config.json of Qwen/Qwen3-30B-A3B (moe_intermediate_size 768;
+        # its intermediate_size 6144 is no layer's), openai/gpt-oss-20b (sliding window of 128 on
+        # every other layer, from the first; attention biases), mistralai/Mixtral-8x7B-v0.1 and
+        # allenai/OLMoE-1B-7B-0924 (experts intermediate_size wide). Published totals / active:
+        # 30.5B / 3.3B, 21B / 3.6B (active without the embedding table), 46.7B / 12.9B, 6.9B / 1.3B.
+        _moe("qwen3-30b-a3b", 48, 2048, 6144, 32, 4, 128, 151936, 40960, num_experts=128,
+             num_experts_per_token=8, expert_inter=768, architecture="qwen3moe"),
+        _moe("gpt-oss-20b", 24, 2880, 2880, 64, 8, 64, 201088, 131072, num_experts=32,
+             num_experts_per_token=4, expert_inter=2880, qkv_bias=True, layer_windows=(128, None) * 12,
+             architecture="gpt-oss"),
+        _moe("mixtral-8x7b", 32, 4096, 14336, 32, 8, 128, 32000, 32768, num_experts=8,
+             num_experts_per_token=2, expert_inter=14336, architecture="llama"),
+        _moe("olmoe-1b-7b", 16, 2048, 1024, 16, 16, 128, 50304, 4096, num_experts=64,
+             num_experts_per_token=8, expert_inter=1024, architecture="olmoe"),
     )
 }
 

@@ -7,6 +7,12 @@ Owns `measure_prefill_utilization(engine, prompt_lens)` and
 the model's shapes (tools/plan/formulas.py), seconds from the wall clock. tools/roofline/cli.py
 prints them against the roofs; `point.summary(roofs)` gives the utilization from Python.
 
+The weight bytes a step reads come from one place, `EngineFootprint.weight_bytes_read(num_tokens)`:
+an estimate from the engine's weight bytes and the model's shapes (a mixture of experts: the
+dense part and the experts its tokens are expected to choose under uniform routing). A bytes
+figure the engine measures (what its kernels touched per step) replaces that method's estimate,
+and every point's bytes and read-roof share follow.
+
 How a step is isolated (why): a prefill is a request with max_tokens=1 (one forward pass over
 the prompt, then one sampled token). A decode step is the difference of two runs of the same
 batch shape with different max_tokens and ignore_eos, divided by the difference in steps, so
@@ -39,8 +45,13 @@ class EngineFootprint:
     """What one step of this engine reads: its shapes and the bytes of weights and KV."""
 
     model: ModelShape
-    step_weight_bytes: float
+    step_weight_bytes: float  # what a one-token step reads
     kv_bytes_per_token: float
+    expert_weight_bytes: float = 0.0  # a mixture of experts: every routed expert, all resident
+
+    def weight_bytes_read(self, num_tokens: int) -> float:
+        """Weight bytes a step of `num_tokens` tokens reads (formulas.weight_bytes_read)."""
+        return formulas.weight_bytes_read(self.model, self.step_weight_bytes, self.expert_weight_bytes, num_tokens)
 
 
 def engine_footprint(engine: Any) -> EngineFootprint:
@@ -54,18 +65,27 @@ def engine_footprint(engine: Any) -> EngineFootprint:
                             or 1 << 30),
         # Unknown tying counts the embedding as read: an upper bound on bytes, never an excuse.
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", True)),
+        num_experts=getattr(config, "num_experts", 0), num_experts_per_token=getattr(config, "num_experts_per_token", 0),
+        expert_intermediate_size=getattr(config, "expert_intermediate_size", 0),
+        shared_expert_intermediate_size=getattr(config, "shared_expert_intermediate_size", 0),
     )
     if hasattr(engine, "weight_bytes"):
-        # The engine counts its linear layers and output projection (not the embedding table,
-        # which a step only gathers rows of): exactly what a step reads.
-        step_weights = float(engine.weight_bytes())
+        # The engine counts its linear layers, every expert's included, and output projection
+        # (not the embedding table, which a step only gathers rows of): what a dense step reads.
+        # Of a mixture of experts the routed experts' share is estimated by their parameters'.
+        resident = float(engine.weight_bytes())
+        expert_weights = resident * model.num_routed_expert_params / (model.num_layer_linear_params
+                                                                      + model.num_embedding_params)
+        step_weights = resident - expert_weights * (1 - model.num_experts_per_token / model.num_experts) \
+            if model.is_moe else resident
     else:
         step_weights = model.num_step_params * _engine_dtype_bytes(engine, config)
+        expert_weights = model.num_routed_expert_params * _engine_dtype_bytes(engine, config)
     if hasattr(engine, "kv_bytes_per_token"):
         kv_per_token = float(engine.kv_bytes_per_token())
     else:
         kv_per_token = formulas.kv_bytes_per_token(model, _engine_dtype_bytes(engine, config))
-    return EngineFootprint(model, step_weights, kv_per_token)
+    return EngineFootprint(model, step_weights, kv_per_token, expert_weights)
 
 
 def _engine_dtype_bytes(engine: Any, config: Any) -> int:
@@ -128,7 +148,7 @@ def measure_prefill_utilization(engine: Any, prompt_lens: Sequence[int], *, num_
         points.append(RooflinePoint(
             phase="prefill", batch_size=1, num_tokens=prompt_len, context_len=prompt_len,
             flops=formulas.prefill_flops(footprint.model, prompt_len),
-            bytes_moved=formulas.prefill_bytes(footprint.step_weight_bytes,
+            bytes_moved=formulas.prefill_bytes(footprint.weight_bytes_read(prompt_len),
                                                footprint.kv_bytes_per_token, prompt_len),
             seconds=seconds))
     return points
@@ -171,7 +191,7 @@ def measure_decode_utilization(engine: Any, batch_sizes: Sequence[int], *, promp
         points.append(RooflinePoint(
             phase="decode", batch_size=batch_size, num_tokens=batch_size, context_len=context_len,
             flops=formulas.decode_step_flops(footprint.model, batch_size, context_len),
-            bytes_moved=formulas.decode_step_bytes(footprint.step_weight_bytes,
+            bytes_moved=formulas.decode_step_bytes(footprint.weight_bytes_read(batch_size),
                                                    footprint.kv_bytes_per_token, batch_size,
                                                    context_len),
             seconds=step_seconds))

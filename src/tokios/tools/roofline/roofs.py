@@ -62,13 +62,15 @@ def classify(flops: float, bytes_moved: float, roofs: Roofs) -> Regime:
 
 
 def decode_regime(model: ModelShape, roofs: Roofs, *, batch_size: int, context_len: float,
-                  step_weight_bytes: float, kv_bytes_per_token: float) -> Regime:
-    """Which roof limits one decode step of `batch_size` requests at `context_len` tokens."""
+                  step_weight_bytes: float, kv_bytes_per_token: float, expert_weight_bytes: float = 0.0) -> Regime:
+    """Which roof limits one decode step of `batch_size` requests at `context_len` tokens.
+    `step_weight_bytes` is what a one-token step reads; a mixture of experts' batch reads more
+    of its `expert_weight_bytes` (formulas.weight_bytes_read)."""
     if batch_size < 1:
         raise InvalidRequestError(f"batch_size: {batch_size!r} must be >= 1", param="batch_size")
     flops = formulas.decode_step_flops(model, batch_size, context_len)
-    bytes_moved = formulas.decode_step_bytes(step_weight_bytes, kv_bytes_per_token, batch_size,
-                                             context_len)
+    weights = formulas.weight_bytes_read(model, step_weight_bytes, expert_weight_bytes, batch_size)
+    bytes_moved = formulas.decode_step_bytes(weights, kv_bytes_per_token, batch_size, context_len)
     return classify(flops, bytes_moved, roofs)
 
 

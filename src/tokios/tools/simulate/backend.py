@@ -186,7 +186,8 @@ class BatchingBackend:
                     break
                 num_tokens = min(request.prompt_len - request.num_computed, budget)
                 if is_time_bound and num_tokens > MIN_PREFILL_CHUNK:
-                    num_tokens = self._fit_chunk_in_time(request, num_tokens, decode_flops, prefill_flops, num_bytes)
+                    num_tokens = self._fit_chunk_in_time(request, num_tokens, decode_flops, prefill_flops, num_bytes,
+                                                         limits.max_num_batched_tokens - budget)
                 chunk_flops, chunk_bytes = cost.prefill_chunk_work(
                     num_tokens, request.num_computed, request.num_computed + num_tokens == request.prompt_len)
                 prefill_flops += chunk_flops
@@ -196,17 +197,19 @@ class BatchingBackend:
             if budget <= 0 or not self._admit_next(now):
                 break
             candidates = [self.running[-1]]  # the newly admitted request gets its first chunk
-        return cost.step_seconds(decode_flops, prefill_flops, num_bytes)
+        return cost.step_seconds(decode_flops, prefill_flops, num_bytes, limits.max_num_batched_tokens - budget)
 
     def _fit_chunk_in_time(self, request: SimRequest, num_tokens: int, decode_flops: float, prefill_flops: float,
-                           num_bytes: float) -> int:
-        """The most prompt tokens (at least MIN_PREFILL_CHUNK) the step can add within max_step_s."""
+                           num_bytes: float, num_step_tokens: int) -> int:
+        """The most prompt tokens (at least MIN_PREFILL_CHUNK) the step of `num_step_tokens` tokens
+        so far can add within max_step_s."""
         cost, max_step_s = self.cost, self.limits.max_step_s
 
         def fits(count: int) -> bool:
             chunk_flops, chunk_bytes = cost.prefill_chunk_work(
                 count, request.num_computed, request.num_computed + count == request.prompt_len)
-            return cost.step_seconds(decode_flops, prefill_flops + chunk_flops, num_bytes + chunk_bytes) <= max_step_s
+            return cost.step_seconds(decode_flops, prefill_flops + chunk_flops, num_bytes + chunk_bytes,
+                                     num_step_tokens + count) <= max_step_s
 
         low, high = MIN_PREFILL_CHUNK, num_tokens
         if fits(high):

@@ -396,6 +396,7 @@ def backend_dict(service: ServiceModel) -> dict:
     return {"model": cost.model.name, "hardware": cost.hardware_name, "tp": cost.tp,
             "compute_dtype": cost.compute_dtype, "peak_flops": cost.peak_flops,
             "memory_bandwidth": cost.memory_bandwidth, "step_weight_bytes": cost.step_weight_bytes,
+            "expert_weight_bytes": cost.expert_weight_bytes,
             "kv_bytes_per_token": cost.kv_bytes_per_token, "kv_capacity_tokens": cost.kv_capacity_tokens,
             "prefill_compute_efficiency": cost.efficiency.prefill_compute,
             "decode_compute_efficiency": cost.efficiency.decode_compute,

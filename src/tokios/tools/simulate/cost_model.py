@@ -11,7 +11,10 @@ compute time and its memory time, plus `Efficiency.step_overhead_s`. The FLOPs o
 prompt tokens are divided by their own efficiency before they are added: a decode row is one row
 of each matrix product, a prompt chunk hundreds, and the two can reach different shares of the
 FLOP/s roof (fitted on this CPU: 0.19 and 0.24, docs/scale-out.md). The parts of a step:
-- every step reads the weights once (formulas.step_weight_bytes), shared by all its rows;
+- every step reads the weights once (formulas.step_weight_bytes), shared by all its rows; of a
+  mixture of experts, the dense part and each expert any of its tokens (decode rows and prompt
+  tokens together) chose, formulas.weight_bytes_read: more as the step carries more tokens,
+  assuming uniform routing (a real router's favourites make batches read somewhat less);
 - a decode row adds formulas.decode_step_flops and reads its context's KV
   (formulas.decode_step_bytes);
 - a prefill chunk of n tokens after c computed ones adds the layer matrices for n tokens,
@@ -70,7 +73,8 @@ class BackendCostModel:
     hardware_name: str
     tp: int
     compute_dtype: str
-    step_weight_bytes: float
+    step_weight_bytes: float  # what a one-token step reads
+    expert_weight_bytes: float  # all routed experts of a mixture of experts (0 dense)
     kv_bytes_per_element: float
     kv_bytes_per_token: float
     peak_flops: float  # FLOP/s of the whole tensor-parallel group, before efficiency
@@ -94,6 +98,7 @@ class BackendCostModel:
         return cls(
             model=inputs.model, hardware_name=inputs.hardware.name, tp=tp, compute_dtype=plan.compute_dtype,
             step_weight_bytes=formulas.step_weight_bytes(inputs.model, inputs.weight_bits),
+            expert_weight_bytes=formulas.expert_weight_bytes(inputs.model, inputs.weight_bits),
             kv_bytes_per_element=inputs.kv_bytes_per_element, kv_bytes_per_token=plan.kv_bytes_per_token,
             peak_flops=tp * inputs.hardware.peak_flops(plan.compute_dtype),
             memory_bandwidth=tp * inputs.hardware.memory_bandwidth,
@@ -136,23 +141,28 @@ class BackendCostModel:
     def effective_bandwidth(self) -> float:
         return self.memory_bandwidth * self.efficiency.bandwidth
 
-    def step_seconds(self, decode_flops: float, prefill_flops: float, num_bytes: float) -> float:
-        """A step whose decode rows add up to `decode_flops`, prompt chunks to `prefill_flops`, and
-        both to `num_bytes` besides the weights (read once here)."""
+    def weight_bytes_read(self, num_tokens: int) -> float:
+        """Weight bytes a step of `num_tokens` tokens reads (formulas.weight_bytes_read)."""
+        return formulas.weight_bytes_read(self.model, self.step_weight_bytes, self.expert_weight_bytes, num_tokens)
+
+    def step_seconds(self, decode_flops: float, prefill_flops: float, num_bytes: float, num_tokens: int) -> float:
+        """A step of `num_tokens` tokens whose decode rows add up to `decode_flops`, prompt chunks
+        to `prefill_flops`, and both to `num_bytes` besides the weights (read once here)."""
         efficiency = self.efficiency
         roofline_flops = decode_flops / efficiency.decode_compute + prefill_flops / efficiency.prefill_compute
         return efficiency.step_overhead_s + formulas.decode_step_seconds(
-            roofline_flops, self.step_weight_bytes + num_bytes, self.peak_flops, self.effective_bandwidth)
+            roofline_flops, self.weight_bytes_read(num_tokens) + num_bytes, self.peak_flops,
+            self.effective_bandwidth)
 
     def decode_step_seconds(self, batch_size: int, context_len: float) -> float:
         """One step of `batch_size` decode rows, each at `context_len` tokens."""
         flops, num_bytes = self.decode_work(batch_size, batch_size * context_len)
-        return self.step_seconds(flops, 0.0, num_bytes)
+        return self.step_seconds(flops, 0.0, num_bytes, batch_size)
 
     def prefill_seconds(self, prompt_len: int) -> float:
         """A whole prompt in one step, nothing else in it."""
         flops, num_bytes = self.prefill_chunk_work(prompt_len, 0, True)
-        return self.step_seconds(0.0, flops, num_bytes)
+        return self.step_seconds(0.0, flops, num_bytes, prompt_len)
 
 
 class DecodeRun:
@@ -169,7 +179,7 @@ class DecodeRun:
         flops1, bytes1 = cost.decode_work(batch_size, total_context + batch_size)
         self.compute0 = flops0 / peak
         self.compute_slope = (flops1 - flops0) / peak
-        self.memory0 = (cost.step_weight_bytes + bytes0) / bandwidth
+        self.memory0 = (cost.weight_bytes_read(batch_size) + bytes0) / bandwidth
         self.memory_slope = (bytes1 - bytes0) / bandwidth
         self.overhead_s = cost.efficiency.step_overhead_s
 

@@ -39,3 +39,13 @@ def test_short_prefill_and_decode_run(engine):
     # decode moves 4 bytes per 2 FLOPs, far left of the ridge at 2.8 FLOPs/byte.
     roofs = Roofs(25e9, 70e9, "fp32")
     assert verdict(decode[0], roofs).startswith(f"decode at batch 1: {BANDWIDTH_BOUND}, ")
+
+
+def test_the_kernels_count_every_weight_byte_of_a_dense_decode_step_once():
+    """The stored file on the quantized kernels: a decode step, fused or not, at any batch, reads
+    every linear weight and the output head once, as their counters say."""
+    engine = LLM(model=None, max_num_seqs=4, max_num_batched_tokens=256)
+    decode = measure_decode_utilization(engine, [1, 3], prompt_len=16, num_steps=(2, 5), num_repeats=1)
+    for point in decode:
+        assert point.weight_bytes_counted == engine.weight_bytes()
+        assert point.weight_bytes_estimated == engine.weight_bytes()

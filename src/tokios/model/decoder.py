@@ -131,5 +131,11 @@ class DecoderModel(Model):
     def weight_bytes(self) -> int:
         return sum(lin.num_bytes() for lin in self.all_linears())
 
+    def weight_bytes_read(self) -> int | None:
+        """The weight bytes the kernels have counted reading, summed over every product (a
+        sparse MoE counts the experts it chose); None when some product does not count (torch)."""
+        counts = [getattr(lin, "weight_bytes_read", None) for lin in self.all_linears()]
+        return None if any(count is None for count in counts) else sum(counts)
+
     def weight_summary(self) -> str:
         return summarize_linears(self.all_linears())

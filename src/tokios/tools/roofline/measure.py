@@ -112,6 +112,20 @@ class _PromptMaker:
 Clock = Callable[[], float]
 
 
+def _weight_bytes_read(engine: Any) -> int | None:
+    """The weight bytes the engine's kernels have counted reading so far (None: it does not count)."""
+    counter = getattr(engine, "weight_bytes_read", None)
+    return counter() if counter is not None else None
+
+
+def _counted_generate(engine: Any, prompts: list[list[int]], max_tokens: int, clock: Clock) -> tuple[float, int | None]:
+    """(seconds, weight bytes the kernels counted) of one run."""
+    before = _weight_bytes_read(engine)
+    seconds = _timed_generate(engine, prompts, max_tokens, clock)
+    after = _weight_bytes_read(engine)
+    return seconds, None if before is None or after is None else after - before
+
+
 def _timed_generate(engine: Any, prompts: list[list[int]], max_tokens: int, clock: Clock) -> float:
     from tokios.sampling_params import SamplingParams
 
@@ -179,8 +193,9 @@ def measure_decode_utilization(engine: Any, batch_sizes: Sequence[int], *, promp
         # A neighbour's burst can make the short runs slower than the long ones; measure again
         # a few times before calling the machine too noisy.
         for _ in range(_MAX_DECODE_ATTEMPTS):
-            short_s = min(_timed_generate(engine, batch_prompts, short_steps, clock) for _ in range(num_repeats))
-            long_s = min(_timed_generate(engine, batch_prompts, long_steps, clock) for _ in range(num_repeats))
+            short = [_counted_generate(engine, batch_prompts, short_steps, clock) for _ in range(num_repeats)]
+            long = [_counted_generate(engine, batch_prompts, long_steps, clock) for _ in range(num_repeats)]
+            short_s, long_s = min(s for s, _ in short), min(s for s, _ in long)
             step_seconds = (long_s - short_s) / (long_steps - short_steps)
             if step_seconds > 0:
                 break
@@ -188,11 +203,15 @@ def measure_decode_utilization(engine: Any, batch_sizes: Sequence[int], *, promp
             raise TokiosError(f"roofline: decode at batch {batch_size} timed {long_s:.3f} s for "
                               f"{long_steps} steps but {short_s:.3f} s for {short_steps}; the "
                               "machine is too noisy, raise num_repeats or the step counts")
+        # The same difference of counted bytes leaves a decode step's own (greedy runs of the
+        # same prompts choose the same experts every time).
+        counted = None if short[0][1] is None else (long[0][1] - short[0][1]) / (long_steps - short_steps)
+        estimated = footprint.weight_bytes_read(batch_size)
         points.append(RooflinePoint(
             phase="decode", batch_size=batch_size, num_tokens=batch_size, context_len=context_len,
             flops=formulas.decode_step_flops(footprint.model, batch_size, context_len),
-            bytes_moved=formulas.decode_step_bytes(footprint.weight_bytes_read(batch_size),
+            bytes_moved=formulas.decode_step_bytes(estimated if counted is None else counted,
                                                    footprint.kv_bytes_per_token, batch_size,
                                                    context_len),
-            seconds=step_seconds))
+            seconds=step_seconds, weight_bytes_counted=counted, weight_bytes_estimated=estimated))
     return points

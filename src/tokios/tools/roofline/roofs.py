@@ -86,6 +86,11 @@ class RooflinePoint:
     flops: float
     bytes_moved: float
     seconds: float
+    # Weight bytes per step: what the engine's kernels counted reading (None: not counted, then
+    # bytes_moved holds the estimate), and the estimate from the model's shape (a mixture of
+    # experts: the dense part plus the experts its tokens chose).
+    weight_bytes_counted: float | None = None
+    weight_bytes_estimated: float | None = None
 
     @property
     def arithmetic_intensity(self) -> float:
@@ -122,6 +127,7 @@ class RooflinePoint:
             "percent_of_roofline": 100 * self.achieved_flops / roofs.attainable_flops(
                 self.arithmetic_intensity),
             "regime": regime.regime, "verdict": verdict(self, roofs),
+            "weight_bytes_counted": self.weight_bytes_counted, "weight_bytes_estimated": self.weight_bytes_estimated,
         }
 
 
@@ -132,4 +138,9 @@ def verdict(point: RooflinePoint, roofs: Roofs) -> str:
         share = f"{100 * point.achieved_bandwidth / roofs.memory_bandwidth:.0f}% of peak bandwidth"
     else:
         share = f"{100 * point.achieved_flops / roofs.peak_flops:.0f}% of peak {roofs.dtype} FLOP/s"
-    return f"{point.label}: {regime.regime}, {share}"
+    counted = ""
+    if point.weight_bytes_counted is not None and point.weight_bytes_estimated:
+        counted = (f"; the kernels read {point.weight_bytes_counted / 1e6:,.1f} MB of weights a step, "
+                   f"{point.weight_bytes_counted / point.weight_bytes_estimated:.2f}x the "
+                   f"{point.weight_bytes_estimated / 1e6:,.1f} MB its shape says")
+    return f"{point.label}: {regime.regime}, {share}{counted}"

@@ -9,7 +9,9 @@ out. BlockInts is that shared form, one row per output feature:
 
 with S the scale group (32 for the legacy types, the 256-weight super-block for K-quants) and
 s the sub-scale group (32, or 16 for Q6_K); legacy types have no sub-scales and add their
-minimum (stored negated here so that one sign serves both). The kernel packer
+minimum (stored negated here so that one sign serves both). MXFP4 fits the same form with
+u = its E2M1 code's value doubled plus 12 (MXFP4_VALUES; zero 12) and a float32 scale
+2^(e - 128) for the block's exponent byte e (float16 cannot hold every such power of two). The kernel packer
 (cpu_kernels.cpp, pack_ints) and the torch fallback read this form; `pack` is `unpack`'s exact
 inverse, so the test quantizers (blocks/quantize.py) write real GGUF blocks through it.
 """
@@ -28,15 +30,22 @@ SUPER_BLOCK = 256
 LAYOUTS = {
     T.Q4_0: (4, 8, False, 0), T.Q4_1: (4, 0, True, 0), T.Q5_0: (5, 16, False, 0), T.Q5_1: (5, 0, True, 0),
     T.Q8_0: (8, 128, False, 0), T.Q4_K: (4, 0, True, 32), T.Q5_K: (5, 0, True, 32), T.Q6_K: (6, 32, False, 16),
+    T.MXFP4: (4, 12, False, 0),
 }
-BLOCK_BYTES = {T.Q4_0: 18, T.Q4_1: 20, T.Q5_0: 22, T.Q5_1: 24, T.Q8_0: 34, T.Q4_K: 144, T.Q5_K: 176, T.Q6_K: 210}
+BLOCK_BYTES = {T.Q4_0: 18, T.Q4_1: 20, T.Q5_0: 22, T.Q5_1: 24, T.Q8_0: 34, T.Q4_K: 144, T.Q5_K: 176, T.Q6_K: 210,
+               T.MXFP4: 17}
+# MXFP4 code -> u (E2M1's 0, 0.5, 1, 1.5, 2, 3, 4, 6 and negatives, doubled, plus 12: the kernel's
+# kMxfp4Values), and back (the first code of a value: +0 for zero; 255 where no code gives u).
+MXFP4_VALUES = np.array([12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0], dtype=np.uint8)
+MXFP4_CODES = np.full(256, 255, dtype=np.uint8)
+MXFP4_CODES[MXFP4_VALUES[::-1]] = np.arange(15, -1, -1, dtype=np.uint8)
 
 
 @dataclass
 class BlockInts:
     ggml_type: T
     values: np.ndarray                 # [N, K] uint8: u
-    scales: np.ndarray                 # [N, K / S] float16
+    scales: np.ndarray                 # [N, K / S] float16 (MXFP4: float32)
     minimums: np.ndarray | None        # [N, K / S] float16 (subtracted), or None
     sub_scales: np.ndarray | None      # [N, K / s] uint8 (Q4_K, Q5_K) or int8 (Q6_K), or None
     sub_minimums: np.ndarray | None    # [N, K / 32] uint8 (Q4_K, Q5_K), or None
@@ -112,6 +121,10 @@ def unpack(raw: np.ndarray, ggml_type: T, shape: tuple[int, int], name: str = "t
     n, k = shape
     blocks = raw.reshape(-1, BLOCK_BYTES[ggml_type])
     none = None
+    if ggml_type == T.MXFP4:
+        values = MXFP4_VALUES[_nibbles_32(blocks[:, 1:])]
+        scales = np.ldexp(np.float32(1), blocks[:, 0].astype(np.int32) - 128).astype(np.float32)
+        return BlockInts(ggml_type, values.reshape(n, k), scales.reshape(n, k // BLOCK), none, none, none)
     if ggml_type in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0):
         has_minimum = ggml_type in (T.Q4_1, T.Q5_1)
         scales = _halves(blocks[:, 0:2])
@@ -165,6 +178,12 @@ def pack(ints: BlockInts) -> np.ndarray:
     ggml_type = ints.ggml_type
     n, k = ints.values.shape
     u = ints.values.astype(np.uint8)
+    if ggml_type == T.MXFP4:
+        codes = MXFP4_CODES[u.reshape(-1, BLOCK)]
+        if (codes == 255).any():
+            raise ValueError("MXFP4 values must be E2M1 codes' (MXFP4_VALUES)")
+        _, exponents = np.frexp(ints.scales.astype(np.float32).reshape(-1, 1))  # 2^(e - 128) = 0.5 * 2^(e - 127)
+        return np.concatenate([(exponents + 127).astype(np.uint8), _nibble_bytes_32(codes)], axis=-1).reshape(-1)
     if ggml_type in (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0):
         u = u.reshape(-1, BLOCK)
         parts = [_as_half_bytes(ints.scales.reshape(-1))]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
-from tokios.model.blocks.codec import BLOCK, SUPER_BLOCK, BlockInts, pack
+from tokios.model.blocks.codec import BLOCK, SUPER_BLOCK, BlockInts, pack, unpack
 from tokios.model.blocks.mxfp4 import quantize_mxfp4
 
 K_QUANT_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K)
@@ -87,11 +87,11 @@ def quantize_ints(weight: np.ndarray, ggml_type: T) -> BlockInts:
     multiple = SUPER_BLOCK if ggml_type in K_QUANT_TYPES else BLOCK
     if weight.shape[1] % multiple:
         raise ValueError(f"{ggml_type.name} needs rows that are a multiple of {multiple}, got {weight.shape[1]}")
+    if ggml_type == T.MXFP4:  # llama.cpp's own choice of exponent and codes (blocks/mxfp4.py)
+        return unpack(quantize_mxfp4(weight), T.MXFP4, weight.shape)
     return _k_quant(weight, ggml_type) if ggml_type in K_QUANT_TYPES else _legacy(weight, ggml_type)
 
 
 def quantize(weight: np.ndarray, ggml_type: T) -> np.ndarray:
     """[N, K] float -> the flat GGUF bytes of that tensor in `ggml_type`."""
-    if ggml_type == T.MXFP4:
-        return quantize_mxfp4(weight)
     return pack(quantize_ints(weight, ggml_type))

@@ -30,7 +30,8 @@ logger = logging.getLogger("tokios.kernels")
 
 BLOCK = 32
 # Kernel format ids (cpu_kernels.cpp, blocks.h) by GGML type.
-FORMAT_BY_TYPE = {T.Q4_1: 0, T.Q8_0: 1, T.Q4_0: 2, T.Q5_0: 3, T.Q5_1: 4, T.Q4_K: 5, T.Q5_K: 6, T.Q6_K: 7}
+FORMAT_BY_TYPE = {T.Q4_1: 0, T.Q8_0: 1, T.Q4_0: 2, T.Q5_0: 3, T.Q5_1: 4, T.Q4_K: 5, T.Q5_K: 6, T.Q6_K: 7,
+                  T.MXFP4: 8}
 Q4_1, Q8_0 = FORMAT_BY_TYPE[T.Q4_1], FORMAT_BY_TYPE[T.Q8_0]
 # --dtype conversions: the block type every linear weight is converted to.
 TYPE_BY_DTYPE = {"int4": T.Q4_1, "int8": T.Q8_0}
@@ -128,7 +129,10 @@ def packed_groups(extension, raw: torch.Tensor, ggml_type: T, shape: tuple[int, 
             return None
         return torch.from_numpy(np.ascontiguousarray(array).view(np.int16 if array.dtype.itemsize == 2 else np.uint8))
 
-    arrays = [as_tensor(a) for a in (ints.values, ints.scales, ints.minimums, ints.sub_scales, ints.sub_minimums)]
+    scales = ints.scales
+    if ggml_type == T.MXFP4:  # its power-of-two scales travel as bfloat16 bits (blocks.h), exact
+        scales = (np.ascontiguousarray(scales, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    arrays = [as_tensor(a) for a in (ints.values, scales, ints.minimums, ints.sub_scales, ints.sub_minimums)]
     if len(shape) == 3:
         return extension.pack_expert_ints(*arrays, FORMAT_BY_TYPE[ggml_type], num_experts)
     return extension.pack_ints(*arrays, FORMAT_BY_TYPE[ggml_type])

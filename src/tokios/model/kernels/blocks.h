@@ -2,7 +2,13 @@
 // integer form of model/blocks/codec.py (w = scale * sub_scale * (u - zero) - minimum * sub_minimum).
 //
 // Formats (ids shared with model/kernels/__init__.py):
-//   0 Q4_1  1 Q8_0  2 Q4_0  3 Q5_0  4 Q5_1  5 Q4_K  6 Q5_K  7 Q6_K
+//   0 Q4_1  1 Q8_0  2 Q4_0  3 Q5_0  4 Q5_1  5 Q4_K  6 Q5_K  7 Q6_K  8 MXFP4
+// MXFP4 (gpt-oss's experts) is laid out as the 4-bit legacy types, but its nibble is a code:
+// the weights are E2M1 values (0, 0.5, 1, 1.5, 2, 3, 4, 6 and negatives), not evenly spaced, so
+// the kernels look u = kMxfp4Values[code] up (the values doubled to integers, plus the zero
+// point 12) and multiply it as any unsigned u. Its block scale is a power of two, 2^(e - 128)
+// for the stored exponent byte e (half the E8M0 scale, for the doubling), which fp16 cannot hold
+// over its whole range: MXFP4's halves hold bfloat16 bits, exact for every e.
 // At load a tensor's rows are regrouped so that 16 output features share one 512-bit vector
 // (two 256-bit halves of 8): 32-bit lane j holds 4 consecutive weights of output feature j. One
 // integer multiply-add then takes 4 activations (broadcast) against 4 weights of 8 or 16 features,
@@ -34,24 +40,33 @@
 #include <cstdint>
 #include <cstring>
 
+#include "isa.h"
+
 namespace tokios {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kSuperBlock = 256;
 constexpr int64_t kGroup = 16;
-constexpr int kNumFormats = 8;
-enum Format { kQ4_1 = 0, kQ8_0 = 1, kQ4_0 = 2, kQ5_0 = 3, kQ5_1 = 4, kQ4_K = 5, kQ5_K = 6, kQ6_K = 7 };
+constexpr int kNumFormats = 9;
+enum Format { kQ4_1 = 0, kQ8_0 = 1, kQ4_0 = 2, kQ5_0 = 3, kQ5_1 = 4, kQ4_K = 5, kQ5_K = 6, kQ6_K = 7, kMXFP4 = 8 };
 
 struct FormatTraits {
-  int bits;        // of u
+  int bits;        // of u (of the code, for a lookup format)
   int zero;        // subtracted from u
   bool has_min;    // a minimum term
   int sub;         // 0: legacy (scale per block); 32: K-quant sub-scale per 32; 16: Q6_K, per 16
+  bool lookup;     // u = kMxfp4Values[nibble], the scales bfloat16 (MXFP4)
 };
 constexpr FormatTraits kTraits[kNumFormats] = {
-    {4, 0, true, 0}, {8, 128, false, 0}, {4, 8, false, 0}, {5, 16, false, 0},
-    {5, 0, true, 0}, {4, 0, true, 32},   {5, 0, true, 32}, {6, 32, false, 16},
+    {4, 0, true, 0, false}, {8, 128, false, 0, false}, {4, 8, false, 0, false}, {5, 16, false, 0, false},
+    {5, 0, true, 0, false}, {4, 0, true, 32, false},   {5, 0, true, 32, false}, {6, 32, false, 16, false},
+    {4, 12, false, 0, true},
 };
+// MXFP4 code -> u: E2M1's value doubled, plus 12 (codes 0 and 8 are +0 and -0).
+alignas(16) constexpr uint8_t kMxfp4Values[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+// u -> the MXFP4 code that gives it (the packer's inverse; 255: no code gives that u).
+constexpr uint8_t kMxfp4Codes[25] = {15, 255, 255, 255, 14, 255, 13, 255, 12, 11, 10, 9, 0,
+                                     1,  2,   3,   4,   255, 5, 255, 6, 255, 255, 255, 7};
 
 inline bool valid_format(int64_t format) { return format >= 0 && format < kNumFormats; }
 
@@ -85,6 +100,11 @@ struct BlockIntsView {
 
 inline uint16_t negate_half(uint16_t h) { return h ^ 0x8000u; }
 
+// A stored scale or minimum of `format`: fp16 bits, or bfloat16 bits for MXFP4.
+inline float stored_scale(int64_t format, uint16_t bits) {
+  return kTraits[format].lookup ? bfloat16_to_float(bits) : half_to_float(bits);
+}
+
 // u of weight w (0..31) of feature j in block b of a group row; the scalar kernel and
 // dequantization read it back.
 inline int unpacked_value(const uint8_t* group_row, const GroupLayout& layout, int64_t b, int j, int w) {
@@ -94,6 +114,7 @@ inline int unpacked_value(const uint8_t* group_row, const GroupLayout& layout, i
   const int high = w / 16, t = (w % 16) / 4, i = w % 4;
   const uint8_t byte = values[64 * t + 4 * j + i];
   int u = high ? byte >> 4 : byte & 15;
+  if (kTraits[layout.format].lookup) return kMxfp4Values[u];
   const int half = j / 8, p = 4 * (j % 8) + i;
   if (bits == 5) u |= ((values[256 + 32 * half + p] >> (2 * t + high)) & 1) << 4;
   if (bits == 6) u |= ((values[256 + 64 * half + 32 * (t / 2) + p] >> (4 * (t % 2) + 2 * high)) & 3) << 4;
@@ -109,6 +130,7 @@ inline void pack_group(const BlockIntsView& ints, int64_t N, int64_t K, const Gr
   for (int j = 0; j < kGroup && g * kGroup + j < N; ++j) {
     const int64_t n = g * kGroup + j;
     const uint8_t* u_row = ints.values + n * K;
+    uint8_t codes[kBlock];
     for (int64_t s = 0; s < layout.num_scale_groups; ++s) {
       halves[s * layout.halves_per_group + j] = ints.scales[n * layout.num_scale_groups + s];
       if (traits.has_min) {
@@ -119,6 +141,10 @@ inline void pack_group(const BlockIntsView& ints, int64_t N, int64_t K, const Gr
     const int half = j / 8;
     for (int64_t b = 0; b < layout.num_blocks; ++b) {
       const uint8_t* u = u_row + b * kBlock;
+      if (traits.lookup) {  // pack the codes (the integer form holds u; unpack checked each has one)
+        for (int w = 0; w < kBlock; ++w) codes[w] = kMxfp4Codes[u[w]];
+        u = codes;
+      }
       uint8_t* values = row + b * layout.value_bytes;
       if (traits.bits == 8) {
         for (int w = 0; w < kBlock; ++w) values[64 * (w / 4) + 4 * j + w % 4] = u[w];

@@ -1000,7 +1000,7 @@ at::Tensor dequantize_packed(const at::Tensor& packed, int64_t format, int64_t o
       const uint16_t* halves = layout.halves(row);
       for (int64_t b = 0; b < layout.num_blocks; ++b) {
         const int64_t group = traits.sub ? b / (kSuperBlock / kBlock) : b;
-        const float d = half_to_float(halves[group * layout.halves_per_group + j]);
+        const float d = stored_scale(format, halves[group * layout.halves_per_group + j]);
         const float m = traits.has_min ? half_to_float(halves[group * layout.halves_per_group + kGroup + j]) : 0.f;
         const uint8_t* sub = layout.sub(row) + b * layout.sub_bytes;
         for (int i = 0; i < kBlock; ++i) {

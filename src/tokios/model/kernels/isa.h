@@ -60,4 +60,11 @@ inline float half_to_float(uint16_t h) {
   return out;
 }
 
+inline float bfloat16_to_float(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
+}
+
 }  // namespace tokios

@@ -171,6 +171,7 @@ void dot_group_rows_vnni_blocks(const uint8_t* group_row, const GroupLayout& lay
   const uint16_t* halves = layout.halves(group_row);
   const int8_t* x0 = a.qs.data() + r0 * stride;
   const __m512i low_nibbles = _mm512_set1_epi8(0x0f), bit4 = _mm512_set1_epi8(0x10), bits45 = _mm512_set1_epi8(0x30);
+  const __m512i codebook = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kMxfp4Values)));
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   __m512 super_scale = _mm512_setzero_ps(), super_min = _mm512_setzero_ps();
@@ -201,7 +202,10 @@ void dot_group_rows_vnni_blocks(const uint8_t* group_row, const GroupLayout& lay
       const __m512i packed = _mm512_loadu_si512(values + 64 * t);
       __m512i low = _mm512_and_si512(packed, low_nibbles);
       __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles);
-      if constexpr (F.bits == 5) {
+      if constexpr (F.lookup) {
+        low = _mm512_shuffle_epi8(codebook, low);
+        high = _mm512_shuffle_epi8(codebook, high);
+      } else if constexpr (F.bits == 5) {
         low = _mm512_or_si512(low, move_bits_512<2 * t, 4>(high_bits[0], bit4));
         high = _mm512_or_si512(high, move_bits_512<2 * t + 1, 4>(high_bits[0], bit4));
       } else if constexpr (F.bits == 6) {
@@ -225,7 +229,10 @@ void dot_group_rows_vnni_blocks(const uint8_t* group_row, const GroupLayout& lay
     // The block's scales for the 16 features, as in the AVX2 kernel.
     __m512 scale, minimum = _mm512_setzero_ps();
     __m512i sub_first = _mm512_setzero_si512(), sub_second = _mm512_setzero_si512();
-    if constexpr (F.sub == 0) {
+    if constexpr (F.lookup) {
+      const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves + b * layout.halves_per_group));
+      scale = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+    } else if constexpr (F.sub == 0) {
       const uint16_t* d = halves + b * layout.halves_per_group;
       scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d)));
       if constexpr (F.has_min) minimum = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + kGroup)));
@@ -305,12 +312,14 @@ void dot_group_rows_avx2(const uint8_t* group_row, const GroupLayout& layout, co
   constexpr FormatTraits F = kTraits[FORMAT];
   constexpr int P = PRECISE ? 2 : 1;
   constexpr bool kSplit = F.sub == 16;  // Q6_K: separate sums for weights 0..15 and 16..31
-  constexpr int kAdds = F.bits == 4 ? 4 : 2;  // int16 additions before widening (see above)
+  // int16 additions before widening (see above); MXFP4's looked-up u reach 24, so 2, as 5-bit.
+  constexpr int kAdds = F.bits == 4 && !F.lookup ? 4 : 2;
   const int64_t nb = layout.num_blocks, K = a.in_features, stride = a.row_stride;
   const uint16_t* halves = layout.halves(group_row);
   const int8_t* x0 = a.qs.data() + r0 * stride;
   const __m256i low_nibbles = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
   const __m256i bit4 = _mm256_set1_epi8(0x10), bits45 = _mm256_set1_epi8(0x30), flip = _mm256_set1_epi8(-128);
+  const __m256i codebook = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kMxfp4Values)));
   for (int h = 0; h < 2 && 8 * h < valid; ++h) {
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -352,7 +361,10 @@ void dot_group_rows_avx2(const uint8_t* group_row, const GroupLayout& layout, co
           const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + 64 * t + 32 * h));
           __m256i low = _mm256_and_si256(packed, low_nibbles);
           __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles);
-          if constexpr (F.bits == 5) {
+          if constexpr (F.lookup) {
+            low = _mm256_shuffle_epi8(codebook, low);
+            high = _mm256_shuffle_epi8(codebook, high);
+          } else if constexpr (F.bits == 5) {
             low = _mm256_or_si256(low, move_bits<2 * t, 4>(high_bits[0], bit4));
             high = _mm256_or_si256(high, move_bits<2 * t + 1, 4>(high_bits[0], bit4));
           } else if constexpr (F.bits == 6) {
@@ -387,7 +399,10 @@ void dot_group_rows_avx2(const uint8_t* group_row, const GroupLayout& layout, co
       // The block's scales for these 8 features.
       __m256 scale, minimum = _mm256_setzero_ps();
       __m256i sub_first = _mm256_setzero_si256(), sub_second = _mm256_setzero_si256();
-      if constexpr (F.sub == 0) {
+      if constexpr (F.lookup) {
+        const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(halves + b * layout.halves_per_group + 8 * h));
+        scale = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+      } else if constexpr (F.sub == 0) {
         const uint16_t* d = halves + b * layout.halves_per_group + 8 * h;
         scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d)));
         if constexpr (F.has_min) minimum = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + kGroup)));
@@ -464,7 +479,7 @@ void dot_group_rows_scalar(const uint8_t* group_row, const GroupLayout& layout, 
           dot[w / 16] += u * value;
         }
         const int64_t group = F.sub ? b / (kSuperBlock / kBlock) : b;
-        float scale = half_to_float(halves[group * layout.halves_per_group + j]);
+        float scale = stored_scale(FORMAT, halves[group * layout.halves_per_group + j]);
         float minimum = F.has_min ? half_to_float(halves[group * layout.halves_per_group + kGroup + j]) : 0.f;
         const uint8_t* sub = layout.sub(group_row) + b * layout.sub_bytes;
         int32_t total;
@@ -533,6 +548,7 @@ inline const DotKernel& dot_kernel(int64_t format, bool precise) {
     t[kQ4_K][0] = make_kernel<kQ4_K, false>(rows);
     t[kQ5_K][0] = make_kernel<kQ5_K, false>(rows);
     t[kQ6_K][0] = make_kernel<kQ6_K, false>(rows);
+    t[kMXFP4][0] = make_kernel<kMXFP4, false>(rows);
     return t;
   }();
   return table[format][precise];

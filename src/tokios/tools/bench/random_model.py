@@ -44,6 +44,19 @@ PRESETS = {
         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=16,
         num_attention_heads=16, num_key_value_heads=4, head_dim=128, max_position_embeddings=40960, rope_theta=1e6,
         rms_norm_eps=1e-6, tie_word_embeddings=True)),
+    # gpt-oss-20b's published config.json (24 layers, hidden 2880, 32 experts of width 2880,
+    # top-4, 64 query heads of 64 over 8 KV heads, sliding window 128 on every other layer, YaRN
+    # 32x over 4,096) scaled down with its ratios kept: experts as wide as hidden, top-4 of 32,
+    # queries wider than hidden, 8 query heads per KV head. 0.93B parameters, of which 0.11B are
+    # active per token beyond the (untied) embedding and output tables. Its o200k vocabulary
+    # ships in no file here: the qwen2 one stands in (so the tables are 152k rows, not 201k).
+    "gpt-oss-1b": RandomModelPreset("GptOssConfig", "qwen2", dict(
+        hidden_size=768, intermediate_size=768, num_local_experts=32, num_experts_per_tok=4, num_hidden_layers=12,
+        num_attention_heads=16, num_key_value_heads=2, head_dim=64, sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * 6, max_position_embeddings=131072,
+        rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 4096, "rope_theta": 150000.0},
+        tie_word_embeddings=False)),
 }
 
 

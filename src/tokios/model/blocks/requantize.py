@@ -22,7 +22,8 @@ from tokios.model.quant import dequantize
 # What llama.cpp stores instead of a K-quant when a row is not a whole number of 256-weight blocks.
 K_QUANT_FALLBACK = {T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
 
-TypeChooser = Callable[[str, tuple[int, int], int], T]  # (tensor name, shape, num_layers) -> type
+# (tensor name, shape: (rows, row length) or (experts, rows, row length), num_layers) -> type
+TypeChooser = Callable[[str, tuple[int, ...], int], T]
 
 
 def uniform(ggml_type: T) -> TypeChooser:
@@ -30,24 +31,25 @@ def uniform(ggml_type: T) -> TypeChooser:
     return lambda name, shape, num_layers: ggml_type
 
 
-def mostly_q4_k_m(name: str, shape: tuple[int, int], num_layers: int) -> T:
-    """llama.cpp's Q4_K_M choice: Q6_K for the embedding / output and for attn_v and ffn_down in the
-    first and last eighth of the layers and every third layer between; Q4_K elsewhere."""
+def mostly_q4_k_m(name: str, shape: tuple[int, ...], num_layers: int) -> T:
+    """llama.cpp's Q4_K_M choice: Q6_K for the embedding / output and for attn_v and ffn_down (a
+    mixture of experts' too) in the first and last eighth of the layers and every third layer
+    between; Q4_K elsewhere."""
     if name in ("token_embd.weight", "output.weight"):
         return T.Q6_K
-    if name.endswith(("attn_v.weight", "ffn_down.weight")):
+    if name.endswith(("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight", "ffn_down_shexp.weight")):
         layer = int(name.split(".")[1])
         uses_more_bits = layer < num_layers // 8 or layer >= 7 * num_layers // 8 or (layer - num_layers // 8) % 3 == 2
         return T.Q6_K if uses_more_bits else T.Q4_K
     return T.Q4_K
 
 
-def storable_type(ggml_type: T, shape: tuple[int, int]) -> T:
+def storable_type(ggml_type: T, shape: tuple[int, ...]) -> T:
     """`ggml_type`, or llama.cpp's fallback where the rows do not fit its blocks: a K-quant's
     32-weight cousin, and F16 where rows are not even whole 32-weight blocks."""
-    if ggml_type in K_QUANT_TYPES and shape[1] % 256:
+    if ggml_type in K_QUANT_TYPES and shape[-1] % 256:
         ggml_type = K_QUANT_FALLBACK[ggml_type]
-    if ggml_type not in (T.F32, T.F16) and shape[1] % 32:
+    if ggml_type not in (T.F32, T.F16) and shape[-1] % 32:
         return T.F16
     return ggml_type
 
@@ -64,8 +66,10 @@ def copy_metadata(source: GGUFFile, writer: GGUFWriter, skip_prefixes: tuple[str
 
 
 def requantize_gguf(source: str, destination: str, choose: TypeChooser) -> dict[str, T]:
-    """Write `destination` from `source` with each 2-D weight in the type `choose` names (made
-    storable); returns tensor name -> type written."""
+    """Write `destination` from `source` with each 2-D weight, and each 3-D one (a mixture of
+    experts' stacked experts, row by row), in the type `choose` names (made storable), but the
+    expert router, which stays float32 as llama.cpp's quantizer keeps it (it decides which
+    experts run); returns tensor name -> type written."""
     reader = GGUFFile(source)
     architecture = reader.architecture
     num_layers = int(reader.metadata[f"{architecture}.block_count"])
@@ -75,10 +79,11 @@ def requantize_gguf(source: str, destination: str, choose: TypeChooser) -> dict[
     for tensor in reader.tensors.values():
         shape = tensor.shape
         weights = dequantize(reader.raw_bytes(tensor.name), tensor.ggml_type, shape, tensor.name).numpy()
-        if len(shape) == 2 and (ggml_type := storable_type(choose(tensor.name, shape, num_layers), shape)) == T.F16:
+        is_quantized = len(shape) in (2, 3) and not tensor.name.endswith("ffn_gate_inp.weight")
+        if is_quantized and (ggml_type := storable_type(choose(tensor.name, shape, num_layers), shape)) == T.F16:
             writer.add_tensor(tensor.name, weights.astype(np.float16))
-        elif len(shape) == 2:
-            blocks = quantize(weights, ggml_type).reshape(shape[0], -1)
+        elif is_quantized:
+            blocks = quantize(weights.reshape(-1, shape[-1]), ggml_type).reshape(*shape[:-1], -1)
             writer.add_tensor(tensor.name, blocks, raw_dtype=ggml_type)
         else:
             ggml_type = T.F32

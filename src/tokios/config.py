@@ -108,6 +108,11 @@ class ModelConfig:
     num_experts_per_token: int = 0
     expert_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
+    # How a token's experts are chosen and weighted (model/moe.py Routing): the router logits'
+    # scoring, whether the top k weights are renormalised to sum to 1, a factor on them.
+    expert_scoring: str = "softmax"
+    expert_normalize_top_k: bool = False
+    expert_weights_scale: float = 1.0
 
     @property
     def attention_scale(self) -> float:

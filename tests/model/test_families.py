@@ -126,6 +126,46 @@ def llama3_config(vocab_size: int):
         tie_word_embeddings=False, initializer_range=0.5)
 
 
+# The mixtures of experts: 2 layers, hidden 64, 8 experts of width 32, top-2; norm weights drawn
+# so that a misplaced one shows (OLMoE's q/k norms over the whole projection included).
+def qwen3moe_config(vocab_size: int):
+    # norm_topk_prob as Qwen3-30B-A3B (llama.cpp's qwen3moe always renormalises).
+    return _transformers().Qwen3MoeConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=False,
+        initializer_range=0.5)
+
+
+def qwen2moe_config(vocab_size: int):
+    # A shared expert wider than the routed ones, with its sigmoid gate; no renormalisation.
+    return _transformers().Qwen2MoeConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=False,
+        initializer_range=0.5)
+
+
+def mixtral_config(vocab_size: int):
+    return _transformers().MixtralConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=1024, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        sliding_window=None, tie_word_embeddings=False, initializer_range=0.5)
+
+
+def olmoe_config(vocab_size: int):
+    # As many KV heads as query heads: llama.cpp's olmoe sizes the key norm as the query's.
+    return _transformers().OlmoeConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4}, tie_word_embeddings=False,
+        initializer_range=0.5, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+
+
+MOE_FAMILIES = ("qwen3moe", "qwen2moe", "mixtral", "olmoe")
 FAMILIES = {
     family.name: family for family in (
         TinyFamily("qwen2", qwen2_config, vocab="qwen2", random_biases=True),
@@ -137,6 +177,10 @@ FAMILIES = {
         TinyFamily("qwen3", qwen3_config, vocab="qwen2", random_scales=("norm.weight",)),
         TinyFamily("qwen3-yarn", qwen3_yarn_config, vocab="qwen2", random_scales=("norm.weight",)),
         TinyFamily("llama3", llama3_config, vocab="llama-bpe"),
+        TinyFamily("qwen3moe", qwen3moe_config, vocab="qwen2", random_scales=("norm.weight",)),
+        TinyFamily("qwen2moe", qwen2moe_config, vocab="qwen2", random_biases=True, random_scales=("norm.weight",)),
+        TinyFamily("mixtral", mixtral_config, vocab="llama-bpe", random_scales=("norm.weight",)),
+        TinyFamily("olmoe", olmoe_config, vocab="qwen2", random_scales=("norm.weight",)),
     )
 }
 
@@ -197,7 +241,15 @@ def test_a_directory_of_a_gguf_only_architecture_is_refused_by_name(name, tmp_pa
         LLM(model=str(tiny.hf_directory), dtype="float32", kv_cache_memory="64MiB")
 
 
-@pytest.mark.parametrize("name", sorted(FAMILIES))
+# Mixtral's and OLMoE's tiny models are left out of the as-stored comparison below: there the
+# 8-bit activations' error (3% of the hidden state's RMS at layer 0's router, measured on Mixtral)
+# flips the choice of an expert in 10 of 160 prompt rows of the first layer, and a row that
+# runs another random expert moves by several nats, near-tie or not. Their quantized files load
+# and run in test_moe_families.py.
+ROUTING_CHAOTIC_WHEN_QUANTIZED = ("mixtral", "olmoe")
+
+
+@pytest.mark.parametrize("name", [name for name in sorted(FAMILIES) if name not in ROUTING_CHAOTIC_WHEN_QUANTIZED])
 def test_the_file_quantized_runs_as_stored_apart_from_float32_only_at_near_ties(name, tmp_path_factory):
     """The converted file requantized by our quantizer as llama.cpp's Q4_K_M chooses types (the
     tiny rows are too narrow for K-quants, so Q5_0 / Q5_1 / Q8_0 as llama.cpp falls back), run as

@@ -170,3 +170,40 @@ def test_a_yarn_gguf_gives_its_parameters_under_transformers_names(tmp_path):
         read_model_shape(write_yarn_gguf(tmp_path / "ext.gguf", yarn_ext_factor=2.0))
     with pytest.raises(UnsupportedError, match="qwen3.rope.scaling.yarn_log_multiplier is not supported"):
         read_model_shape(write_yarn_gguf(tmp_path / "log.gguf", yarn_log_multiplier=0.1))
+
+
+def write_moe_gguf(path, arch: str, **routing_keys):
+    """A header-only mixture of experts (8 experts, top 2) of `arch` with `routing_keys`
+    (expert_gating_func, expert_weights_norm, expert_weights_scale) as llama.cpp names them."""
+    writer = GGUFWriter(str(path), arch=arch)
+    for add, value in ((writer.add_block_count, 1), (writer.add_embedding_length, 8), (writer.add_feed_forward_length, 16),
+                       (writer.add_head_count, 2), (writer.add_context_length, 256), (writer.add_expert_count, 8),
+                       (writer.add_expert_used_count, 2)):
+        add(value)
+    for key, value in routing_keys.items():
+        (writer.add_bool if isinstance(value, bool) else writer.add_float32 if isinstance(value, float)
+         else writer.add_uint32)(f"{arch}.{key}", value)
+    writer.add_tensor("token_embd.weight", np.ones((16, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_an_moe_files_routing_is_its_keys_else_its_architectures_rule(tmp_path):
+    def routing(shape):
+        return shape.expert_scoring, shape.expert_normalize_top_k, shape.expert_weights_scale
+
+    # llama.cpp's rules where the file is silent: Qwen3-MoE and Mixtral (llama) renormalise.
+    assert routing(read_model_shape(write_moe_gguf(tmp_path / "a.gguf", "qwen3moe"))) == ("softmax", True, 1.0)
+    assert routing(read_model_shape(write_moe_gguf(tmp_path / "b.gguf", "llama"))) == ("softmax", True, 1.0)
+    assert routing(read_model_shape(write_moe_gguf(tmp_path / "c.gguf", "olmoe"))) == ("softmax", False, 1.0)
+    stated = write_moe_gguf(tmp_path / "d.gguf", "qwen3moe", expert_gating_func=2, expert_weights_norm=False,
+                            expert_weights_scale=2.5)
+    assert routing(read_model_shape(stated)) == ("sigmoid", False, 2.5)
+    # llama.cpp's scale 0 is no scale
+    assert routing(read_model_shape(write_moe_gguf(tmp_path / "e.gguf", "olmoe", expert_weights_scale=0.0,
+                                                   expert_gating_func=3))) == ("top_k_softmax", False, 1.0)
+    with pytest.raises(UnsupportedError, match="qwen3moe.expert_gating_func 4 is not supported"):
+        read_model_shape(write_moe_gguf(tmp_path / "f.gguf", "qwen3moe", expert_gating_func=4))

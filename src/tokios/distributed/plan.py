@@ -93,6 +93,10 @@ class ParallelPlan:
         other than "stored"); run as stored, that is an error naming it."""
         part = self.part_of(rank, config.num_layers)
         tp, tp_rank = self.tensor_parallel_size, self.tp_rank_of(rank)
+        if tp > 1 and config.num_experts:
+            raise UnsupportedError(f"tensor_parallel_size {tp} with a mixture of experts ({config.num_experts} "
+                                   "experts) is not supported: its experts are not split across ranks "
+                                   "(pipeline parallel is)")
         head_dim = config.head_dim
         q_rows = _slice_of(config.num_heads // tp * head_dim, tp_rank)
         if config.num_kv_heads >= tp:

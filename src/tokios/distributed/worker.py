@@ -188,7 +188,10 @@ class Rank:
         if tp > 1:
             for layer in self.model.layers:
                 layer.o_proj = AllReducedLinear(layer.o_proj, groups[self.stage], self.timings, shared_memory)
-                layer.down = AllReducedLinear(layer.down, groups[self.stage], self.timings, shared_memory)
+                # the dense feed-forward's down projection (Gemma's layers hold it themselves)
+                feed_forward = getattr(layer, "feed_forward", layer)
+                feed_forward.down = AllReducedLinear(feed_forward.down, groups[self.stage], self.timings,
+                                                     shared_memory)
             self.model.can_fuse_decode = False  # the fused C++ step has no place for the all-reduces
         self.kv_caches = allocate_kv_caches(self.local_config, spec.num_slots, spec.kv_dtype, self.device,
                                             layers=self.part.layers)

@@ -2,7 +2,8 @@
 (C++ kernels for quantized weights on the CPU, PyTorch otherwise), the fused all-layer decode
 step and when it applies, and the accounting of linear weights for logs and tools.
 
-A model sets self.layers (each with qkv, o_proj, gate_up, down), self.layer_indices (the
+A model sets self.layers (each with qkv, o_proj and its feed-forward: gate_up and down, or a
+`feed_forward` with linears(), model/mlp.py), self.layer_indices (the
 model's layer number of each) and self.lm_head, then calls init_ops(); it defines embed() and
 layer_loop(), and forward() / run_layers() here try fused_decode() first. A ModelPart builds only
 some of it: a pipeline stage's layers, with or without the embedding and the output head
@@ -55,6 +56,18 @@ class ModelPart:
         return True  # the final norm, RoPE factors
 
 
+def make_ops(config, rotary, weight_format: str, device: torch.device) -> TorchOps:
+    """The C++ kernel ops for quantized or stored weights on the CPU (where the kernels build), else torch's."""
+    extension = load_extension() if weight_format in ("int4", "int8", "stored") and device.type == "cpu" else None
+    return CpuKernelOps(config, rotary, extension) if extension is not None else TorchOps(config, rotary)
+
+
+def _feed_forward_linears(layer) -> list:
+    # Gemma's layers keep their MLP as gate_up and down; the others hold a feed_forward.
+    feed_forward = getattr(layer, "feed_forward", None)
+    return feed_forward.linears() if feed_forward is not None else [layer.gate_up, layer.down]
+
+
 class DecoderModel(Model):
     # The runner may run a prompt chunk through some layers a step (forward_layer_slice).
     supports_layer_slices = True
@@ -96,15 +109,19 @@ class DecoderModel(Model):
         indices = self.layer_indices
         return max(0, min(num_layers, indices.stop) - indices.start) if len(indices) else 0
 
-    def init_ops(self, config, rotary, weight_format: str, device: torch.device) -> None:
-        extension = load_extension() if weight_format in ("int4", "int8", "stored") and device.type == "cpu" else None
-        self.ops = CpuKernelOps(config, rotary, extension) if extension is not None else TorchOps(config, rotary)
+    def init_ops(self, config, rotary, weight_format: str, device: torch.device, ops=None) -> None:
+        """After the layers are built. ops: make_ops' choice, when the layers took theirs from it."""
+        self.ops = ops if ops is not None else make_ops(config, rotary, weight_format, device)
         # The C++ decode attention makes one-query rows cheap (the runner lays short prompt
         # chunks out so); the fused all-layer step serves steps of only such rows, when every
-        # layer's products are on the quantized kernels (a dense tensor in a "stored" file is not).
-        self.has_decode_attention_kernel = extension is not None
-        self.can_fuse_decode = extension is not None and all(
-            getattr(linear, "linear", None) is not None for linear in self.layer_linears())
+        # layer's products are on the quantized kernels (a dense tensor in a "stored" file is
+        # not; a mixture of experts' packed experts are).
+        self.has_decode_attention_kernel = isinstance(self.ops, CpuKernelOps)
+        # A layer's products are on the kernels: a packed linear (.linear), or a packed sparse
+        # MoE (.kernel, model/kernels/experts.py).
+        self.can_fuse_decode = self.has_decode_attention_kernel and all(
+            getattr(linear, "linear", None) is not None or getattr(linear, "kernel", None) is not None
+            for linear in self.layer_linears())
         # num_layers -> (fused decoder, the cache list it was built over)
         self._fused_by_num_layers: dict[int | None, tuple[object, list]] = {}
 
@@ -123,7 +140,8 @@ class DecoderModel(Model):
         return fused.forward(hidden, positions, *fused_decode_inputs(metadata))
 
     def layer_linears(self) -> list:
-        return [lin for layer in self.layers for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+        """Every layer's products; a sparse MoE counts as one (its num_bytes() is every expert's)."""
+        return [lin for layer in self.layers for lin in (layer.qkv, layer.o_proj, *_feed_forward_linears(layer))]
 
     def all_linears(self) -> list:
         return ([self.lm_head] if self.lm_head is not None else []) + self.layer_linears()

@@ -67,6 +67,11 @@ def summarize_linears(linears: list) -> str:
     counts: Counter[str] = Counter()
     for linear in linears:
         types = getattr(linear, "tensor_types", None)
-        counts.update([t.name for t in types] if types else [str(linear.weight.dtype).removeprefix("torch.")])
+        if types:
+            counts.update(t.name for t in types)
+        elif isinstance(linear, torch.nn.Module):  # the sparse MoE: its router's and experts' tensors
+            counts.update(str(tensor.dtype).removeprefix("torch.") for tensor in linear.buffers())
+        else:
+            counts.update([str(linear.weight.dtype).removeprefix("torch.")])
     kinds = ", ".join(f"{name} {count}" for name, count in sorted(counts.items(), key=lambda item: -item[1]))
     return f"{kinds}; {sum(linear.num_bytes() for linear in linears) / 2**20:.1f} MiB of linear weights"

@@ -4,7 +4,8 @@ The file describes the maths only: weight formats come in through model/linear.p
 KV cache and batch layout through AttentionMetadata (model/attention.py). Q, K and V share one
 fused projection, and gate/up share another, so a decode step issues 4 matrix products per layer.
 Weights arrive as a dict in Hugging Face names (model.layers.N.self_attn.q_proj.weight, ...),
-whatever file they came from.
+whatever file they came from. The feed-forward is model/mlp.py's: the gated MLP, or the sparse
+MoE of a mixture-of-experts file (Mixtral, Qwen2/3-MoE, OLMoE run this loop).
 """
 
 from __future__ import annotations
@@ -15,15 +16,18 @@ from tokios.config import ModelConfig
 from tokios.model.attention import AttentionMetadata
 from tokios.model.kernels import precise_activations
 from tokios.model.linear import make_linear
-from tokios.model.decoder import DecoderModel, ModelPart
+from tokios.model.decoder import DecoderModel, ModelPart, make_ops
 from tokios.model.dtypes import ACTIVATION_DTYPE
+from tokios.model.mlp import make_feed_forward
 from tokios.model.quant import as_dense, concat_rows
 from tokios.model.rope import RotaryEmbedding
 
 
 class LlamaLayer:
+    """One decoder layer's weights. ops: the model's (the dense feed-forward's GLU is theirs)."""
+
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], prefix: str, weight_format: str,
-                 device: torch.device):
+                 device: torch.device, ops):
         def weight(name: str) -> torch.Tensor:
             return weights.pop(f"{prefix}.{name}")
 
@@ -40,9 +44,16 @@ class LlamaLayer:
         qkv_bias = torch.cat([as_dense(b) for b in qkv_biases]) if all(b is not None for b in qkv_biases) else None
         self.qkv = make_linear(qkv_weight, qkv_bias, weight_format, device, precise)
         self.o_proj = make_linear(weight("self_attn.o_proj.weight"), None, weight_format, device, precise)
-        gate_up = concat_rows([weight("mlp.gate_proj.weight"), weight("mlp.up_proj.weight")])
-        self.gate_up = make_linear(gate_up, None, weight_format, device, precise)
-        self.down = make_linear(weight("mlp.down_proj.weight"), None, weight_format, device, precise)
+        self.feed_forward = make_feed_forward(config, weights, prefix, weight_format, device, precise, ops)
+
+    # The fused decode step (model/ops.py) reads a dense layer's two feed-forward products.
+    @property
+    def gate_up(self):
+        return self.feed_forward.gate_up
+
+    @property
+    def down(self):
+        return self.feed_forward.down
 
 
 class LlamaModel(DecoderModel):
@@ -66,9 +77,11 @@ class LlamaModel(DecoderModel):
                                    precise_activations(weight_format)) if part.head else None
         self.norm = as_dense(weights.pop("model.norm.weight")).to(device=device, dtype=self.dtype)
         self.layer_indices = part.layers
-        self.layers = [self.layer_class(config, weights, f"model.layers.{i}", weight_format, device) for i in part.layers]
         self.rotary = RotaryEmbedding(config, config.max_model_len, device, torch.float32)
-        self.init_ops(config, self.rotary, weight_format, device)
+        ops = make_ops(config, self.rotary, weight_format, device)  # before the layers, which take its GLU
+        self.layers = [self.layer_class(config, weights, f"model.layers.{i}", weight_format, device, ops)
+                       for i in part.layers]
+        self.init_ops(config, self.rotary, weight_format, device, ops)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens[input_ids]
@@ -81,8 +94,7 @@ class LlamaModel(DecoderModel):
             qkv = self.project_qkv(layer, hidden)
             attended = ops.attention(qkv, positions, key_cache, value_cache, metadata, rope_tables)
             hidden = hidden + layer.o_proj(attended.to(self.dtype)).to(self.dtype)
-            gate_up = layer.gate_up(ops.rms_norm(hidden, layer.post_attention_norm))
-            hidden = hidden + layer.down(ops.silu_mul(gate_up)).to(self.dtype)
+            hidden = hidden + layer.feed_forward(ops.rms_norm(hidden, layer.post_attention_norm)).to(self.dtype)
         return hidden
 
     def project_qkv(self, layer: LlamaLayer, hidden: torch.Tensor) -> torch.Tensor:

@@ -20,18 +20,26 @@ from tokios.config import ModelConfig
 from tokios.errors import ModelLoadError, UnsupportedError
 from tokios.gguf_file import GGUFFile
 from tokios.model.decoder import ModelPart
+from tokios.model.expert_weights import gather_expert_weights
 from tokios.model.gemma3 import Gemma3Model
 from tokios.model.gemma4 import Gemma4Model
 from tokios.model.llama import LlamaModel
+from tokios.model.olmoe import OlmoeModel
 from tokios.model.phi3 import split_fused_projections
 from tokios.model.qwen3 import Qwen3Model
 from tokios.model.quant import PACKABLE_TYPES, PackedWeight, dequantize
 from tokios.model.rope import pair_unrotated_dimensions
 from tokios.model.shape import ModelShape, gguf_architecture, shape_from_gguf, shape_from_hf_directory
 
-# GGUF architecture name / HF model_type -> model class.
+# GGUF architecture name / HF model_type -> model class. A llama file with expert tensors is
+# Mixtral; the MoE architectures differ from their dense cousins only in the feed-forward
+# (their routing rules: model/shape.py).
 ARCHITECTURES = {"llama": LlamaModel, "mistral": LlamaModel, "qwen2": LlamaModel, "qwen3": Qwen3Model,
-                 "phi3": LlamaModel, "gemma3": Gemma3Model, "gemma4": Gemma4Model}
+                 "phi3": LlamaModel, "gemma3": Gemma3Model, "gemma4": Gemma4Model,
+                 "qwen3moe": Qwen3Model, "qwen2moe": LlamaModel, "olmoe": OlmoeModel}
+# The architectures whose mixture of experts tokios runs (gemma4's MoE variant and gpt-oss are not
+# among them; their expert tensors are errors naming them).
+_MOE_ARCHITECTURES = ("llama", "qwen3moe", "qwen2moe", "olmoe")
 
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -46,6 +54,20 @@ _GGUF_LAYER_NAMES = {
 }
 _GGUF_HEAD_NORM_NAMES = {"attn_q_norm.weight": "self_attn.q_norm.weight",
                          "attn_k_norm.weight": "self_attn.k_norm.weight"}
+# A mixture of experts' tensors (model/expert_weights.py: the merged gate_up is split there).
+_GGUF_EXPERT_NAMES = {
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.down_proj.weight",
+    "ffn_gate_up_exps.weight": "mlp.experts.gate_up_proj.weight",
+}
+_GGUF_SHARED_EXPERT_NAMES = {
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+}
 # Gemma's four norms per layer: attn_norm and ffn_norm are the pre-norms; llama.cpp's converter
 # stores every Gemma norm weight as (1 + w), so they multiply as stored.
 _GGUF_LAYER_NAMES_BY_ARCHITECTURE = {
@@ -54,6 +76,11 @@ _GGUF_LAYER_NAMES_BY_ARCHITECTURE = {
                "post_attention_norm.weight": "post_attention_layernorm.weight",
                "post_ffw_norm.weight": "post_feedforward_layernorm.weight"},
     "qwen3": {**_GGUF_LAYER_NAMES, **_GGUF_HEAD_NORM_NAMES},
+    "llama": {**_GGUF_LAYER_NAMES, **_GGUF_EXPERT_NAMES},  # Mixtral
+    "qwen3moe": {**_GGUF_LAYER_NAMES, **_GGUF_HEAD_NORM_NAMES, **_GGUF_EXPERT_NAMES},
+    "qwen2moe": {**_GGUF_LAYER_NAMES, **_GGUF_EXPERT_NAMES, **_GGUF_SHARED_EXPERT_NAMES},
+    # OLMoE's q/k norms span the whole projection (model/olmoe.py), under the same names.
+    "olmoe": {**_GGUF_LAYER_NAMES, **_GGUF_HEAD_NORM_NAMES, **_GGUF_EXPERT_NAMES},
     # Phi-3 keeps its fused projections: attn_qkv is q, k, v stacked; ffn_up is gate then up.
     "phi3": {**_GGUF_LAYER_NAMES,
              "attn_qkv.weight": "self_attn.qkv_proj.weight",
@@ -69,7 +96,7 @@ _GGUF_LAYER_NAMES_BY_ARCHITECTURE["gemma4"] = {
     "layer_output_scale.weight": "layer_scalar"}
 # Architectures whose converter keeps Q/K rows in the Hugging Face (NEOX, rotate-half) order:
 # llama.cpp's convert_hf_to_gguf.py interleaves the rows only for the Llama family (llama, mistral).
-_UNPERMUTED_ROPE_ARCHITECTURES = ("gemma3", "gemma4", "qwen2", "qwen3", "phi3")
+_UNPERMUTED_ROPE_ARCHITECTURES = ("gemma3", "gemma4", "qwen2", "qwen3", "phi3", "qwen2moe", "qwen3moe", "olmoe")
 
 _GGUF_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                    "output.weight": "lm_head.weight",
@@ -103,6 +130,9 @@ def model_config_from_shape(shape: ModelShape) -> ModelConfig:
                                                 and shape.num_rope_dims % 2 == 0):
         raise ModelLoadError(f"{shape.name}: RoPE on {shape.num_rope_dims} of each head's {shape.head_dim} "
                              "dimensions (an even number below it is needed)")
+    if shape.is_moe and shape.architecture not in _MOE_ARCHITECTURES:
+        raise UnsupportedError(f"{shape.name}: a mixture of experts in architecture {shape.architecture!r} is not "
+                               f"supported (supported: {', '.join(_MOE_ARCHITECTURES)})")
     return ModelConfig(
         architecture=shape.architecture,
         num_layers=shape.num_layers,
@@ -130,6 +160,9 @@ def model_config_from_shape(shape: ModelShape) -> ModelConfig:
         num_experts_per_token=shape.num_experts_per_token,
         expert_intermediate_size=shape.expert_intermediate_size,
         shared_expert_intermediate_size=shape.shared_expert_intermediate_size,
+        expert_scoring=shape.expert_scoring,
+        expert_normalize_top_k=shape.expert_normalize_top_k,
+        expert_weights_scale=shape.expert_weights_scale,
     )
 
 
@@ -168,7 +201,8 @@ def weights_from_gguf(gguf: GGUFFile, config: ModelConfig,
             raise UnsupportedError(f"{gguf.path}: unexpected tensor {name}")
         if keep is not None and not keep(hf_name):
             continue
-        if info.ggml_type in PACKABLE_TYPES and len(info.shape) == 2:
+        # A 3-D tensor (a mixture of experts' stacked experts) stays packed too.
+        if info.ggml_type in PACKABLE_TYPES and len(info.shape) in (2, 3):
             weight = PackedWeight.from_file(gguf.raw_bytes(name), info.ggml_type, info.shape, name)
             rows = weight.raw
         else:
@@ -182,7 +216,9 @@ def weights_from_gguf(gguf: GGUFFile, config: ModelConfig,
             rows = _unpermute_rope(rows, config.num_heads)
         elif hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             rows = _unpermute_rope(rows, config.num_kv_heads)
-        weights[hf_name] = weight.with_rows(rows) if isinstance(weight, PackedWeight) else rows
+        if isinstance(weight, PackedWeight) and rows is not weight.raw:
+            weight = weight.with_rows(rows)
+        weights[hf_name] = weight if isinstance(weight, PackedWeight) else rows
     return weights
 
 
@@ -229,7 +265,8 @@ def read_model_file(path: str, part_of: Callable[[ModelConfig], ModelPart] | Non
         keep = _weights_to_read(part_of, config)
         weights = weights_from_gguf(gguf, config, keep)
         tokenizer_source = gguf.metadata
-    weights = pair_unrotated_dimensions(split_fused_projections(weights, config), config)
+    weights = pair_unrotated_dimensions(split_fused_projections(gather_expert_weights(weights, config), config),
+                                        config)
     if context_len is not None and context_len < config.max_model_len:
         config = replace(config, max_model_len=context_len)
     if "rope_freqs" in weights:

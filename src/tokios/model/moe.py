@@ -21,6 +21,8 @@ with its sigmoid gate `ffn_gate_inp_shexp` (ne = {hidden}).
 
 Torch only, on whatever device the weights are: this is the reference path and the path for
 float weights on a GPU; the CPU kernels of model/kernels take its place for packed blocks.
+`make_sparse_moe` is the one place a model file gets its MoE layer from (it chooses the
+implementation for the weights and device); `routing_of` reads the routing from the config.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokios.config import ModelConfig
 from tokios.errors import ModelLoadError, UnsupportedError
+from tokios.model.quant import as_dense
 
 SCORINGS = ("softmax", "sigmoid", "top_k_softmax")
 ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")
@@ -233,3 +237,55 @@ class SparseMoE(nn.Module):
         # order fixed: CUDA's index_add_ accumulates with atomics, in no fixed order.
         pair_output = pair_output.view(num_rows, k, x.shape[1]) * weights.to(pair_output.dtype).unsqueeze(-1)
         return pair_output.sum(dim=1)
+
+    def linears(self) -> list:
+        """What a decoder layer's feed-forward multiplies by, for the weight accounting (itself)."""
+        return [self]
+
+    def num_bytes(self) -> int:
+        """Bytes of every weight it holds: all experts (a step reads its rows' experts only),
+        the router and the shared expert."""
+        return sum(tensor.numel() * tensor.element_size() for tensor in self.buffers())
+
+
+def routing_of(config: ModelConfig) -> Routing:
+    """The routing that config's mixture of experts declares (model/loader.py resolves each
+    architecture's rule where the file is silent)."""
+    return Routing(config.num_experts, config.num_experts_per_token, config.expert_scoring,
+                   config.expert_normalize_top_k, config.expert_weights_scale)
+
+
+def make_sparse_moe(config: ModelConfig, weights: dict, prefix: str, routing: Routing, activation: ExpertActivation,
+                    weight_format: str, device: torch.device, dtype: torch.dtype):
+    """The MoE feed-forward of the layer at `prefix` ("model.layers.7"), its weights popped from
+    `weights` (model/expert_weights.py's names): the router `mlp.gate.weight`, the stacked experts
+    `mlp.experts.{gate,up,down}_proj.weight` (dense tensors, or 3-D PackedWeights in the file's
+    blocks), and where config has one the shared expert `mlp.shared_expert.*` with its gate
+    `mlp.shared_expert_gate.weight`. Returns the layer to call, hidden [rows, hidden] -> [rows, hidden].
+
+    On the CPU with the quantized kernels (the weights still in the file's kernel block types, or
+    --dtype int4 / int8 converting them), the packed PackedSparseMoE (model/kernels/experts.py),
+    which reads only the chosen experts' blocks; otherwise the torch SparseMoE on dense weights
+    in `dtype` (the activation dtype of weight_format) on `device`."""
+    from tokios.model.kernels import precise_activations
+    from tokios.model.kernels.experts import PackedSparseMoE, can_pack_experts
+
+    def pop(name: str):
+        return weights.pop(f"{prefix}.{name}")
+
+    def dense(weight):
+        return None if weight is None else as_dense(weight).to(device=device, dtype=dtype)
+
+    router_weight = pop("mlp.gate.weight")
+    gate, up, down = (pop(f"mlp.experts.{projection}.weight") for projection in ("gate_proj", "up_proj", "down_proj"))
+    shared = None
+    if config.shared_expert_intermediate_size:
+        shared = [pop(f"mlp.shared_expert.{projection}.weight") for projection in ("gate_proj", "up_proj", "down_proj")]
+        shared.append(weights.pop(f"{prefix}.mlp.shared_expert_gate.weight", None))
+    if can_pack_experts([gate, up, down, *(shared or [])[:3]], weight_format, device):
+        return PackedSparseMoE(routing, router_weight, gate, up, down, activation=activation,
+                               shared_expert=None if shared is None else SharedExpert(*shared),
+                               weight_format=weight_format, precise=precise_activations(weight_format))
+    shared_expert = None if shared is None else SharedExpert(*(dense(w) for w in shared))
+    return SparseMoE(routing, dense(router_weight), dense(gate), dense(up), dense(down), activation=activation,
+                     shared_expert=shared_expert)

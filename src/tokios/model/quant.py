@@ -44,16 +44,19 @@ PACKABLE_TYPES = KERNEL_TYPES
 
 
 class PackedWeight:
-    """A 2-D weight still in its file's block format: one row of GGML blocks per output feature.
+    """A weight still in its file's block format: one row of GGML blocks per output feature. A
+    3-D one is a mixture of experts' stacked weights, shape (num_experts, out_features,
+    in_features), whose raw rows are expert after expert as the file has them (the grouped
+    expert kernel reads them so); only `dequantize` serves it, the row operations are 2-D.
 
     Kept packed so that a quantized model can use the file's own bytes (no dequantize and
     requantize at load: faster, and exactly the weights the file holds); dense formats call
     dequantize(). Row operations (concatenation, reordering) work on the packed rows directly.
     """
 
-    def __init__(self, raw: torch.Tensor, ggml_type: T, shape: tuple[int, int], name: str = "tensor",
+    def __init__(self, raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...], name: str = "tensor",
                  num_tensors: int = 1):
-        self.raw = raw  # [out_features, row_bytes] uint8
+        self.raw = raw  # [out_features, row_bytes] uint8 (3-D: [num_experts * out_features, row_bytes])
         self.ggml_type = ggml_type
         self.shape = tuple(shape)
         self.name = name
@@ -65,7 +68,8 @@ class PackedWeight:
             check_shape(ggml_type, raw.size, tuple(shape), name)
         except ValueError as exc:
             raise ModelLoadError(str(exc)) from None
-        rows = torch.from_numpy(raw.copy()).reshape(shape[0], -1)  # copy: the mapped file is read-only
+        num_rows = int(np.prod(shape[:-1]))
+        rows = torch.from_numpy(raw.copy()).reshape(num_rows, -1)  # copy: the mapped file is read-only
         return cls(rows, ggml_type, shape, name)
 
     def dequantize(self) -> torch.Tensor:
@@ -108,6 +112,17 @@ def select_rows(weight: "torch.Tensor | PackedWeight", rows: "slice | torch.Tens
     if isinstance(weight, PackedWeight):
         return weight.with_rows(weight.raw[rows].contiguous())
     return weight[rows].contiguous()
+
+
+def select_expert_rows(weight: "torch.Tensor | PackedWeight", rows: slice) -> "torch.Tensor | PackedWeight":
+    """The output features `rows` of every expert of a stacked weight [num_experts, out, in]
+    (llama.cpp's merged gate_up_exps split into gate and up), staying packed when it is."""
+    if not isinstance(weight, PackedWeight):
+        return weight[:, rows].contiguous()
+    num_experts, out_features, in_features = weight.shape
+    raw = weight.raw.view(num_experts, out_features, -1)[:, rows]
+    return PackedWeight(raw.reshape(-1, raw.shape[-1]).contiguous(), weight.ggml_type,
+                        (num_experts, raw.shape[1], in_features), weight.name)
 
 
 def as_dense(weight: "torch.Tensor | PackedWeight | SegmentedWeight") -> torch.Tensor:

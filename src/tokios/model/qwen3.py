@@ -1,4 +1,5 @@
-"""Qwen3 (the dense models) as one forward pass.
+"""Qwen3 as one forward pass: the dense models, and Qwen3-MoE (`qwen3moe`), whose layers differ
+only in their feed-forward (model/mlp.py builds the sparse MoE from the file's experts).
 
 Where it differs from Llama (model/llama.py): queries and keys get a per-head RMSNorm over
 head_dim before RoPE (weights multiply as stored, unlike Gemma's 1 + w), and the attention has
@@ -17,8 +18,8 @@ from tokios.model.quant import as_dense
 
 class Qwen3Layer(LlamaLayer):
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], prefix: str, weight_format: str,
-                 device: torch.device):
-        super().__init__(config, weights, prefix, weight_format, device)
+                 device: torch.device, ops):
+        super().__init__(config, weights, prefix, weight_format, device, ops)
         # Float32 whatever the activations, as Gemma 3's: they feed RoPE and the cache.
         self.q_norm = as_dense(weights.pop(f"{prefix}.self_attn.q_norm.weight")).to(device=device, dtype=torch.float32)
         self.k_norm = as_dense(weights.pop(f"{prefix}.self_attn.k_norm.weight")).to(device=device, dtype=torch.float32)

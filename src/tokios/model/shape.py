@@ -33,14 +33,18 @@ from tokios.model.gemma4_metadata import gemma4_fields, gemma4_hf_fields
 _ARCHITECTURE_FIELDS = {"gemma3": gemma3_fields, "gemma4": gemma4_fields}
 # Hugging Face model_type -> what its config.json adds: fn(config, path); the architecture it runs as.
 _HF_ARCHITECTURE_FIELDS = {"gemma4_text": gemma4_hf_fields}
-_HF_TYPE_TO_ARCHITECTURE = {"gemma4_text": "gemma4"}
+# Mixtral runs as llama, as llama.cpp's converter writes it.
+_HF_TYPE_TO_ARCHITECTURE = {"gemma4_text": "gemma4", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe",
+                            "mixtral": "llama"}
 # Tensors a step gathers rows from rather than reading whole (token embeddings, Gemma 4's
 # per-layer input embeddings).
 _GATHERED_TENSORS = ("token_embd.weight", "per_layer_token_embd.weight")
 
 # Hugging Face class name -> model type, for a config.json that names only the class.
 HF_ARCHITECTURE_TO_TYPE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                           "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3"}
+                           "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3",
+                           "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe",
+                           "MixtralForCausalLM": "mixtral", "OlmoeForCausalLM": "olmoe"}
 # transformers' LlamaConfig default, for a config.json without max_position_embeddings.
 DEFAULT_HF_CONTEXT_LEN = 2048
 
@@ -101,6 +105,12 @@ class ModelShape:
     shared_expert_intermediate_size: int = 0
     # Bytes of the routed experts' tensors in the file (all of them; a step reads its tokens' share).
     file_expert_bytes: int | None = None
+    # The routing (model/moe.py Routing) as the file states it (GGUF expert_gating_func,
+    # expert_weights_norm, expert_weights_scale; HF scoring_func, norm_topk_prob,
+    # routed_scaling_factor), and where it is silent the architecture's rule.
+    expert_scoring: str = "softmax"
+    expert_normalize_top_k: bool = False
+    expert_weights_scale: float = 1.0
 
     @property
     def q_size(self) -> int:
@@ -266,10 +276,51 @@ def shape_from_gguf(gguf: GGUFFile) -> ModelShape:
                                       or _largest(get("feed_forward_length"))) if num_experts else 0),
         shared_expert_intermediate_size=int(metadata.get(f"{arch}.expert_shared_feed_forward_length") or 0),
         file_expert_bytes=expert_bytes if num_experts else None,
+        **(_routing(arch, _gguf_routing(metadata, arch, path)) if num_experts else {}),
     )
     if arch in _ARCHITECTURE_FIELDS:
         fields.update(_ARCHITECTURE_FIELDS[arch](metadata, path, num_layers))
     return ModelShape(**fields)
+
+
+# Whether an architecture renormalises its top-k expert weights when the file does not say:
+# llama.cpp's build_moe_ffn norm_w in models/<arch>.cpp (its loader reads no key for qwen3moe,
+# qwen2moe, olmoe or llama; transformers: Qwen3-MoE's released configs set norm_topk_prob,
+# Qwen1.5/2-MoE's and OLMoE's do not, Mixtral, written as llama, always renormalises).
+_ARCHITECTURE_TO_EXPERT_NORMALIZE_TOP_K = {"qwen3moe": True, "llama": True, "qwen2moe": False, "olmoe": False}
+
+
+def _routing(architecture: str, stated: dict[str, Any]) -> dict[str, Any]:
+    """The routing fields: what the file states (a None is silence), else the architecture's rule
+    (unscaled softmax over all experts, the renormalisation above; off for other architectures)."""
+    normalize = stated.get("expert_normalize_top_k")
+    return dict(expert_scoring=stated.get("expert_scoring") or "softmax",
+                expert_normalize_top_k=(_ARCHITECTURE_TO_EXPERT_NORMALIZE_TOP_K.get(architecture, False)
+                                        if normalize is None else normalize),
+                expert_weights_scale=stated.get("expert_weights_scale") or 1.0)
+
+
+# llama.cpp's llama_expert_gating_func_type -> model/moe.py's scoring (SOFTMAX_WEIGHT: the
+# softmax over the chosen k logits only).
+_GGUF_GATING_FUNC_TO_SCORING = {1: "softmax", 2: "sigmoid", 3: "top_k_softmax"}
+
+
+def _gguf_routing(metadata: dict[str, Any], arch: str, path: str) -> dict[str, Any]:
+    """The routing keys the file has (absent ones stay None). An expert_weights_scale of 0 is
+    llama.cpp's "none" (its build_moe_ffn scales only by a factor other than 0 and 1)."""
+    fields: dict[str, Any] = {}
+    gating = metadata.get(f"{arch}.expert_gating_func")
+    if gating is not None:
+        if int(gating) not in _GGUF_GATING_FUNC_TO_SCORING:
+            raise UnsupportedError(f"{path}: {arch}.expert_gating_func {gating} is not supported (supported: "
+                                   f"{', '.join(f'{k} ({v})' for k, v in _GGUF_GATING_FUNC_TO_SCORING.items())})")
+        fields["expert_scoring"] = _GGUF_GATING_FUNC_TO_SCORING[int(gating)]
+    if metadata.get(f"{arch}.expert_weights_norm") is not None:
+        fields["expert_normalize_top_k"] = bool(metadata[f"{arch}.expert_weights_norm"])
+    scale = metadata.get(f"{arch}.expert_weights_scale")
+    if scale is not None and float(scale) != 0.0:
+        fields["expert_weights_scale"] = float(scale)
+    return fields
 
 
 def _is_routed_expert_tensor(name: str) -> bool:
@@ -347,9 +398,11 @@ def shape_from_hf_directory(directory: str | os.PathLike[str]) -> ModelShape:
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
             num_rope_dims=_partial(int(head_dim * partial_rotary_factor), head_dim),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            has_qkv_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
-            **_experts_from_hf(hf),
+            # Qwen2-MoE names its q/k/v biases qkv_bias
+            has_qkv_bias=bool(hf["attention_bias"] if hf.get("attention_bias") is not None
+                              else hf.get("qkv_bias", model_type == "qwen2")),
         )
+        fields.update(_experts_from_hf(hf, str(config_path), fields["architecture"]))
         shape = ModelShape(**{**fields, **extra})
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelLoadError(f"{config_path}: missing or malformed field {exc}") from exc
@@ -367,17 +420,38 @@ def shape_from_hf_directory(directory: str | os.PathLike[str]) -> ModelShape:
                                file_expert_bytes=expert_bytes if shape.is_moe else None)
 
 
-def _experts_from_hf(hf: dict) -> dict[str, int]:
-    """A mixture of experts' counts and widths under transformers' names (Qwen-MoE and OLMoE
-    num_experts, Mixtral and gpt-oss num_local_experts; no moe_intermediate_size: the experts
-    are intermediate_size wide)."""
+# transformers' switches for layers with a dense MLP among the MoE ones (Qwen2/3-MoE), and
+# OLMoE's clamp of q, k and v: llama.cpp runs none of them, and neither does tokios.
+_HF_UNSUPPORTED_MOE_SETTINGS = {"mlp_only_layers": (None, []), "decoder_sparse_step": (None, 1),
+                                "clip_qkv": (None,)}
+_HF_SCORINGS = ("softmax", "sigmoid")
+
+
+def _experts_from_hf(hf: dict, config_path: str, architecture: str) -> dict[str, Any]:
+    """A mixture of experts' counts, widths and routing under transformers' names (Qwen-MoE and
+    OLMoE num_experts, Mixtral and gpt-oss num_local_experts; no moe_intermediate_size: the
+    experts are intermediate_size wide; norm_topk_prob, scoring_func and routed_scaling_factor
+    where the config has them). A setting tokios does not run is an error naming it."""
     num_experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
     if not num_experts:
         return {}
+    for key, allowed in _HF_UNSUPPORTED_MOE_SETTINGS.items():
+        if hf.get(key) not in allowed:
+            raise UnsupportedError(f"{config_path}: {key} {hf[key]!r} is not supported (a mixture of experts "
+                                   f"runs with {' or '.join(map(repr, allowed))})")
+    scoring = hf.get("scoring_func")
+    if scoring is not None and scoring not in _HF_SCORINGS:
+        raise UnsupportedError(f"{config_path}: scoring_func {scoring!r} is not supported "
+                               f"(supported: {', '.join(_HF_SCORINGS)})")
+    normalize = hf.get("norm_topk_prob")
+    scale = hf.get("routed_scaling_factor")
     return dict(num_experts=num_experts,
                 num_experts_per_token=int(hf.get("num_experts_per_tok") or hf["num_experts_per_token"]),
                 expert_intermediate_size=int(hf.get("moe_intermediate_size") or hf["intermediate_size"]),
-                shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0))
+                shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0),
+                **_routing(architecture, dict(expert_scoring=scoring,
+                                              expert_normalize_top_k=None if normalize is None else bool(normalize),
+                                              expert_weights_scale=None if scale is None else float(scale))))
 
 
 def _rope_from_hf(hf: dict) -> tuple[float | None, dict | None]:

@@ -18,6 +18,8 @@ inverse, so the test quantizers (blocks/quantize.py) write real GGUF blocks thro
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,16 +72,19 @@ class BlockInts:
         return out
 
 
-def check_shape(ggml_type: T, num_bytes: int, shape: tuple[int, int], name: str) -> None:
-    """Raise ValueError naming the tensor if its bytes cannot be `shape` in `ggml_type`."""
-    n, k = shape
+def check_shape(ggml_type: T, num_bytes: int, shape: tuple[int, ...], name: str) -> None:
+    """Raise ValueError naming the tensor if its bytes cannot be `shape` in `ggml_type`: rows of
+    k weights, (n, k), or a stack of them (num_experts, n, k)."""
+    *outer, k = shape
+    n = math.prod(outer)
+    dims = "x".join(map(str, shape))
     weights_per_block = SUPER_BLOCK if ggml_type in (T.Q4_K, T.Q5_K, T.Q6_K) else BLOCK
     if k % weights_per_block:
-        raise ValueError(f"tensor {name} ({ggml_type.name}, shape {n}x{k}): rows of {k} weights are not a "
+        raise ValueError(f"tensor {name} ({ggml_type.name}, shape {dims}): rows of {k} weights are not a "
                          f"whole number of {weights_per_block}-weight blocks")
     expected = n * k // weights_per_block * BLOCK_BYTES[ggml_type]
     if num_bytes != expected:
-        raise ValueError(f"tensor {name} ({ggml_type.name}, shape {n}x{k}): {num_bytes} bytes, but that shape "
+        raise ValueError(f"tensor {name} ({ggml_type.name}, shape {dims}): {num_bytes} bytes, but that shape "
                          f"needs {expected}")
 
 

@@ -27,7 +27,8 @@ from tokios.model.quant import dequantize
 # What llama.cpp stores instead of a K-quant when a row is not a whole number of 256-weight blocks.
 K_QUANT_FALLBACK = {T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
 
-TypeChooser = Callable[[str, tuple[int, ...], int], T]  # (tensor name, shape, num_layers) -> type
+# (tensor name, shape: (rows, row length) or (experts, rows, row length), num_layers) -> type
+TypeChooser = Callable[[str, tuple[int, ...], int], T]
 
 
 def uniform(ggml_type: T) -> TypeChooser:
@@ -35,12 +36,13 @@ def uniform(ggml_type: T) -> TypeChooser:
     return lambda name, shape, num_layers: ggml_type
 
 
-def mostly_q4_k_m(name: str, shape: tuple[int, int], num_layers: int) -> T:
-    """llama.cpp's Q4_K_M choice: Q6_K for the embedding / output and for attn_v and ffn_down in the
-    first and last eighth of the layers and every third layer between; Q4_K elsewhere."""
+def mostly_q4_k_m(name: str, shape: tuple[int, ...], num_layers: int) -> T:
+    """llama.cpp's Q4_K_M choice: Q6_K for the embedding / output and for attn_v and ffn_down (a
+    mixture of experts' too) in the first and last eighth of the layers and every third layer
+    between; Q4_K elsewhere."""
     if name in ("token_embd.weight", "output.weight"):
         return T.Q6_K
-    if name.endswith(("attn_v.weight", "ffn_down.weight")):
+    if name.endswith(("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight", "ffn_down_shexp.weight")):
         layer = int(name.split(".")[1])
         uses_more_bits = layer < num_layers // 8 or layer >= 7 * num_layers // 8 or (layer - num_layers // 8) % 3 == 2
         return T.Q6_K if uses_more_bits else T.Q4_K
@@ -49,9 +51,7 @@ def mostly_q4_k_m(name: str, shape: tuple[int, int], num_layers: int) -> T:
 
 def mostly_mxfp4_moe(name: str, shape: tuple[int, ...], num_layers: int) -> T:
     """llama.cpp's MXFP4_MOE choice: the stacked experts (3-D) in MXFP4, every other weight in
-    Q8_0, the router (ffn_gate_inp) left float32 as llama-quantize leaves it."""
-    if ".ffn_gate_inp." in name:
-        return T.F32
+    Q8_0 (the router stays float32 whatever the choice: requantize_gguf)."""
     return T.MXFP4 if len(shape) == 3 else T.Q8_0
 
 
@@ -77,8 +77,10 @@ def copy_metadata(source: GGUFFile, writer: GGUFWriter, skip_prefixes: tuple[str
 
 
 def requantize_gguf(source: str, destination: str, choose: TypeChooser) -> dict[str, T]:
-    """Write `destination` from `source` with each 2-D weight in the type `choose` names (made
-    storable); returns tensor name -> type written."""
+    """Write `destination` from `source` with each 2-D weight, and each 3-D one (a mixture of
+    experts' stacked experts, row by row), in the type `choose` names (made storable), but the
+    expert router, which stays float32 as llama.cpp's quantizer keeps it (it decides which
+    experts run); returns tensor name -> type written."""
     reader = GGUFFile(source)
     architecture = reader.architecture
     num_layers = int(reader.metadata[f"{architecture}.block_count"])
@@ -88,7 +90,9 @@ def requantize_gguf(source: str, destination: str, choose: TypeChooser) -> dict[
     for tensor in reader.tensors.values():
         shape = tensor.shape
         weights = dequantize(reader.raw_bytes(tensor.name), tensor.ggml_type, shape, tensor.name).numpy()
-        is_weight = tensor.name.endswith(".weight") and len(shape) in (2, 3)
+        # The router stays float32, as llama-quantize leaves it: it decides which experts run.
+        is_weight = (tensor.name.endswith(".weight") and len(shape) in (2, 3)
+                     and not tensor.name.endswith("ffn_gate_inp.weight"))
         ggml_type = storable_type(choose(tensor.name, shape, num_layers), shape) if is_weight else T.F32
         if ggml_type in (T.F32, T.F16):
             writer.add_tensor(tensor.name, weights.astype(np.float16 if ggml_type == T.F16 else np.float32))

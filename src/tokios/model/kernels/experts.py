@@ -12,6 +12,7 @@ fused decode step give a row the same result, whatever else shares its step.
 from __future__ import annotations
 
 import torch
+from gguf import GGMLQuantizationType as T
 
 from tokios.errors import ModelLoadError
 from tokios.model.kernels import (FORMAT_BY_TYPE, TYPE_BY_DTYPE, load_extension, make_quantized_linear,
@@ -74,8 +75,8 @@ class PackedSparseMoE:
         shared = []
         if shared_expert is not None:
             shared = [make_quantized_linear(concat_rows([shared_expert.gate, shared_expert.up]), None, weight_format,
-                                            precise_activations=precise).linear,
-                      make_quantized_linear(shared_expert.down, None, weight_format, precise_activations=precise).linear]
+                                            precise_activations=precise),
+                      make_quantized_linear(shared_expert.down, None, weight_format, precise_activations=precise)]
         self.routing = routing
         self.hidden_size = hidden
         self.kernel = extension.SparseExperts(
@@ -84,11 +85,14 @@ class PackedSparseMoE:
             packed["gate"], FORMAT_BY_TYPE[blocks["gate"].ggml_type], packed["up"],
             FORMAT_BY_TYPE[blocks["up"].ggml_type], packed["down"], FORMAT_BY_TYPE[blocks["down"].ggml_type],
             intermediate, _float(gate_bias), _float(up_bias), _float(down_bias), ACTIVATIONS.index(activation.kind),
-            activation.alpha, activation.limit, precise, shared,
+            activation.alpha, activation.limit, precise, [linear.linear for linear in shared],
             None if shared_expert is None or shared_expert.output_gate is None else _float(shared_expert.output_gate))
         # The tensors the kernel reads stay alive with it (it holds references), and with this.
         self._packed = packed
         self.expert_types = {name: w.ggml_type for name, w in blocks.items()}
+        # The file tensors it holds by block type, for the start-up log (the router is float32).
+        self.tensor_types = [T.F32, *self.expert_types.values()] + [
+            t for linear in shared for t in linear.tensor_types]
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.kernel(hidden.float().contiguous()).to(hidden.dtype)
@@ -96,6 +100,10 @@ class PackedSparseMoE:
     def num_bytes(self) -> int:
         """All of its weights (every expert's), as held."""
         return self.kernel.num_bytes
+
+    def linears(self) -> list:
+        """What a decoder layer's feed-forward multiplies by, for the weight accounting (itself)."""
+        return [self]
 
     @property
     def weight_bytes_read(self) -> int:

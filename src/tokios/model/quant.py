@@ -19,7 +19,7 @@ from tokios.errors import ModelLoadError, UnsupportedError
 from tokios.model.blocks import KERNEL_TYPES, check_shape
 
 SUPPORTED_TYPES = frozenset({T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1,
-                             T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K})
+                             T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4})
 
 
 def dequantize(raw: np.ndarray, ggml_type: T, shape: tuple[int, ...], name: str = "tensor") -> torch.Tensor:

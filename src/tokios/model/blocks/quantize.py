@@ -1,5 +1,5 @@
 """Float weights -> GGML blocks of any type the kernels run, with our own round-to-nearest
-quantizers (numpy). They make the test files: the default model and random-weight models
+quantizers (numpy), and MXFP4 as llama.cpp writes it (blocks/mxfp4.py). They make the test files: the default model and random-weight models
 written in Q4_0 ... Q6_K, so tests never depend on llama.cpp being built. Valid blocks, not
 llama.cpp's error-minimising search: the tests compare the engine against the same file's
 own weights, so the quantizer's quality does not enter the comparison.
@@ -11,6 +11,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 from tokios.model.blocks.codec import BLOCK, SUPER_BLOCK, BlockInts, pack
+from tokios.model.blocks.mxfp4 import quantize_mxfp4
 
 K_QUANT_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K)
 
@@ -91,4 +92,6 @@ def quantize_ints(weight: np.ndarray, ggml_type: T) -> BlockInts:
 
 def quantize(weight: np.ndarray, ggml_type: T) -> np.ndarray:
     """[N, K] float -> the flat GGUF bytes of that tensor in `ggml_type`."""
+    if ggml_type == T.MXFP4:
+        return quantize_mxfp4(weight)
     return pack(quantize_ints(weight, ggml_type))

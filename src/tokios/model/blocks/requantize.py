@@ -4,7 +4,12 @@ with our own quantizers (blocks/quantize.py); everything else (metadata, norms) 
 Used by the tests to make files of every type from the default model, and of random-weight
 models whose rows are multiples of 256 (so that real K-quant tensors run, which the default
 model's 576-wide rows never allow). `mostly_q4_k_m` mimics how llama.cpp's Q4_K_M chooses a type
-per tensor, so a test file mixes four or five types as a downloaded one does.
+per tensor, so a test file mixes four or five types as a downloaded one does; `mostly_mxfp4_moe`
+how its MXFP4_MOE does (a gpt-oss file as users get it: a random checkpoint converts with float
+experts, convert_hf_to_gguf.py writes MXFP4 only from an MXFP4 checkpoint).
+
+Weights only (names ending in .weight, 2-D, or 3-D stacked experts, quantized row by row);
+biases, norms and the like stay float32, as llama-quantize leaves them.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from tokios.model.quant import dequantize
 # What llama.cpp stores instead of a K-quant when a row is not a whole number of 256-weight blocks.
 K_QUANT_FALLBACK = {T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
 
-TypeChooser = Callable[[str, tuple[int, int], int], T]  # (tensor name, shape, num_layers) -> type
+TypeChooser = Callable[[str, tuple[int, ...], int], T]  # (tensor name, shape, num_layers) -> type
 
 
 def uniform(ggml_type: T) -> TypeChooser:
@@ -42,12 +47,20 @@ def mostly_q4_k_m(name: str, shape: tuple[int, int], num_layers: int) -> T:
     return T.Q4_K
 
 
-def storable_type(ggml_type: T, shape: tuple[int, int]) -> T:
+def mostly_mxfp4_moe(name: str, shape: tuple[int, ...], num_layers: int) -> T:
+    """llama.cpp's MXFP4_MOE choice: the stacked experts (3-D) in MXFP4, every other weight in
+    Q8_0, the router (ffn_gate_inp) left float32 as llama-quantize leaves it."""
+    if ".ffn_gate_inp." in name:
+        return T.F32
+    return T.MXFP4 if len(shape) == 3 else T.Q8_0
+
+
+def storable_type(ggml_type: T, shape: tuple[int, ...]) -> T:
     """`ggml_type`, or llama.cpp's fallback where the rows do not fit its blocks: a K-quant's
     32-weight cousin, and F16 where rows are not even whole 32-weight blocks."""
-    if ggml_type in K_QUANT_TYPES and shape[1] % 256:
+    if ggml_type in K_QUANT_TYPES and shape[-1] % 256:
         ggml_type = K_QUANT_FALLBACK[ggml_type]
-    if ggml_type not in (T.F32, T.F16) and shape[1] % 32:
+    if ggml_type not in (T.F32, T.F16) and shape[-1] % 32:
         return T.F16
     return ggml_type
 
@@ -75,14 +88,13 @@ def requantize_gguf(source: str, destination: str, choose: TypeChooser) -> dict[
     for tensor in reader.tensors.values():
         shape = tensor.shape
         weights = dequantize(reader.raw_bytes(tensor.name), tensor.ggml_type, shape, tensor.name).numpy()
-        if len(shape) == 2 and (ggml_type := storable_type(choose(tensor.name, shape, num_layers), shape)) == T.F16:
-            writer.add_tensor(tensor.name, weights.astype(np.float16))
-        elif len(shape) == 2:
-            blocks = quantize(weights, ggml_type).reshape(shape[0], -1)
-            writer.add_tensor(tensor.name, blocks, raw_dtype=ggml_type)
+        is_weight = tensor.name.endswith(".weight") and len(shape) in (2, 3)
+        ggml_type = storable_type(choose(tensor.name, shape, num_layers), shape) if is_weight else T.F32
+        if ggml_type in (T.F32, T.F16):
+            writer.add_tensor(tensor.name, weights.astype(np.float16 if ggml_type == T.F16 else np.float32))
         else:
-            ggml_type = T.F32
-            writer.add_tensor(tensor.name, weights.astype(np.float32))
+            blocks = quantize(weights.reshape(-1, shape[-1]), ggml_type).reshape(*shape[:-1], -1)
+            writer.add_tensor(tensor.name, blocks, raw_dtype=ggml_type)
         written[tensor.name] = ggml_type
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

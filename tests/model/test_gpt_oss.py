@@ -5,8 +5,8 @@ from the Hugging Face directory, greedy tokens and logits at every position.
 The tiny GptOssConfig: 2 layers, hidden 64, 4 heads of 16 over 2 KV heads, 4 experts of width 32,
 top-2; a sliding window of 16 on the even layer (the 160-token prompt crosses it ten times) and
 full attention on the odd one; gpt-oss's own YaRN (factor 32 over 4,096 positions, beta 32 / 1,
-not truncated: the ramp spans dimensions 2.02 to 4.35 of 8, so rounding it would change pairs 2
-to 4). Weights are drawn at initializer_range 0.5 (gate pre-activations then reach the SwiGLU
+not truncated: the ramp runs over pairs 2.02 to 4.35 of the 8 rotated pairs, and rounding it to
+2 to 5 would change pairs 3 and 4). Weights are drawn at initializer_range 0.5 (gate pre-activations then reach the SwiGLU
 clamp at 7 often), norms and expert biases from [0.5, 1.5), attention and router biases from
 N(0, 0.5) (converted.py's TinyFamily).
 

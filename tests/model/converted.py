@@ -35,7 +35,9 @@ class TinyFamily:
     the attention biases (zero in transformers' initialisation) so that their layout is tested;
     `random_scales` names the endings of parameters and buffers that transformers initialises to
     ones or zeros (norm weights, layer scalars), drawn from [0.5, 1.5) instead so that a misplaced
-    or wrongly stored one (Gemma's 1 + w) shows."""
+    or wrongly stored one (Gemma's 1 + w) shows. `special_tokens` are added to the vocabulary
+    (markers of a chat format whose own vocabulary no file here ships); `chat_template` names a
+    template of llama.cpp's models/templates that the tokenizer carries."""
 
     name: str
     make_config: Callable[[int], object]
@@ -44,6 +46,8 @@ class TinyFamily:
     random_scales: tuple[str, ...] = ()
     seed: int = 0
     extra_files: dict = field(default_factory=dict)  # file name -> text, written into the directory
+    special_tokens: tuple[str, ...] = ()
+    chat_template: str | None = None
 
 
 # Vocabularies whose file AutoTokenizer cannot open: it first reads the file's model config, and
@@ -61,11 +65,30 @@ def vocab_tokenizer(vocab: str):
     return tokenizer_class.from_pretrained(str(llama_cpp_sources() / "models"), gguf_file=f"ggml-vocab-{vocab}.gguf")
 
 
+def family_tokenizer(family: TinyFamily):
+    """The tokenizer of the family's vocabulary, with its added special tokens and template."""
+    if not family.special_tokens and family.chat_template is None:
+        return vocab_tokenizer(family.vocab)
+    return _extended_tokenizer(family.vocab, family.special_tokens, family.chat_template)
+
+
+@functools.lru_cache(maxsize=None)
+def _extended_tokenizer(vocab: str, special_tokens: tuple[str, ...], chat_template: str | None):
+    import copy
+
+    tokenizer = copy.deepcopy(vocab_tokenizer(vocab))  # the shared one stays as its file has it
+    if special_tokens:
+        tokenizer.add_special_tokens({"additional_special_tokens": list(special_tokens)})
+    if chat_template is not None:
+        tokenizer.chat_template = (llama_cpp_sources() / "models" / "templates" / chat_template).read_text()
+    return tokenizer
+
+
 def build_hf_directory(family: TinyFamily, directory: Path):
     """Saves the family's seeded random model and its tokenizer into `directory`; returns the
     transformers model (float32, eval mode)."""
     transformers = pytest.importorskip("transformers")
-    tokenizer = vocab_tokenizer(family.vocab)
+    tokenizer = family_tokenizer(family)
     config = family.make_config(len(tokenizer))
     torch.manual_seed(family.seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()

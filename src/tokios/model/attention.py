@@ -146,12 +146,33 @@ def gather_kv(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> t
     return dequantize_kv(rows, dtype) if cache.dtype == torch.int8 else rows.to(dtype)
 
 
+def with_sink_key(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                  sinks: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention sinks (gpt-oss: one learned logit per query head that joins the softmax's
+    denominator and attends to nothing) as one more key, so that SDPA computes them: queries
+    [..., heads, queries, head_dim] get one more dimension holding sink / scale, keys
+    [..., kv_heads, keys, head_dim] a zero there and one more key (zeros, then 1) whose score is
+    therefore the head's sink, with a zero value; mask [..., queries, keys] bool lets every
+    query see it. One key for all the heads of a KV group, whatever each head's sink."""
+    num_heads = query.shape[-3]
+    sink_dimension = (sinks.to(query.dtype) / scale).view(num_heads, 1, 1).expand(*query.shape[:-1], 1)
+    query = torch.cat([query, sink_dimension], dim=-1)
+    keys = torch.cat([keys, keys.new_zeros(*keys.shape[:-1], 1)], dim=-1)
+    sink_key = keys.new_zeros(*keys.shape[:-2], 1, keys.shape[-1])
+    sink_key[..., -1] = 1.0
+    keys = torch.cat([keys, sink_key], dim=-2)
+    values = torch.cat([values, values.new_zeros(*values.shape[:-2], 1, values.shape[-1])], dim=-2)
+    mask = torch.cat([mask, mask.new_ones(*mask.shape[:-1], 1)], dim=-1)
+    return query, keys, values, mask
+
+
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+                    metadata: AttentionMetadata, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """query [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim].
 
     The new tokens' K/V must already be written (write_kv), so every request attends to its
-    cached prefix and to itself through the same gather.
+    cached prefix and to itself through the same gather. sinks [num_heads] float32: attention
+    sinks (with_sink_key), or None.
     """
     output = torch.empty_like(query)
     # A bfloat16 cache under float32 activations is widened, not the query narrowed.
@@ -166,6 +187,9 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         # Padding mask [D, 1, 1, L], derived here: the C++ decode path needs only the lengths.
         positions = torch.arange(keys.shape[2], device=keys.device)
         padding_mask = (positions[None, :] < metadata.decode_context_lens[:, None])[:, None, None, :]
+        if sinks is not None:
+            decode_query, keys, values, padding_mask = with_sink_key(decode_query, keys, values, padding_mask,
+                                                                     sinks, scale)
         attended = F.scaled_dot_product_attention(decode_query, keys, values, attn_mask=padding_mask,
                                                   scale=scale, enable_gqa=True)
         output[:num_decode] = attended.squeeze(2).to(output.dtype)
@@ -178,8 +202,12 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         keys = gather_kv(key_cache, span.slot_indices, compute_dtype).transpose(0, 1).unsqueeze(0)
         values = gather_kv(value_cache, span.slot_indices, compute_dtype).transpose(0, 1).unsqueeze(0)
         span_query = query[rows].transpose(0, 1).unsqueeze(0).to(compute_dtype)  # [1, heads, query_len, head_dim]
-        attended = F.scaled_dot_product_attention(span_query, keys, values, attn_mask=span.attn_mask,
-                                                  is_causal=span.attn_mask is None, scale=scale,
-                                                  enable_gqa=True)
+        mask = span.attn_mask
+        if sinks is not None:
+            if mask is None:  # plainly causal from position 0: query_len == context_len
+                mask = torch.ones(span.query_len, span.context_len, dtype=torch.bool, device=query.device).tril()
+            span_query, keys, values, mask = with_sink_key(span_query, keys, values, mask, sinks, scale)
+        attended = F.scaled_dot_product_attention(span_query, keys, values, attn_mask=mask,
+                                                  is_causal=mask is None, scale=scale, enable_gqa=True)
         output[rows] = attended.squeeze(0).transpose(0, 1).to(output.dtype)
     return output

@@ -33,10 +33,21 @@ def gemma3_fields(metadata: dict[str, Any], path: str, num_layers: int) -> dict[
 def sliding_fields(metadata: dict[str, Any], arch: str, path: str, num_layers: int) -> dict[str, Any]:
     """Per-layer sliding windows, the sliding layers' RoPE base and the final softcap, under the
     GGUF keys of `arch` (Gemma 3 and what builds on it)."""
+    softcap = metadata.get(f"{arch}.final_logit_softcapping")
+    return {"layer_windows": sliding_layer_windows(metadata, arch, path, num_layers, SLIDING_WINDOW_PATTERN),
+            "rope_local_theta": float(metadata.get(f"{arch}.rope.freq_base_swa", LOCAL_ROPE_BASE)),
+            "final_logit_softcapping": None if softcap is None else float(softcap)}
+
+
+def sliding_layer_windows(metadata: dict[str, Any], arch: str, path: str, num_layers: int,
+                          default_pattern: int) -> tuple[int | None, ...]:
+    """Per layer: the sliding window, or None for full attention. The file's pattern is one flag
+    per layer (true: sliding) or a period n (every n-th layer full, the others sliding);
+    default_pattern: llama.cpp's period for `arch` when the file has none."""
     window = metadata.get(f"{arch}.attention.sliding_window")
     if window is None:
         raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.attention.sliding_window")
-    pattern = metadata.get(f"{arch}.attention.sliding_window_pattern", SLIDING_WINDOW_PATTERN)
+    pattern = metadata.get(f"{arch}.attention.sliding_window_pattern", default_pattern)
     if isinstance(pattern, (list, tuple)):  # one flag per layer: true = sliding
         if len(pattern) != num_layers:
             raise ModelLoadError(f"{path}: {arch}.attention.sliding_window_pattern has {len(pattern)} entries "
@@ -44,7 +55,4 @@ def sliding_fields(metadata: dict[str, Any], arch: str, path: str, num_layers: i
         is_sliding = [bool(flag) for flag in pattern]
     else:
         is_sliding = [(i + 1) % int(pattern) != 0 for i in range(num_layers)]
-    softcap = metadata.get(f"{arch}.final_logit_softcapping")
-    return {"layer_windows": tuple(int(window) if sliding else None for sliding in is_sliding),
-            "rope_local_theta": float(metadata.get(f"{arch}.rope.freq_base_swa", LOCAL_ROPE_BASE)),
-            "final_logit_softcapping": None if softcap is None else float(softcap)}
+    return tuple(int(window) if sliding else None for sliding in is_sliding)

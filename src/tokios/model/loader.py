@@ -23,6 +23,7 @@ from tokios.model.decoder import ModelPart
 from tokios.model.expert_weights import gather_expert_weights
 from tokios.model.gemma3 import Gemma3Model
 from tokios.model.gemma4 import Gemma4Model
+from tokios.model.gpt_oss import GptOssModel, split_checkpoint_experts
 from tokios.model.llama import LlamaModel
 from tokios.model.olmoe import OlmoeModel
 from tokios.model.phi3 import split_fused_projections
@@ -36,10 +37,10 @@ from tokios.model.shape import ModelShape, gguf_architecture, shape_from_gguf, s
 # (their routing rules: model/shape.py).
 ARCHITECTURES = {"llama": LlamaModel, "mistral": LlamaModel, "qwen2": LlamaModel, "qwen3": Qwen3Model,
                  "phi3": LlamaModel, "gemma3": Gemma3Model, "gemma4": Gemma4Model,
-                 "qwen3moe": Qwen3Model, "qwen2moe": LlamaModel, "olmoe": OlmoeModel}
-# The architectures whose mixture of experts tokios runs (gemma4's MoE variant and gpt-oss are not
-# among them; their expert tensors are errors naming them).
-_MOE_ARCHITECTURES = ("llama", "qwen3moe", "qwen2moe", "olmoe")
+                 "qwen3moe": Qwen3Model, "qwen2moe": LlamaModel, "olmoe": OlmoeModel, "gpt-oss": GptOssModel}
+# The architectures whose mixture of experts tokios runs (gemma4's MoE variant is not among them;
+# its expert tensors are errors naming them).
+_MOE_ARCHITECTURES = ("llama", "qwen3moe", "qwen2moe", "olmoe", "gpt-oss")
 
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -94,9 +95,20 @@ _GGUF_LAYER_NAMES_BY_ARCHITECTURE["gemma4"] = {
     "proj.weight": "per_layer_projection.weight",
     "post_norm.weight": "post_per_layer_input_norm.weight",
     "layer_output_scale.weight": "layer_scalar"}
+# gpt-oss (converter: conversion/gpt_oss.py): biases on the attention output, the sinks, the
+# norm before the experts (llama.cpp's attn_post_norm), the biased router and experts.
+_GGUF_LAYER_NAMES_BY_ARCHITECTURE["gpt-oss"] = {
+    **_GGUF_LAYER_NAMES,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_sinks.weight": "self_attn.sinks",
+    "ffn_gate_inp.weight": "mlp.gate.weight", "ffn_gate_inp.bias": "mlp.gate.bias",
+    **{f"ffn_{kind}_exps.{part}": f"mlp.experts.{kind}_proj.{part}"
+       for kind in ("gate", "up", "down") for part in ("weight", "bias")}}
 # Architectures whose converter keeps Q/K rows in the Hugging Face (NEOX, rotate-half) order:
 # llama.cpp's convert_hf_to_gguf.py interleaves the rows only for the Llama family (llama, mistral).
-_UNPERMUTED_ROPE_ARCHITECTURES = ("gemma3", "gemma4", "qwen2", "qwen3", "phi3", "qwen2moe", "qwen3moe", "olmoe")
+_UNPERMUTED_ROPE_ARCHITECTURES = ("gemma3", "gemma4", "qwen2", "qwen3", "phi3", "qwen2moe", "qwen3moe", "olmoe",
+                                  "gpt-oss")
 
 _GGUF_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                    "output.weight": "lm_head.weight",
@@ -265,8 +277,8 @@ def read_model_file(path: str, part_of: Callable[[ModelConfig], ModelPart] | Non
         keep = _weights_to_read(part_of, config)
         weights = weights_from_gguf(gguf, config, keep)
         tokenizer_source = gguf.metadata
-    weights = pair_unrotated_dimensions(split_fused_projections(gather_expert_weights(weights, config), config),
-                                        config)
+    weights = gather_expert_weights(split_checkpoint_experts(weights, config), config)
+    weights = pair_unrotated_dimensions(split_fused_projections(weights, config), config)
     if context_len is not None and context_len < config.max_model_len:
         config = replace(config, max_model_len=context_len)
     if "rope_freqs" in weights:

@@ -52,9 +52,10 @@ class TorchOps:
 
     def attention(self, qkv: torch.Tensor, positions: torch.Tensor, key_cache: torch.Tensor,
                   value_cache: torch.Tensor, metadata: AttentionMetadata, rope_tables,
-                  rotary: RotaryEmbedding | None = None) -> torch.Tensor:
+                  rotary: RotaryEmbedding | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """-> attended [num_tokens, heads * head_dim]. rotary: the layer's own RoPE (a model with
-        one base per layer kind), whose rope_tables(positions, rotary) these are."""
+        one base per layer kind), whose rope_tables(positions, rotary) these are. sinks
+        [heads] float32: the layer's attention sinks (gpt-oss), or None."""
         config = self.config
         rotary = rotary or self.rotary
         num_tokens = qkv.shape[0]
@@ -65,7 +66,7 @@ class TorchOps:
         query = rotary.apply(query.float(), cos, sin)
         key = rotary.apply(key.float(), cos, sin)
         write_kv(key_cache, value_cache, key, value, metadata.slot_mapping)
-        attended = paged_attention(query, key_cache, value_cache, metadata, self.scale)
+        attended = paged_attention(query, key_cache, value_cache, metadata, self.scale, sinks)
         return attended.reshape(num_tokens, self.q_size)
 
     def rope_tables(self, positions: torch.Tensor, rotary: RotaryEmbedding | None = None):
@@ -91,7 +92,7 @@ class CpuKernelOps(TorchOps):
 
     def attention(self, qkv: torch.Tensor, positions: torch.Tensor, key_cache: torch.Tensor,
                   value_cache: torch.Tensor, metadata: AttentionMetadata, rope_tables,
-                  rotary: RotaryEmbedding | None = None) -> torch.Tensor:
+                  rotary: RotaryEmbedding | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         config = self.config
         rotary = rotary or self.rotary
         qkv = qkv.contiguous()
@@ -103,13 +104,13 @@ class CpuKernelOps(TorchOps):
         if num_decode:
             attended[:num_decode] = self.extension.decode_attention(
                 qkv[:num_decode], key_cache, value_cache, metadata.decode_slot_indices, metadata.decode_context_lens,
-                config.num_heads, config.num_kv_heads, config.head_dim, self.scale)
+                config.num_heads, config.num_kv_heads, config.head_dim, self.scale, sinks)
         if metadata.spans:
             # Prefill chunks: one SDPA per span (a matrix product over the chunk).
             query = qkv[:, :self.q_size].view(num_tokens, config.num_heads, config.head_dim)
             span_metadata = AttentionMetadata(metadata.slot_mapping, 0, spans=metadata.spans)
-            attended[num_decode:] = paged_attention(query, key_cache, value_cache, span_metadata,
-                                                    self.scale)[num_decode:].reshape(-1, self.q_size)
+            attended[num_decode:] = paged_attention(query, key_cache, value_cache, span_metadata, self.scale,
+                                                    sinks)[num_decode:].reshape(-1, self.q_size)
         return attended
 
     def fused_decoder(self, model, kv_caches, num_layers: int | None = None):

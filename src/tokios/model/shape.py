@@ -28,14 +28,19 @@ from tokios.errors import ModelLoadError, UnsupportedError
 from tokios.gguf_file import GGUFFile
 from tokios.model.gemma3_metadata import gemma3_fields
 from tokios.model.gemma4_metadata import gemma4_fields, gemma4_hf_fields
+from tokios.model.gpt_oss_metadata import gpt_oss_fields, gpt_oss_hf_fields
 
 # GGUF architecture -> what its metadata adds to the common shape: fn(metadata, path, num_layers).
-_ARCHITECTURE_FIELDS = {"gemma3": gemma3_fields, "gemma4": gemma4_fields}
+_ARCHITECTURE_FIELDS = {"gemma3": gemma3_fields, "gemma4": gemma4_fields, "gpt-oss": gpt_oss_fields}
 # Hugging Face model_type -> what its config.json adds: fn(config, path); the architecture it runs as.
-_HF_ARCHITECTURE_FIELDS = {"gemma4_text": gemma4_hf_fields}
+_HF_ARCHITECTURE_FIELDS = {"gemma4_text": gemma4_hf_fields, "gpt_oss": gpt_oss_hf_fields}
 # Mixtral runs as llama, as llama.cpp's converter writes it.
 _HF_TYPE_TO_ARCHITECTURE = {"gemma4_text": "gemma4", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe",
-                            "mixtral": "llama"}
+                            "mixtral": "llama", "gpt_oss": "gpt-oss"}
+# Architectures whose YaRN does not round its correction range to whole dimensions (transformers'
+# rope_parameters truncate: false; OpenAI's gpt-oss implementation). The converter writes no key
+# for it, and llama.cpp rounds for every model.
+_UNTRUNCATED_YARN_ARCHITECTURES = ("gpt-oss",)
 # Tensors a step gathers rows from rather than reading whole (token embeddings, Gemma 4's
 # per-layer input embeddings).
 _GATHERED_TENSORS = ("token_embd.weight", "per_layer_token_embd.weight")
@@ -44,7 +49,8 @@ _GATHERED_TENSORS = ("token_embd.weight", "per_layer_token_embd.weight")
 HF_ARCHITECTURE_TO_TYPE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                            "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3",
                            "Qwen3MoeForCausalLM": "qwen3_moe", "Qwen2MoeForCausalLM": "qwen2_moe",
-                           "MixtralForCausalLM": "mixtral", "OlmoeForCausalLM": "olmoe"}
+                           "MixtralForCausalLM": "mixtral", "OlmoeForCausalLM": "olmoe",
+                           "GptOssForCausalLM": "gpt_oss"}
 # transformers' LlamaConfig default, for a config.json without max_position_embeddings.
 DEFAULT_HF_CONTEXT_LEN = 2048
 
@@ -226,6 +232,8 @@ def shape_from_gguf(gguf: GGUFFile) -> ModelShape:
                             int(get("rope.scaling.original_context_length", get("context_length")))}
         if scaling_type == "yarn":
             rope_scaling.update(_gguf_yarn_parameters(metadata, arch, path))
+            if arch in _UNTRUNCATED_YARN_ARCHITECTURES:
+                rope_scaling["truncate"] = False
     elif "rope_factors_long.weight" in gguf.tensors:
         # LongRoPE as llama.cpp's converter writes it: no scaling type, the two factor tables as
         # tensors (the loader reads them), the attention factor computed at conversion.

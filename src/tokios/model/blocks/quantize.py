@@ -94,4 +94,6 @@ def quantize_ints(weight: np.ndarray, ggml_type: T) -> BlockInts:
 
 def quantize(weight: np.ndarray, ggml_type: T) -> np.ndarray:
     """[N, K] float -> the flat GGUF bytes of that tensor in `ggml_type`."""
+    if ggml_type == T.MXFP4:
+        return quantize_mxfp4(weight)
     return pack(quantize_ints(weight, ggml_type))

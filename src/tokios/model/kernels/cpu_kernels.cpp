@@ -640,16 +640,24 @@ void attend_segment_bf16(const float* const* queries, const int64_t* lengths, in
 // One query's softmax-weighted values from its segments' results (attend_segment), merged in
 // segment order: out = sum_k partial_k * exp(m_k - M) / sum_k sum_k * exp(m_k - M), M the
 // largest m_k. One segment: out = partial / sum, in place when out is the partial.
+// sink: the head's attention sink (gpt-oss), a logit that joins the denominator with no value:
+// it adds exp(sink - M) to the sum, and M is the largest of the m_k and the sink; nullptr: none.
 inline void segment_results(const float* partials, const float* maxima, const float* sums, int64_t num_segments,
-                            int64_t hd, float* out) {
-  if (num_segments == 1) {
+                            int64_t hd, const float* sink, float* out) {
+  if (num_segments == 1 && sink == nullptr) {
     const float inverse = 1.f / sums[0];
     for (int64_t j = 0; j < hd; ++j) out[j] = partials[j] * inverse;
     return;
   }
-  float maximum = -INFINITY;
+  float maximum = sink == nullptr ? -INFINITY : *sink;
   for (int64_t s = 0; s < num_segments; ++s) maximum = std::max(maximum, maxima[s]);
-  float total = 0.f;
+  float total = sink == nullptr ? 0.f : std::exp(*sink - maximum);
+  if (num_segments == 1) {  // with a sink: the partial may be out itself, so scaled in place
+    const float weight = std::exp(maxima[0] - maximum);
+    const float factor = weight / (sums[0] * weight + total);
+    for (int64_t j = 0; j < hd; ++j) out[j] = partials[j] * factor;
+    return;
+  }
   for (int64_t j = 0; j < hd; ++j) out[j] = 0.f;
   for (int64_t s = 0; s < num_segments; ++s) {
     const float weight = std::exp(maxima[s] - maximum);
@@ -667,10 +675,12 @@ inline void segment_results(const float* partials, const float* maxima, const fl
 // to kMaxQueries queries: the heads of its GQA group, for as many rows of the tile as fit.
 // Work items: (pass, KV heads, head part, segment). An item takes the KV heads of a pass whose
 // queries fit kMaxItemQueries when there are items enough to keep the threads busy, else one.
+// sinks [H]: each head's attention sink (segment_results), or nullptr.
 template <typename KV>
 void decode_attention_rows(const float* q, int64_t q_stride, const KV* key_cache, const KV* value_cache,
                            const int64_t* slot_table, int64_t max_context, const int64_t* context_lens,
-                           int64_t num_rows, const Shape& shape, float scale, float* out) {
+                           int64_t num_rows, const Shape& shape, float scale, float* out,
+                           const float* sinks = nullptr) {
   const int64_t H = shape.num_heads, KVH = shape.num_kv_heads, hd = shape.head_dim;
   const int64_t group = H / KVH;
   auto attend = &attend_segment<KV, 0>;
@@ -818,7 +828,7 @@ void decode_attention_rows(const float* q, int64_t q_stride, const KV* key_cache
       const int64_t at = result_index(r, h, 0);
       float* row_out = out + r * H * hd + h * hd;
       segment_results(segments == 1 ? row_out : partials + at * hd, result_maxima.data() + at,
-                      result_sums.data() + at, segments, hd, row_out);
+                      result_sums.data() + at, segments, hd, sinks == nullptr ? nullptr : sinks + h, row_out);
     }
   }
 }
@@ -1373,17 +1383,24 @@ void rope_write_kv(at::Tensor& qkv, const at::Tensor& positions, const at::Tenso
 }
 
 // q rows: the first num_heads*head_dim columns of qkv [D, ...]; returns [D, num_heads*head_dim].
+// sinks: [num_heads] float32 attention sinks, or None.
 at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& slot_table,
                             const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads,
-                            int64_t head_dim, double scale) {
+                            int64_t head_dim, double scale, const c10::optional<at::Tensor>& sinks) {
   check_f32(qkv, "qkv");
+  if (sinks.has_value()) {
+    check_f32(*sinks, "sinks");
+    TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == num_heads, "sinks must be [num_heads=", num_heads,
+                "], got ", sinks->sizes());
+  }
   const int64_t D = slot_table.size(0);
   at::Tensor out = at::empty({D, num_heads * head_dim}, qkv.options());
   with_kv_cache(key_cache, value_cache, Shape{num_heads, num_kv_heads, head_dim}, [&](auto* keys, auto* values) {
     decode_attention_rows(qkv.data_ptr<float>(), qkv.size(1), keys, values, slot_table.data_ptr<int64_t>(),
                           slot_table.size(1), context_lens.data_ptr<int64_t>(), D,
-                          Shape{num_heads, num_kv_heads, head_dim}, static_cast<float>(scale), out.data_ptr<float>());
+                          Shape{num_heads, num_kv_heads, head_dim}, static_cast<float>(scale), out.data_ptr<float>(),
+                          sinks.has_value() ? sinks->data_ptr<float>() : nullptr);
   });
   return out;
 }
@@ -1531,7 +1548,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("rope_write_kv", &rope_write_kv, "rotate q and k of a fused qkv tensor in place; write k, v to the cache",
              release_gil());
   module.def("decode_attention", &decode_attention, "one query token per request over its paged KV context",
-             release_gil());
+             pybind11::arg("qkv"), pybind11::arg("key_cache"), pybind11::arg("value_cache"),
+             pybind11::arg("slot_table"), pybind11::arg("context_lens"), pybind11::arg("num_heads"),
+             pybind11::arg("num_kv_heads"), pybind11::arg("head_dim"), pybind11::arg("scale"),
+             pybind11::arg("sinks") = pybind11::none(), release_gil());
   module.def("has_vnni", &has_vnni, "whether the AVX-512 VNNI path was compiled");
   module.def("has_avx2", &has_avx2, "whether the AVX2 path was compiled");
   module.def("has_bf16_dot", &has_bf16_dot,

@@ -12,10 +12,9 @@ Where it differs from Llama (model/llama.py), all read from the file:
 The norms are Llama's two RMSNorms per layer (the file's attn_norm and post_attention_norm).
 
 Expert weights arrive as model/moe.py's docstring lays them out (a GGUF file's stacked
-`ffn_*_exps`, dequantized: MXFP4 ones by model/quant.py); a Hugging Face directory's fused,
-interleaved `gate_up_proj` is split into that layout by `split_checkpoint_experts`.
-
-Runs on the per-op path: the fused all-layer decode step has neither sinks nor experts.
+`ffn_*_exps`; MXFP4 ones run on the kernels as stored); a Hugging Face directory's fused,
+interleaved `gate_up_proj` is split into that layout by `split_checkpoint_experts`. The fused
+decode step takes the sinks and the packed experts.
 """
 
 from __future__ import annotations
@@ -29,14 +28,15 @@ from tokios.model.gpt_oss_metadata import SWIGLU_ALPHA, SWIGLU_LIMIT
 from tokios.model.kernels import precise_activations
 from tokios.model.linear import make_linear
 from tokios.model.llama import LlamaModel
-from tokios.model.moe import ExpertActivation, Routing, SparseMoE
+from tokios.model.moe import ExpertActivation, Routing, make_sparse_moe
 from tokios.model.quant import as_dense, concat_rows
 
 ACTIVATION = ExpertActivation("swiglu_oai", alpha=SWIGLU_ALPHA, limit=SWIGLU_LIMIT)
 
 
 class GptOssLayer:
-    def __init__(self, config: ModelConfig, weights: dict, prefix: str, weight_format: str, device: torch.device):
+    def __init__(self, config: ModelConfig, weights: dict, prefix: str, weight_format: str, device: torch.device,
+                 ops=None):
         def weight(name: str):
             return weights.pop(f"{prefix}.{name}")
 
@@ -55,20 +55,13 @@ class GptOssLayer:
                                   weight_format, device, precise)
         # Float32 whatever the activations, as the attention's scores are.
         self.sinks = dense("self_attn.sinks", torch.float32).contiguous()  # [num_heads]
-        self.feed_forward = SparseMoE(
-            Routing(config.num_experts, config.num_experts_per_token, scoring="top_k_softmax"),
-            dense("mlp.gate.weight"), dense("mlp.experts.gate_proj.weight"), dense("mlp.experts.up_proj.weight"),
-            dense("mlp.experts.down_proj.weight"), activation=ACTIVATION, router_bias=dense("mlp.gate.bias"),
-            gate_bias=dense("mlp.experts.gate_proj.bias"), up_bias=dense("mlp.experts.up_proj.bias"),
-            down_bias=dense("mlp.experts.down_proj.bias"))
+        self.feed_forward = make_sparse_moe(
+            config, weights, prefix, Routing(config.num_experts, config.num_experts_per_token, scoring="top_k_softmax"),
+            ACTIVATION, weight_format, device, dtype)
 
 
 class GptOssModel(LlamaModel):
     layer_class = GptOssLayer
-
-    def init_ops(self, config, rotary, weight_format: str, device: torch.device) -> None:
-        super().init_ops(config, rotary, weight_format, device)
-        self.can_fuse_decode = False  # the fused step has neither sinks nor experts
 
     def layer_loop(self, hidden: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
                    kv_caches: list[tuple[torch.Tensor, torch.Tensor]], count: int, start: int = 0) -> torch.Tensor:
@@ -83,9 +76,6 @@ class GptOssModel(LlamaModel):
             hidden = hidden + layer.feed_forward(ops.rms_norm(hidden, layer.post_attention_norm)).to(self.dtype)
         return hidden
 
-    def layer_linears(self) -> list:
-        # The experts are not linear layers of model/linear.py (SparseMoE holds them).
-        return [linear for layer in self.layers for linear in (layer.qkv, layer.o_proj)]
 
 
 def split_checkpoint_experts(weights: dict, config: ModelConfig) -> dict:

@@ -260,7 +260,8 @@ def make_sparse_moe(config: ModelConfig, weights: dict, prefix: str, routing: Ro
     """The MoE feed-forward of the layer at `prefix` ("model.layers.7"), its weights popped from
     `weights` (model/expert_weights.py's names): the router `mlp.gate.weight`, the stacked experts
     `mlp.experts.{gate,up,down}_proj.weight` (dense tensors, or 3-D PackedWeights in the file's
-    blocks), and where config has one the shared expert `mlp.shared_expert.*` with its gate
+    blocks) with their biases `.bias` where the file has them (gpt-oss, also `mlp.gate.bias`),
+    and where config has one the shared expert `mlp.shared_expert.*` with its gate
     `mlp.shared_expert_gate.weight`. Returns the layer to call, hidden [rows, hidden] -> [rows, hidden].
 
     On the CPU with the quantized kernels (the weights still in the file's kernel block types, or
@@ -278,6 +279,10 @@ def make_sparse_moe(config: ModelConfig, weights: dict, prefix: str, routing: Ro
 
     router_weight = pop("mlp.gate.weight")
     gate, up, down = (pop(f"mlp.experts.{projection}.weight") for projection in ("gate_proj", "up_proj", "down_proj"))
+    # gpt-oss's biases: the router's and each expert's (absent elsewhere)
+    biases = {name: weights.pop(f"{prefix}.{tensor}", None)
+              for name, tensor in (("router_bias", "mlp.gate.bias"), ("gate_bias", "mlp.experts.gate_proj.bias"),
+                                   ("up_bias", "mlp.experts.up_proj.bias"), ("down_bias", "mlp.experts.down_proj.bias"))}
     shared = None
     if config.shared_expert_intermediate_size:
         shared = [pop(f"mlp.shared_expert.{projection}.weight") for projection in ("gate_proj", "up_proj", "down_proj")]
@@ -285,7 +290,7 @@ def make_sparse_moe(config: ModelConfig, weights: dict, prefix: str, routing: Ro
     if can_pack_experts([gate, up, down, *(shared or [])[:3]], weight_format, device):
         return PackedSparseMoE(routing, router_weight, gate, up, down, activation=activation,
                                shared_expert=None if shared is None else SharedExpert(*shared),
-                               weight_format=weight_format, precise=precise_activations(weight_format))
+                               weight_format=weight_format, precise=precise_activations(weight_format), **biases)
     shared_expert = None if shared is None else SharedExpert(*(dense(w) for w in shared))
     return SparseMoE(routing, dense(router_weight), dense(gate), dense(up), dense(down), activation=activation,
-                     shared_expert=shared_expert)
+                     shared_expert=shared_expert, **{name: dense(bias) for name, bias in biases.items()})

@@ -117,7 +117,8 @@ class CpuKernelOps(TorchOps):
         """The all-layers C++ decode step over these caches (built once per cache list); with
         num_layers, over the first layers only (speculative self-draft). A Gemma-style layer
         (pre_feedforward_norm) brings its extra norms, its own RoPE table and tanh-GELU; a layer
-        with per-head q/k norms (Gemma 3, Qwen3) brings those."""
+        with per-head q/k norms (Gemma 3, Qwen3) brings those, one with attention sinks (gpt-oss)
+        its sinks, a mixture of experts its packed experts."""
         layers = model.layers[:num_layers]
         kv_caches = kv_caches[:len(layers)]
         config = self.config
@@ -144,7 +145,8 @@ class CpuKernelOps(TorchOps):
             config.head_dim, config.hidden_size, config.intermediate_size, config.rms_norm_eps, self.scale, is_gemma,
             optional("post_attention_norm"), optional("post_feedforward_norm"), optional("q_norm", has_head_norms),
             optional("k_norm", has_head_norms), layer_groups,
-            [layer.feed_forward.kernel for layer in layers] if is_moe else [])
+            [layer.feed_forward.kernel for layer in layers] if is_moe else [],
+            [layer.sinks for layer in layers] if hasattr(layers[0], "sinks") else [])
 
 
 def fused_decode_inputs(metadata: AttentionMetadata) -> tuple[list, list, list]:

@@ -1421,7 +1421,7 @@ class FusedDecoder {
                int64_t intermediate_size, double eps, double scale, bool gelu,
                std::vector<at::Tensor> post_attention_norms, std::vector<at::Tensor> post_feedforward_norms,
                std::vector<at::Tensor> q_norms, std::vector<at::Tensor> k_norms, std::vector<int64_t> layer_groups,
-               std::vector<SparseExperts> experts)
+               std::vector<SparseExperts> experts, std::vector<at::Tensor> sinks)
       : input_norms_(std::move(input_norms)), post_norms_(std::move(post_norms)), qkv_(std::move(qkv)),
         o_proj_(std::move(o_proj)), gate_up_(std::move(gate_up)), down_(std::move(down)),
         key_caches_(std::move(key_caches)), value_caches_(std::move(value_caches)), cos_(std::move(cos)),
@@ -1429,14 +1429,19 @@ class FusedDecoder {
         intermediate_size_(intermediate_size), eps_(static_cast<float>(eps)), scale_(static_cast<float>(scale)),
         gelu_(gelu), post_attention_norms_(std::move(post_attention_norms)),
         post_feedforward_norms_(std::move(post_feedforward_norms)), q_norms_(std::move(q_norms)),
-        k_norms_(std::move(k_norms)), layer_groups_(std::move(layer_groups)), experts_(std::move(experts)) {
+        k_norms_(std::move(k_norms)), layer_groups_(std::move(layer_groups)), experts_(std::move(experts)),
+        sinks_(std::move(sinks)) {
     const size_t L = qkv_.size();
     TORCH_CHECK(cos_.size() == L && sin_.size() == L && layer_groups_.size() == L, "one RoPE table and group per layer");
     TORCH_CHECK(experts_.empty() ? gate_up_.size() == L && down_.size() == L : experts_.size() == L && gate_up_.empty(),
                 "every layer's feed-forward: gate_up and down, or sparse experts");
 
-    for (auto* optional : {&post_attention_norms_, &post_feedforward_norms_, &q_norms_, &k_norms_}) {
-      TORCH_CHECK(optional->empty() || optional->size() == L, "optional norms: none or one per layer");
+    for (auto* optional : {&post_attention_norms_, &post_feedforward_norms_, &q_norms_, &k_norms_, &sinks_}) {
+      TORCH_CHECK(optional->empty() || optional->size() == L, "optional norms and sinks: none or one per layer");
+    }
+    for (const at::Tensor& sink : sinks_) {
+      check_f32(sink, "sinks");
+      TORCH_CHECK(sink.numel() == num_heads, "sinks must be [num_heads=", num_heads, "]");
     }
   }
 
@@ -1472,7 +1477,8 @@ class FusedDecoder {
         rope_and_write(qkv.data(), D, positions.data_ptr<int64_t>(), cos_[layer].data_ptr<float>(),
                        sin_[layer].data_ptr<float>(), keys, values, slot_mappings[group].data_ptr<int64_t>(), shape_);
         decode_attention_rows(qkv.data(), qkv_size, keys, values, slot_table.data_ptr<int64_t>(), slot_table.size(1),
-                              context_lens[group].data_ptr<int64_t>(), D, shape_, scale_, attended.data());
+                              context_lens[group].data_ptr<int64_t>(), D, shape_, scale_, attended.data(),
+                              sinks_.empty() ? nullptr : sinks_[layer].data_ptr<float>());
       });
       o_proj_[layer].forward(attended.data(), D, projected.data());
       if (!post_attention_norms_.empty()) {
@@ -1507,6 +1513,7 @@ class FusedDecoder {
   std::vector<at::Tensor> post_attention_norms_, post_feedforward_norms_, q_norms_, k_norms_;
   std::vector<int64_t> layer_groups_;
   std::vector<SparseExperts> experts_;
+  std::vector<at::Tensor> sinks_;
   std::vector<float> normed_, qkv_out_, attended_, projected_, gate_up_out_, activated_;
 };
 
@@ -1562,6 +1569,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
                           std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                           std::vector<at::Tensor>, int64_t, int64_t, int64_t, int64_t, int64_t, double, double, bool,
                           std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                          std::vector<at::Tensor>, std::vector<int64_t>, std::vector<SparseExperts>>())
+                          std::vector<at::Tensor>, std::vector<int64_t>, std::vector<SparseExperts>,
+                          std::vector<at::Tensor>>())
       .def("forward", &FusedDecoder::forward, release_gil());
 }

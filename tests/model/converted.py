@@ -182,3 +182,16 @@ def converted_model(family: TinyFamily, tmp_path_factory) -> ConvertedModel:
         gguf_path = convert_to_gguf(directory / "hf", directory / f"{family.name}.f32.gguf")
         _converted[family.name] = ConvertedModel(family, directory / "hf", gguf_path, reference)
     return _converted[family.name]
+
+
+def quantized_model(family: TinyFamily, tmp_path_factory) -> Path:
+    """The family's tiny model requantized as llama.cpp's Q4_K_M chooses (blocks/requantize.py:
+    rows too short for K-quants fall back to Q5_0 / Q8_0 as llama-quantize's do; a mixture of
+    experts keeps its experts 3-D in their blocks, its router float32), made once per session."""
+    from tokios.model.blocks.requantize import mostly_q4_k_m, requantize_gguf
+
+    converted = converted_model(family, tmp_path_factory)
+    path = converted.gguf_path.with_name(f"{family.name}.q4_k_m.gguf")
+    if not path.exists():
+        requantize_gguf(str(converted.gguf_path), str(path), mostly_q4_k_m)
+    return path

@@ -8,7 +8,10 @@ a few blocks, checked through stats()). Every scenario must give
 exactly the reference token ids, and leave the block pool idle and consistent.
 
 Each of those runs on the default model and on the tiny Qwen3 that test_families.py converts
-(random weights: its logits spread over tens of units, so its greedy choices are no near-ties).
+(random weights: its logits spread over tens of units, so its greedy choices are no near-ties),
+in float32, and on the tiny Qwen3-MoE requantized as Q4_K_M and run as stored (auto): its experts on
+the packed kernel, whose rows, as every quantized product's, do not depend on the batch (float32
+KV cache).
 
 Also here: a request that could never fit (past the model's context, or larger than the whole
 KV cache) fails at once with ContextLengthExceededError and leaves nothing queued.
@@ -72,15 +75,29 @@ def run_together(llm, prompts: list[list[int]]) -> list[list[int]]:
     return [output.outputs[0].token_ids for output in outputs]
 
 
-@pytest.fixture(scope="module", params=["default", "qwen3"])
-def model_path(request, tmp_path_factory) -> str | None:
-    """The model the scheduling scenarios run on: None (the default model) or a converted tiny one."""
+@pytest.fixture(scope="module", params=["default", "qwen3", "qwen3moe"])
+def scenario(request, tmp_path_factory) -> tuple[str | None, dict]:
+    """The model the scheduling scenarios run on (None: the default model; else a converted tiny
+    one) and the engine options it runs with."""
     if request.param == "default":
-        return None
-    from converted import converted_model
+        return None, dict(dtype="float32")
+    from converted import converted_model, quantized_model
     from test_families import FAMILIES
 
-    return str(converted_model(FAMILIES[request.param], tmp_path_factory).gguf_path)
+    if request.param == "qwen3moe":
+        return str(quantized_model(FAMILIES["qwen3moe"], tmp_path_factory)), dict(dtype="auto",
+                                                                                   kv_cache_dtype="float32")
+    return str(converted_model(FAMILIES[request.param], tmp_path_factory).gguf_path), dict(dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def model_path(scenario) -> str | None:
+    return scenario[0]
+
+
+@pytest.fixture(scope="module")
+def engine_options(scenario) -> dict:
+    return scenario[1]
 
 
 @pytest.fixture(scope="module")
@@ -90,10 +107,10 @@ def chunk_tokens(model_path) -> int:
 
 
 @pytest.fixture(scope="module")
-def plain_engine(model_path):
+def plain_engine(model_path, engine_options):
     from tokios.engine import LLM
 
-    return LLM(model_path, dtype="float32", enable_prefix_caching=False, kv_cache_memory="64MiB")
+    return LLM(model_path, enable_prefix_caching=False, kv_cache_memory="64MiB", **engine_options)
 
 
 @pytest.fixture(scope="module")
@@ -120,11 +137,11 @@ def test_all_together_equals_one_by_one(plain_engine, prompts, reference_token_i
     assert run_together(plain_engine, prompts) == reference_token_ids
 
 
-def test_chunked_prefill_then_hot_prefix_cache_equal_one_by_one(model_path, chunk_tokens, prompts,
+def test_chunked_prefill_then_hot_prefix_cache_equal_one_by_one(model_path, engine_options, chunk_tokens, prompts,
                                                                reference_token_ids):
     from tokios.engine import LLM
 
-    llm = LLM(model_path, dtype="float32", max_num_batched_tokens=chunk_tokens, kv_cache_memory="64MiB")
+    llm = LLM(model_path, max_num_batched_tokens=chunk_tokens, kv_cache_memory="64MiB", **engine_options)
     assert run_together(llm, prompts) == reference_token_ids  # cold cache, chunked
     hits_after_cold = llm.stats().prefix_cache_hits
     assert run_together(llm, prompts) == reference_token_ids  # the same batch again: a hot cache
@@ -133,11 +150,11 @@ def test_chunked_prefill_then_hot_prefix_cache_equal_one_by_one(model_path, chun
 
 
 @pytest.fixture(scope="module")
-def tight_engine(model_path, plain_engine):
+def tight_engine(model_path, engine_options, plain_engine):
     from tokios.engine import LLM
 
     block_bytes = plain_engine.kv_bytes_per_token() * 16
-    return LLM(model_path, dtype="float32", kv_cache_memory=NUM_PREEMPTION_BLOCKS * block_bytes, block_size=16)
+    return LLM(model_path, kv_cache_memory=NUM_PREEMPTION_BLOCKS * block_bytes, block_size=16, **engine_options)
 
 
 def test_forced_preemption_equals_one_by_one(tight_engine, prompts, reference_token_ids):

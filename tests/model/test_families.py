@@ -129,11 +129,14 @@ def llama3_config(vocab_size: int):
 # The mixtures of experts: 2 layers, hidden 64, 8 experts of width 32, top-2; norm weights drawn
 # so that a misplaced one shows (OLMoE's q/k norms over the whole projection included).
 def qwen3moe_config(vocab_size: int):
-    # norm_topk_prob as Qwen3-30B-A3B (llama.cpp's qwen3moe always renormalises).
+    # norm_topk_prob as Qwen3-30B-A3B (llama.cpp's qwen3moe always renormalises). Four layers of
+    # two 128-wide KV heads make 8 KiB of float32 KV a token, as the tiny Qwen3's, so that the
+    # preemption scenario (test_engine_invariance.py) fits its few blocks into the smallest KV
+    # cache the engine takes.
     return _transformers().Qwen3MoeConfig(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
-        num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+        num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=128, max_position_embeddings=1024,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=False,
         initializer_range=0.5)
 

@@ -12,7 +12,9 @@
 - A draft whose tokenizer differs is refused with a clear error.
 
 All of it also runs on the tiny Qwen3 that test_families.py converts (float32, the file as its
-own draft model, self-draft from its first two layers).
+own draft model, self-draft from its first two layers), and on the tiny Qwen3-MoE requantized as
+Q4_K_M, as stored: its experts on the packed kernel, in the fused decode step and the verify rows
+alike.
 
 The default-dtype engine runs without prefix caching: a prefix hit changes how a prompt was
 prefilled, which can move low-order bits in that dtype (docs/architecture.md), and that is not
@@ -77,17 +79,20 @@ def token_ids(outputs) -> list[list[int]]:
 
 # The tiny Qwen3 runs the first 4 prompts one by one (code to copy, a sentence to copy, two
 # repeating lists), and all 16 batched; the stored format runs every prompt both ways.
-NUM_SINGLE_PROMPTS = {"auto": len(PROMPTS), "qwen3": 4}
+NUM_SINGLE_PROMPTS = {"auto": len(PROMPTS), "qwen3": 4, "qwen3moe": 4}
 
 
-@pytest.fixture(scope="module", params=["auto", "qwen3"])
+@pytest.fixture(scope="module", params=["auto", "qwen3", "qwen3moe"])
 def engine(request, tmp_path_factory):
-    if request.param == "qwen3":
-        from converted import converted_model
-        from test_families import FAMILIES
+    from converted import converted_model, quantized_model
+    from test_families import FAMILIES
 
+    if request.param == "qwen3":
         path = str(converted_model(FAMILIES["qwen3"], tmp_path_factory).gguf_path)
         llm = make_engine("float32", model=path, self_draft_num_layers=2)
+    elif request.param == "qwen3moe":
+        path = str(quantized_model(FAMILIES["qwen3moe"], tmp_path_factory))
+        llm = make_engine("auto", model=path, self_draft_num_layers=2, kv_cache_dtype="float32")
     else:
         llm = make_engine(request.param)
     prompts = [llm.tokenizer.encode(p) for p in PROMPTS]

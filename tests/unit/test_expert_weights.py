@@ -66,7 +66,7 @@ def test_a_missing_expert_or_a_fused_tensor_of_another_width_is_named():
     with pytest.raises(ModelLoadError, match=r"model.layers.0: \w+ of experts \[3\] missing"):
         gather_expert_weights(weights, CONFIG)
     too_wide = {f"{PREFIX}.mlp.experts.gate_up_proj": torch.zeros(NUM_EXPERTS, 2 * INTERMEDIATE + 2, HIDDEN)}
-    with pytest.raises(ModelLoadError, match="gate_up_proj has shape \\[4, 8, 5\\]; the config's experts make \\[4, 6, 5\\]"):
+    with pytest.raises(ModelLoadError, match=r"gate_up_proj has shape \[4, 8, 5\]; the config's .* \[4, 6, 5\]"):
         gather_expert_weights(too_wide, CONFIG)
 
 

@@ -176,8 +176,9 @@ def write_moe_gguf(path, arch: str, **routing_keys):
     """A header-only mixture of experts (8 experts, top 2) of `arch` with `routing_keys`
     (expert_gating_func, expert_weights_norm, expert_weights_scale) as llama.cpp names them."""
     writer = GGUFWriter(str(path), arch=arch)
-    for add, value in ((writer.add_block_count, 1), (writer.add_embedding_length, 8), (writer.add_feed_forward_length, 16),
-                       (writer.add_head_count, 2), (writer.add_context_length, 256), (writer.add_expert_count, 8),
+    for add, value in ((writer.add_block_count, 1), (writer.add_embedding_length, 8),
+                       (writer.add_feed_forward_length, 16), (writer.add_head_count, 2),
+                       (writer.add_context_length, 256), (writer.add_expert_count, 8),
                        (writer.add_expert_used_count, 2)):
         add(value)
     for key, value in routing_keys.items():

@@ -64,8 +64,13 @@ class ParallelPlan:
         return ModelPart(self.stage_layers(stage, num_layers), embed=stage == 0, head=False)
 
     def check(self, config: ModelConfig) -> None:
-        """An InvalidRequestError naming the size when this model cannot be split so."""
+        """An InvalidRequestError naming the size when this model cannot be split so (an
+        UnsupportedError for tensor parallel over a mixture of experts)."""
         tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        if tp > 1 and config.num_experts:
+            raise UnsupportedError(f"tensor_parallel_size {tp} with a mixture of experts ({config.num_experts} "
+                                   "experts) is not supported: its experts are not split across ranks "
+                                   "(pipeline parallel is)", param="tensor_parallel_size")
         if pp > config.num_layers:
             raise InvalidRequestError(f"pipeline_parallel_size {pp} is more than the model's {config.num_layers} "
                                       "layers", param="pipeline_parallel_size")
@@ -93,10 +98,6 @@ class ParallelPlan:
         other than "stored"); run as stored, that is an error naming it."""
         part = self.part_of(rank, config.num_layers)
         tp, tp_rank = self.tensor_parallel_size, self.tp_rank_of(rank)
-        if tp > 1 and config.num_experts:
-            raise UnsupportedError(f"tensor_parallel_size {tp} with a mixture of experts ({config.num_experts} "
-                                   "experts) is not supported: its experts are not split across ranks "
-                                   "(pipeline parallel is)")
         head_dim = config.head_dim
         q_rows = _slice_of(config.num_heads // tp * head_dim, tp_rank)
         if config.num_kv_heads >= tp:

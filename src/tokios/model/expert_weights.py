@@ -45,7 +45,8 @@ def gather_expert_weights(weights: dict, config: ModelConfig) -> dict:
         match = _PER_EXPERT.match(name)
         if match is not None:
             prefix, module, expert_id, projection = match.groups()
-            projection = _MIXTRAL_PROJECTIONS.get(projection, projection) if module == "block_sparse_moe" else projection
+            if module == "block_sparse_moe":
+                projection = _MIXTRAL_PROJECTIONS.get(projection, projection)
             if projection not in PROJECTIONS:
                 raise ModelLoadError(f"{name}: an expert projection {projection!r} of no supported architecture")
             per_expert.setdefault((prefix, projection), {})[int(expert_id)] = weight

@@ -215,3 +215,25 @@ def test_a_rank_that_dies_between_steps_fails_the_next_step_at_once():
         assert all(process.exitcode is not None for process in llm.core.model.processes.values())
     finally:
         llm.close()
+
+
+def test_mixture_of_experts_pipeline_parallel(tmp_path_factory):
+    """The tiny Qwen3-MoE requantized as Q4_K_M, as stored, in two stages: each stage's fused step
+    runs its own layers' packed experts, and the tokens are the single process's. (Tensor
+    parallel over experts is refused by name: test_moe_families.py.)"""
+    from converted import quantized_model
+    from test_families import FAMILIES
+    from tokios.engine import LLM
+
+    path = str(quantized_model(FAMILIES["qwen3moe"], tmp_path_factory))
+    single = LLM(model=path, kv_cache_memory="32MiB", num_threads=1)
+    try:
+        prompts = [single.tokenizer.encode(text) for text in ("The lighthouse keeper", "Zürich, naïve café")]
+        expected = greedy_tokens(single, prompts)
+    finally:
+        single.close()
+    llm = LLM(model=path, kv_cache_memory="32MiB", num_threads=1, pipeline_parallel_size=2)
+    try:
+        assert greedy_tokens(llm, prompts) == expected
+    finally:
+        llm.close()

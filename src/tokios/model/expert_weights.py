@@ -13,7 +13,8 @@ What arrives (model/loader.py names a GGUF file's tensors so beforehand):
   transformers 5.25's save_pretrained writes for Qwen2/3-MoE and OLMoE), Mixtral's
   `block_sparse_moe.experts.7.w1` (gate), `w2` (down), `w3` (up) with its router
   `block_sparse_moe.gate`; or transformers 5's fused in-memory layout, `mlp.experts.gate_up_proj`
-  [num_experts, 2 * intermediate, hidden] and `mlp.experts.down_proj`, without `.weight`.
+  [num_experts, 2 * intermediate, hidden] and `mlp.experts.down_proj`, without `.weight`;
+  gpt-oss's its own (`mlp.router`, gate and up interleaved, [E, in, out] matrices, biases).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def gather_expert_weights(weights: dict, config: ModelConfig) -> dict:
     a fused tensor of another width, is an error naming the tensor."""
     if not config.num_experts:
         return weights
+    weights = _gpt_oss_checkpoint_layout(weights, config)
     gathered: dict = {}
     # (layer prefix, projection) -> expert id -> [out, in]
     per_expert: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
@@ -80,3 +82,32 @@ def _split_gate_up(name: str, weight, config: ModelConfig) -> tuple:
     intermediate = config.expert_intermediate_size
     return (select_expert_rows(weight, slice(0, intermediate)),
             select_expert_rows(weight, slice(intermediate, 2 * intermediate)))
+
+
+def _gpt_oss_checkpoint_layout(weights: dict, config: ModelConfig) -> dict:
+    """A gpt-oss Hugging Face checkpoint's feed-forward in the names and layout of a GGUF file
+    (model/moe.py): router -> mlp.gate; experts.gate_up_proj [E, hidden, 2I] with gate and up
+    interleaved along its last dimension (gate the even columns) -> gate_proj, up_proj
+    [E, I, hidden]; down_proj [E, I, hidden] -> [E, hidden, I]; the biases likewise. Other
+    architectures' weights, and those already so, pass unchanged."""
+    if config.architecture != "gpt-oss":
+        return weights
+    renamed = {}
+    for name, tensor in weights.items():
+        if ".mlp.router." in name:
+            renamed[name.replace(".mlp.router.", ".mlp.gate.")] = tensor
+        elif name.endswith(".mlp.experts.gate_up_proj"):
+            prefix = name[:-len("gate_up_proj")]
+            renamed[f"{prefix}gate_proj.weight"] = tensor[..., ::2].transpose(1, 2).contiguous()
+            renamed[f"{prefix}up_proj.weight"] = tensor[..., 1::2].transpose(1, 2).contiguous()
+        elif name.endswith(".mlp.experts.gate_up_proj_bias"):
+            prefix = name[:-len("gate_up_proj_bias")]
+            renamed[f"{prefix}gate_proj.bias"] = tensor[..., ::2].contiguous()
+            renamed[f"{prefix}up_proj.bias"] = tensor[..., 1::2].contiguous()
+        elif name.endswith(".mlp.experts.down_proj"):
+            renamed[f"{name}.weight"] = tensor.transpose(1, 2).contiguous()
+        elif name.endswith(".mlp.experts.down_proj_bias"):
+            renamed[name.replace("down_proj_bias", "down_proj.bias")] = tensor
+        else:
+            renamed[name] = tensor
+    return renamed

@@ -19,12 +19,17 @@ from tokios.model.linear import make_linear
 from tokios.model.decoder import DecoderModel, ModelPart, make_ops
 from tokios.model.dtypes import ACTIVATION_DTYPE
 from tokios.model.mlp import make_feed_forward
+from tokios.model.moe import ExpertActivation
 from tokios.model.quant import EmbeddingTable, as_dense, concat_rows
 from tokios.model.rope import RotaryEmbedding
 
 
 class LlamaLayer:
-    """One decoder layer's weights. ops: the model's (the dense feed-forward's GLU is theirs)."""
+    """One decoder layer's weights. ops: the model's (the dense feed-forward's GLU is theirs).
+    Biases on q, k, v and o where the file has them."""
+
+    # How a mixture of experts' expert combines gate and up (model/moe.py).
+    expert_activation = ExpertActivation("silu")
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], prefix: str, weight_format: str,
                  device: torch.device, ops):
@@ -43,8 +48,11 @@ class LlamaLayer:
         qkv_biases = [bias(f"self_attn.{n}_proj.bias") for n in "qkv"]
         qkv_bias = torch.cat([as_dense(b) for b in qkv_biases]) if all(b is not None for b in qkv_biases) else None
         self.qkv = make_linear(qkv_weight, qkv_bias, weight_format, device, precise)
-        self.o_proj = make_linear(weight("self_attn.o_proj.weight"), None, weight_format, device, precise)
-        self.feed_forward = make_feed_forward(config, weights, prefix, weight_format, device, precise, ops)
+        o_bias = bias("self_attn.o_proj.bias")
+        self.o_proj = make_linear(weight("self_attn.o_proj.weight"), None if o_bias is None else as_dense(o_bias),
+                                  weight_format, device, precise)
+        self.feed_forward = make_feed_forward(config, weights, prefix, weight_format, device, precise, ops,
+                                              self.expert_activation)
 
     # The fused decode step (model/ops.py) reads a dense layer's two feed-forward products.
     @property

@@ -23,7 +23,7 @@ from tokios.model.decoder import ModelPart
 from tokios.model.expert_weights import gather_expert_weights
 from tokios.model.gemma3 import Gemma3Model
 from tokios.model.gemma4 import Gemma4Model
-from tokios.model.gpt_oss import GptOssModel, split_checkpoint_experts
+from tokios.model.gpt_oss import GptOssModel
 from tokios.model.llama import LlamaModel
 from tokios.model.olmoe import OlmoeModel
 from tokios.model.phi3 import split_fused_projections
@@ -277,7 +277,7 @@ def read_model_file(path: str, part_of: Callable[[ModelConfig], ModelPart] | Non
         keep = _weights_to_read(part_of, config)
         weights = weights_from_gguf(gguf, config, keep)
         tokenizer_source = gguf.metadata
-    weights = gather_expert_weights(split_checkpoint_experts(weights, config), config)
+    weights = gather_expert_weights(weights, config)
     weights = pair_unrotated_dimensions(split_fused_projections(weights, config), config)
     if context_len is not None and context_len < config.max_model_len:
         config = replace(config, max_model_len=context_len)

@@ -37,11 +37,12 @@ class GatedMLP:
 
 
 def make_feed_forward(config: ModelConfig, weights: dict, prefix: str, weight_format: str, device: torch.device,
-                      precise: bool, ops):
+                      precise: bool, ops, expert_activation: ExpertActivation = ExpertActivation("silu")):
     """The feed-forward of the layer at `prefix`, its weights popped from `weights` (Hugging Face
-    names): the sparse MoE when the config has experts, else the gated MLP with SiLU."""
+    names): the sparse MoE (its experts combining gate and up by expert_activation) when the
+    config has experts, else the gated MLP with SiLU."""
     if config.num_experts:
-        return make_sparse_moe(config, weights, prefix, routing_of(config), ExpertActivation("silu"), weight_format,
+        return make_sparse_moe(config, weights, prefix, routing_of(config), expert_activation, weight_format,
                                device, ACTIVATION_DTYPE[weight_format])
     gate_up = concat_rows([weights.pop(f"{prefix}.mlp.gate_proj.weight"), weights.pop(f"{prefix}.mlp.up_proj.weight")])
     return GatedMLP(make_linear(gate_up, None, weight_format, device, precise),

@@ -296,13 +296,18 @@ def shape_from_gguf(gguf: GGUFFile) -> ModelShape:
 # qwen2moe, olmoe or llama; transformers: Qwen3-MoE's released configs set norm_topk_prob,
 # Qwen1.5/2-MoE's and OLMoE's do not, Mixtral, written as llama, always renormalises).
 _ARCHITECTURE_TO_EXPERT_NORMALIZE_TOP_K = {"qwen3moe": True, "llama": True, "qwen2moe": False, "olmoe": False}
+# An architecture's scoring where the file does not say: gpt-oss softmaxes the chosen k logits
+# only (llama.cpp's SOFTMAX_WEIGHT); the others softmax over all experts.
+_ARCHITECTURE_TO_EXPERT_SCORING = {"gpt-oss": "top_k_softmax"}
 
 
 def _routing(architecture: str, stated: dict[str, Any]) -> dict[str, Any]:
     """The routing fields: what the file states (a None is silence), else the architecture's rule
-    (unscaled softmax over all experts, the renormalisation above; off for other architectures)."""
+    (the scoring above, else softmax over all experts; the renormalisation above, off for other
+    architectures; unscaled)."""
     normalize = stated.get("expert_normalize_top_k")
-    return dict(expert_scoring=stated.get("expert_scoring") or "softmax",
+    return dict(expert_scoring=stated.get("expert_scoring") or _ARCHITECTURE_TO_EXPERT_SCORING.get(architecture,
+                                                                                                   "softmax"),
                 expert_normalize_top_k=(_ARCHITECTURE_TO_EXPERT_NORMALIZE_TOP_K.get(architecture, False)
                                         if normalize is None else normalize),
                 expert_weights_scale=stated.get("expert_weights_scale") or 1.0)

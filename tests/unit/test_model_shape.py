@@ -141,6 +141,16 @@ def test_rope_bases_per_layer_type_are_described_and_refused_only_by_the_loader(
         model_config_from_hf(str(tmp_path))
 
 
+def write_header_only(writer: GGUFWriter, path):
+    """Finishes a header-only test file: one small embedding tensor, then everything written."""
+    writer.add_tensor("token_embd.weight", np.ones((16, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def write_yarn_gguf(path, **yarn_keys: float):
     writer = GGUFWriter(str(path), arch="qwen3")
     for add, value in ((writer.add_block_count, 1), (writer.add_embedding_length, 8), (writer.add_feed_forward_length, 16),
@@ -151,12 +161,7 @@ def write_yarn_gguf(path, **yarn_keys: float):
     writer.add_rope_scaling_orig_ctx_len(64)
     for key, value in yarn_keys.items():
         writer.add_float32(f"qwen3.rope.scaling.{key}", value)
-    writer.add_tensor("token_embd.weight", np.ones((16, 8), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return write_header_only(writer, path)
 
 
 def test_a_yarn_gguf_gives_its_parameters_under_transformers_names(tmp_path):
@@ -184,12 +189,7 @@ def write_moe_gguf(path, arch: str, **routing_keys):
     for key, value in routing_keys.items():
         (writer.add_bool if isinstance(value, bool) else writer.add_float32 if isinstance(value, float)
          else writer.add_uint32)(f"{arch}.{key}", value)
-    writer.add_tensor("token_embd.weight", np.ones((16, 8), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return write_header_only(writer, path)
 
 
 def test_an_moe_files_routing_is_its_keys_else_its_architectures_rule(tmp_path):

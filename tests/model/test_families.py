@@ -93,6 +93,14 @@ def gemma4_config(vocab_size: int):
         num_global_key_value_heads=1, attention_k_eq_v=True, num_kv_shared_layers=2,
         hidden_size_per_layer_input=8, layer_types=["sliding_attention", "full_attention"] * 3, sliding_window=48,
         max_position_embeddings=1024, initializer_range=0.2, architectures=["Gemma4ForCausalLM"])
+def gemma4_moe_config(vocab_size: int):
+    """The tiny Gemma 4 with its MoE block (26B-A4B's kind): 8 experts of width 32, top 2, beside
+    each layer's dense MLP."""
+    config = gemma4_config(vocab_size)
+    config.enable_moe_block, config.num_experts, config.top_k_experts, config.moe_intermediate_size = True, 8, 2, 32
+    return config
+
+
 def qwen3_config(vocab_size: int, rope_parameters: dict | None = None, max_position_embeddings: int = 1024):
     # Qwen3's head_dim of 128 with 8 heads over a 64-wide hidden state: q is 1024 wide, so a
     # head_dim taken as hidden / heads would not load. Four layers make 8 KiB of float32 KV a
@@ -168,7 +176,7 @@ def olmoe_config(vocab_size: int):
         initializer_range=0.5, pad_token_id=None, bos_token_id=None, eos_token_id=None)
 
 
-MOE_FAMILIES = ("qwen3moe", "qwen2moe", "mixtral", "olmoe")
+MOE_FAMILIES = ("qwen3moe", "qwen2moe", "mixtral", "olmoe", "gemma4moe")
 FAMILIES = {
     family.name: family for family in (
         TinyFamily("qwen2", qwen2_config, vocab="qwen2", random_biases=True),
@@ -184,6 +192,9 @@ FAMILIES = {
         TinyFamily("qwen2moe", qwen2moe_config, vocab="qwen2", random_biases=True, random_scales=("norm.weight",)),
         TinyFamily("mixtral", mixtral_config, vocab="llama-bpe", random_scales=("norm.weight",)),
         TinyFamily("olmoe", olmoe_config, vocab="qwen2", random_scales=("norm.weight",)),
+        # The router's scales are drawn (transformers makes them ones), not the embedding's (a buffer).
+        TinyFamily("gemma4moe", gemma4_moe_config, vocab="gemma-4",
+                   random_scales=("norm.weight", "layer_scalar", "router.scale", "per_expert_scale"), seed=1),
     )
 }
 

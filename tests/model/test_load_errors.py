@@ -96,28 +96,6 @@ def test_unknown_architecture(tmp_path):
     assert "\n" not in raised.value.message
 
 
-def gemma4_moe_config(vocab_size: int):
-    from test_families import gemma4_config
-
-    config = gemma4_config(vocab_size)
-    config.enable_moe_block, config.num_experts, config.top_k_experts, config.moe_intermediate_size = True, 4, 2, 32
-    return config
-
-
-@pytest.mark.parametrize("source", ["gguf", "hf_directory"])
-def test_gemma4_with_moe_blocks_names_what_is_missing(source, tmp_path_factory):
-    # A real file: the tiny Gemma 4 with MoE blocks, converted by llama.cpp's own script (its
-    # vocabulary is Llama's SentencePiece one, the smallest the Gemma 4 converter accepts).
-    from converted import TinyFamily, converted_model
-
-    tiny = converted_model(TinyFamily("gemma4-moe", gemma4_moe_config, vocab="llama-spm"), tmp_path_factory)
-    with pytest.raises(UnsupportedError) as raised:
-        load(tiny.gguf_path if source == "gguf" else tiny.hf_directory)
-    message = raised.value.message
-    assert "Gemma 4 with MoE blocks is not supported" in message and "expert feed-forward" in message
-    assert "\n" not in message
-
-
 def test_tensor_type_tokios_does_not_implement(tmp_path):
     path = write_gguf(tmp_path / "iq2.gguf", "llama", tensor_type=GGMLQuantizationType.IQ2_XXS)
     with pytest.raises(UnsupportedError) as raised:

@@ -38,7 +38,8 @@ def test_the_rows_of_a_prompt_choose_different_experts(name, tmp_path_factory):
         router_logits = tiny.reference(torch.tensor([prompt_ids(tiny)]), output_router_logits=True).router_logits
     assert len(router_logits) == config.num_hidden_layers
     for layer, logits in enumerate(router_logits):
-        chosen = logits.reshape(-1, logits.shape[-1]).topk(config.num_experts_per_tok, dim=-1).indices.sort(-1).values
+        top_k = getattr(config, "num_experts_per_tok", None) or config.top_k_experts  # Gemma 4's name
+        chosen = logits.reshape(-1, logits.shape[-1]).topk(top_k, dim=-1).indices.sort(-1).values
         pairs = {tuple(row) for row in chosen.tolist()}
         assert set(chosen.flatten().tolist()) == set(range(logits.shape[-1])), f"layer {layer}: {sorted(pairs)}"
         assert len(pairs) >= 15, f"layer {layer} routes the prompt's rows to only {len(pairs)} expert pairs"
@@ -169,10 +170,16 @@ def test_a_quantized_file_keeps_its_experts_in_their_blocks_and_generates(name, 
     for layer in range(config.num_layers):
         for projection, tensor in zip(EXPERT_PROJECTIONS, ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")):
             weight = weights[f"model.layers.{layer}.mlp.experts.{projection}.weight"]
-            info = gguf.tensors[f"blk.{layer}.{tensor}.weight"]
-            assert isinstance(weight, PackedWeight) and weight.shape == tuple(info.shape)
-            assert weight.ggml_type.name in ("Q5_0", "Q8_0") and weight.ggml_type == info.ggml_type
+            # Gemma 4's converter writes gate and up as one merged tensor, each expert's gate rows first.
+            merged = f"blk.{layer}.ffn_gate_up_exps.weight"
+            info = gguf.tensors[merged if projection != "down_proj" and merged in gguf.tensors
+                                else f"blk.{layer}.{tensor}.weight"]
             expected = quants.dequantize(gguf.raw_bytes(info.name), info.ggml_type).reshape(info.shape)
+            if info.name == merged:
+                half = info.shape[1] // 2
+                expected = expected[:, :half] if projection == "gate_proj" else expected[:, half:]
+            assert isinstance(weight, PackedWeight) and weight.shape == expected.shape
+            assert weight.ggml_type.name in ("Q5_0", "Q8_0") and weight.ggml_type == info.ggml_type
             assert np.array_equal(weight.dequantize().numpy(), expected)
     params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
     outputs = {}

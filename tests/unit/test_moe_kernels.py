@@ -50,11 +50,15 @@ def dequantized_experts(moe: PackedSparseMoE, name: str, out_features: int, in_f
 
 
 def reference(moe: PackedSparseMoE, x: torch.Tensor, router: torch.Tensor, activation=ExpertActivation(),
-              biases=(None, None, None), router_bias=None, shared=None) -> torch.Tensor:
+              biases=(None, None, None), router_bias=None, shared=None, router_input=None,
+              expert_scale=None) -> torch.Tensor:
     gate = dequantized_experts(moe, "gate", INTERMEDIATE, HIDDEN).double()
     up = dequantized_experts(moe, "up", INTERMEDIATE, HIDDEN).double()
     down = dequantized_experts(moe, "down", HIDDEN, INTERMEDIATE).double()
-    expert_ids, weights = route(F.linear(x, router, router_bias), moe.routing)
+    expert_ids, weights = route(F.linear(x if router_input is None else router_input, router, router_bias),
+                                moe.routing)
+    if expert_scale is not None:
+        weights = weights * expert_scale[expert_ids]
     quantized_x = kernel_activations(x)
     out = torch.zeros(x.shape[0], HIDDEN, dtype=torch.float64)
     for row in range(x.shape[0]):
@@ -235,3 +239,16 @@ def test_equal_router_scores_choose_the_lower_expert_ids(scoring):
     x = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(15))
     assert route(F.linear(x, router), moe.routing)[0].tolist() == [[0, 1]] * 3
     assert_close(moe(x), reference(moe, x, router))
+
+
+def test_gemma4_router_input_and_per_expert_scale():
+    """Gemma 4's router reads its own input (the residual normed without weights), and each
+    expert's output has its own scale."""
+    generator = torch.Generator().manual_seed(16)
+    expert_scale = torch.rand(NUM_EXPERTS, generator=generator) + 0.5
+    moe, router = random_moe(T.Q4_K, seed=17, expert_scale=expert_scale)
+    x = torch.randn(6, HIDDEN, generator=generator)
+    router_input = torch.randn(6, HIDDEN, generator=generator)
+    ours = moe(x, router_input)
+    assert_close(ours, reference(moe, x, router, router_input=router_input, expert_scale=expert_scale))
+    assert (ours.double() - reference(moe, x, router, expert_scale=expert_scale)).abs().max() > 1e-2

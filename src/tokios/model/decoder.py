@@ -63,9 +63,12 @@ def make_ops(config, rotary, weight_format: str, device: torch.device) -> TorchO
 
 
 def _feed_forward_linears(layer) -> list:
-    # Gemma's layers keep their MLP as gate_up and down; the others hold a feed_forward.
+    # Gemma's layers keep their MLP as gate_up and down (Gemma 4's MoE variant its experts beside
+    # it, as moe); the others hold a feed_forward.
     feed_forward = getattr(layer, "feed_forward", None)
-    return feed_forward.linears() if feed_forward is not None else [layer.gate_up, layer.down]
+    linears = feed_forward.linears() if feed_forward is not None else [layer.gate_up, layer.down]
+    experts = getattr(layer, "moe", None)
+    return linears + (experts.linears() if experts is not None else [])
 
 
 class DecoderModel(Model):

@@ -14,7 +14,9 @@ What arrives (model/loader.py names a GGUF file's tensors so beforehand):
   `block_sparse_moe.experts.7.w1` (gate), `w2` (down), `w3` (up) with its router
   `block_sparse_moe.gate`; or transformers 5's fused in-memory layout, `mlp.experts.gate_up_proj`
   [num_experts, 2 * intermediate, hidden] and `mlp.experts.down_proj`, without `.weight`;
-  gpt-oss's its own (`mlp.router`, gate and up interleaved, [E, in, out] matrices, biases).
+  gpt-oss's its own (`mlp.router`, gate and up interleaved, [E, in, out] matrices, biases);
+  Gemma 4's outside `mlp.` (`router.proj`, `router.scale`, `router.per_expert_scale`,
+  `experts.gate_up_proj`, `experts.down_proj`).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def gather_expert_weights(weights: dict, config: ModelConfig) -> dict:
     a fused tensor of another width, is an error naming the tensor."""
     if not config.num_experts:
         return weights
-    weights = _gpt_oss_checkpoint_layout(weights, config)
+    weights = _gemma4_checkpoint_names(_gpt_oss_checkpoint_layout(weights, config), config)
     gathered: dict = {}
     # (layer prefix, projection) -> expert id -> [out, in]
     per_expert: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
@@ -110,4 +112,25 @@ def _gpt_oss_checkpoint_layout(weights: dict, config: ModelConfig) -> dict:
             renamed[name.replace("down_proj_bias", "down_proj.bias")] = tensor
         else:
             renamed[name] = tensor
+    return renamed
+
+
+# Gemma 4's checkpoint names -> the loader's (model/loader.py's names for its GGUF tensors).
+_GEMMA4_RENAMES = ((".router.proj.weight", ".mlp.gate.weight"), (".router.scale", ".mlp.gate.scale"),
+                   (".router.per_expert_scale", ".mlp.experts.down_proj.scale"),
+                   (".experts.gate_up_proj", ".mlp.experts.gate_up_proj"), (".experts.down_proj", ".mlp.experts.down_proj"))
+
+
+def _gemma4_checkpoint_names(weights: dict, config: ModelConfig) -> dict:
+    """A Gemma 4 MoE checkpoint's router and experts under the names the other layouts use (its
+    fused gate_up is then split as transformers 5's fused layout is)."""
+    if config.architecture != "gemma4":
+        return weights
+    renamed = {}
+    for name, tensor in weights.items():
+        for ending, replacement in _GEMMA4_RENAMES:
+            if name.endswith(ending) and ".mlp." not in name:
+                name = name[:-len(ending)] + replacement
+                break
+        renamed[name] = tensor
     return renamed

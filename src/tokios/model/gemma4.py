@@ -1,5 +1,5 @@
-"""Gemma 4's text decoder (dense): what differs from Gemma 3 (model/gemma3.py), all read from
-the file by the loader (model/gemma4_metadata.py):
+"""Gemma 4's text decoder, dense or with its MoE block: what differs from Gemma 3
+(model/gemma3.py), all read from the file by the loader (model/gemma4_metadata.py):
 
 - heads of two sizes: the full-attention layers have wider heads (and their own KV head count,
   config.layer_kv_shapes), with "proportional" RoPE: base 1e6 over the whole wide head, whose
@@ -13,7 +13,12 @@ the file by the loader (model/gemma4_metadata.py):
   with a projection of the token's embedding; after its feed-forward each layer adds a gated
   projection of its vector (GELU gate, norm) to the residual, then scales the residual by its
   own scalar;
-- norms multiply by their weights as stored (the converter writes them unshifted).
+- norms multiply by their weights as stored (the converter writes them unshifted);
+- the MoE variant (26B-A4B) adds routed experts (tanh-GELU) beside each layer's dense MLP: the
+  shared sparse MoE of model/moe.py, its router reading the residual normed without weights
+  (times a learned scale and hidden^-1/2), softmax, top k renormalised, then a learned scale
+  per expert (llama.cpp's ffn_down_exps.scale); each branch gets its own post-norm before their
+  sum meets the layer's post-feedforward norm.
 
 Heads of two widths do not fit the C++ attention and fused decode step, so the ops are
 PyTorch's (model/ops.py TorchOps); the linear layers still run on the file's blocks. The
@@ -36,6 +41,7 @@ from tokios.model.dtypes import ACTIVATION_DTYPE
 from tokios.model.gemma3 import Gemma3Model
 from tokios.model.kernels import precise_activations
 from tokios.model.linear import make_linear
+from tokios.model.moe import ExpertActivation, make_sparse_moe, routing_of
 from tokios.model.ops import TorchOps
 from tokios.model.quant import EmbeddingTable, as_dense, concat_rows
 from tokios.model.rope import RotaryEmbedding
@@ -86,6 +92,19 @@ class Gemma4Layer:
         scalar = weights.pop(f"{prefix}.layer_scalar", None)
         self.output_scale = None if scalar is None else as_dense(scalar).to(device=device, dtype=dtype)
         self.rotary = rotary
+        # The MoE variant (Gemma 4 26B-A4B): routed experts beside the dense MLP, on the same
+        # residual, each branch with its own post-norm. The router reads the residual normed
+        # without weights, times its own scale and hidden^-1/2 (folded into the router here).
+        self.moe = None
+        if config.num_experts:
+            router = f"{prefix}.mlp.gate.weight"
+            router_scale = as_dense(weight("mlp.gate.scale")).float() * config.hidden_size ** -0.5
+            weights[router] = as_dense(weights[router]).float() * router_scale
+            self.pre_experts_norm = dense("pre_feedforward_layernorm_2.weight")
+            self.post_mlp_norm = dense("post_feedforward_layernorm_1.weight")
+            self.post_experts_norm = dense("post_feedforward_layernorm_2.weight")
+            self.moe = make_sparse_moe(config, weights, prefix, routing_of(config), ExpertActivation("gelu_tanh"),
+                                       weight_format, device, dtype)
 
 
 class Gemma4Model(Gemma3Model):
@@ -173,8 +192,9 @@ class Gemma4Model(Gemma3Model):
     def layer_loop(self, hidden: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
                    kv_caches: list[tuple[torch.Tensor, torch.Tensor]], count: int, start: int = 0,
                    per_layer_inputs: torch.Tensor | None = None) -> torch.Tensor:
-        """Gemma 3's layer (attention and feed-forward between their four norms), then the
-        per-layer input and the layer's output scale."""
+        """Gemma 3's layer (attention and feed-forward between their four norms; the MoE
+        variant's experts beside the feed-forward), then the per-layer input and the layer's
+        output scale."""
         ops = self.ops
         tables = {id(rotary): rotary.tables(positions) for rotary in (self.rotary, self.local_rotary)}
         for index, layer, (key_cache, value_cache) in zip(self.layer_indices[start:count], self.layers[start:count],
@@ -185,6 +205,10 @@ class Gemma4Model(Gemma3Model):
             hidden = hidden + ops.rms_norm(attended, layer.post_attention_norm)
             gate_up = layer.gate_up(ops.rms_norm(hidden, layer.pre_feedforward_norm))
             feed_forward = layer.down(ops.gelu_tanh_mul(gate_up)).to(self.dtype)
+            if layer.moe is not None:
+                experts = layer.moe(ops.rms_norm(hidden, layer.pre_experts_norm), ops.rms_norm(hidden, None))
+                feed_forward = (ops.rms_norm(feed_forward, layer.post_mlp_norm)
+                                + ops.rms_norm(experts.to(self.dtype), layer.post_experts_norm))
             hidden = hidden + ops.rms_norm(feed_forward, layer.post_feedforward_norm)
             if per_layer_inputs is not None and layer.has_per_layer_input:
                 gate = F.gelu(layer.per_layer_gate(hidden).to(self.dtype), approximate="tanh")

@@ -14,10 +14,6 @@ from typing import Any
 from tokios.errors import ModelLoadError, UnsupportedError
 from tokios.model.gemma3_metadata import sliding_fields
 
-MOE_MISSING = ("Gemma 4 with MoE blocks is not supported: its expert feed-forward beside the dense one "
-               "(router, experts, their extra norms) is not implemented, only dense Gemma 4")
-
-
 def gemma4_fields(metadata: dict[str, Any], path: str, num_layers: int) -> dict[str, Any]:
     arch = "gemma4"
 
@@ -27,8 +23,6 @@ def gemma4_fields(metadata: dict[str, Any], path: str, num_layers: int) -> dict[
             raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.{key}")
         return value
 
-    if metadata.get(f"{arch}.expert_count"):
-        raise UnsupportedError(f"{path}: {arch}.expert_count = {metadata[f'{arch}.expert_count']}: {MOE_MISSING}")
     fields = sliding_fields(metadata, arch, path, num_layers)
     is_sliding = [window is not None for window in fields["layer_windows"]]
     head_dim, head_dim_swa = int(get("attention.key_length")), int(get("attention.key_length_swa"))
@@ -72,8 +66,6 @@ def kv_source_layers(is_sliding: list[bool], num_shared: int, path: str) -> tupl
 def gemma4_hf_fields(hf: dict[str, Any], path: str) -> dict[str, Any]:
     """The same from a Gemma4TextConfig's config.json (per_layer_config, or transformers' older
     global_head_dim / num_global_key_value_heads; rope_parameters per layer type)."""
-    if hf.get("enable_moe_block"):
-        raise UnsupportedError(f"{path}: enable_moe_block is set: {MOE_MISSING}")
     if hf.get("use_bidirectional_attention") == "all":
         raise UnsupportedError(f"{path}: use_bidirectional_attention 'all' is not supported (causal decoding only)")
     num_layers = int(hf["num_hidden_layers"])

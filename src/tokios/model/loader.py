@@ -38,9 +38,8 @@ from tokios.model.shape import ModelShape, gguf_architecture, shape_from_gguf, s
 ARCHITECTURES = {"llama": LlamaModel, "mistral": LlamaModel, "qwen2": LlamaModel, "qwen3": Qwen3Model,
                  "phi3": LlamaModel, "gemma3": Gemma3Model, "gemma4": Gemma4Model,
                  "qwen3moe": Qwen3Model, "qwen2moe": LlamaModel, "olmoe": OlmoeModel, "gpt-oss": GptOssModel}
-# The architectures whose mixture of experts tokios runs (gemma4's MoE variant is not among them;
-# its expert tensors are errors naming them).
-_MOE_ARCHITECTURES = ("llama", "qwen3moe", "qwen2moe", "olmoe", "gpt-oss")
+# The architectures whose mixture of experts tokios runs.
+_MOE_ARCHITECTURES = ("llama", "qwen3moe", "qwen2moe", "olmoe", "gpt-oss", "gemma4")
 
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -94,7 +93,13 @@ _GGUF_LAYER_NAMES_BY_ARCHITECTURE["gemma4"] = {
     "inp_gate.weight": "per_layer_input_gate.weight",
     "proj.weight": "per_layer_projection.weight",
     "post_norm.weight": "post_per_layer_input_norm.weight",
-    "layer_output_scale.weight": "layer_scalar"}
+    "layer_output_scale.weight": "layer_scalar",
+    # the MoE variant: the router's scale, the per-expert output scale, the experts' own norms
+    **_GGUF_EXPERT_NAMES,
+    "ffn_gate_inp.scale": "mlp.gate.scale", "ffn_down_exps.scale": "mlp.experts.down_proj.scale",
+    "pre_ffw_norm_2.weight": "pre_feedforward_layernorm_2.weight",
+    "post_ffw_norm_1.weight": "post_feedforward_layernorm_1.weight",
+    "post_ffw_norm_2.weight": "post_feedforward_layernorm_2.weight"}
 # gpt-oss (converter: conversion/gpt_oss.py): biases on the attention output, the sinks, the
 # norm before the experts (llama.cpp's attn_post_norm), the biased router and experts.
 _GGUF_LAYER_NAMES_BY_ARCHITECTURE["gpt-oss"] = {

@@ -158,7 +158,8 @@ class SparseMoE(nn.Module):
                  down: torch.Tensor, *, activation: ExpertActivation = ExpertActivation(),
                  router_bias: torch.Tensor | None = None, selection_bias: torch.Tensor | None = None,
                  gate_bias: torch.Tensor | None = None, up_bias: torch.Tensor | None = None,
-                 down_bias: torch.Tensor | None = None, shared_expert: SharedExpert | None = None):
+                 down_bias: torch.Tensor | None = None, shared_expert: SharedExpert | None = None,
+                 expert_scale: torch.Tensor | None = None):
         num_experts = routing.num_experts
         if gate.dim() != 3 or gate.shape[0] != num_experts:
             raise ModelLoadError(f"expert gate weight must be [num_experts={num_experts}, intermediate, hidden], "
@@ -175,6 +176,7 @@ class SparseMoE(nn.Module):
             "router_weight": (router_weight, "ffn_gate_inp", (num_experts, hidden)),
             "router_bias": (router_bias, "ffn_gate_inp.bias", (num_experts,)),
             "selection_bias": (selection_bias, "exp_probs_b", (num_experts,)),
+            "expert_scale": (expert_scale, "ffn_down_exps.scale", (num_experts,)),
             "gate": (gate, "ffn_gate_exps", (num_experts, intermediate, hidden)),
             "up": (up, "ffn_up_exps", (num_experts, intermediate, hidden)),
             "down": (down, "ffn_down_exps", (num_experts, hidden, intermediate)),
@@ -194,10 +196,15 @@ class SparseMoE(nn.Module):
                 raise ModelLoadError(f"{gguf_name} must be {list(shape)}, got {list(tensor.shape)}", param=gguf_name)
             self.register_buffer(buffer_name, tensor)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, router_input: torch.Tensor | None = None) -> torch.Tensor:
+        """router_input: what the router reads, where it is not `hidden` (Gemma 4's router reads
+        the residual normed without weights, its experts the residual normed with them)."""
         x = hidden.to(self.gate.dtype)
-        router_logits = F.linear(x, self.router_weight, self.router_bias)  # [rows, num_experts]
+        router_x = x if router_input is None else router_input.to(self.gate.dtype)
+        router_logits = F.linear(router_x, self.router_weight, self.router_bias)  # [rows, num_experts]
         expert_ids, weights = route(router_logits, self.routing, self.selection_bias)
+        if self.expert_scale is not None:  # Gemma 4's per-expert output scale (llama.cpp's down_exps_s)
+            weights = weights * self.expert_scale.float()[expert_ids]
         output = self.run_experts(x, expert_ids, weights)
         if self.shared_gate is not None:
             shared = F.linear(self.activation(F.linear(x, self.shared_gate), F.linear(x, self.shared_up)),
@@ -279,10 +286,11 @@ def make_sparse_moe(config: ModelConfig, weights: dict, prefix: str, routing: Ro
 
     router_weight = pop("mlp.gate.weight")
     gate, up, down = (pop(f"mlp.experts.{projection}.weight") for projection in ("gate_proj", "up_proj", "down_proj"))
-    # gpt-oss's biases: the router's and each expert's (absent elsewhere)
+    # gpt-oss's biases (the router's and each expert's), Gemma 4's per-expert output scale
     biases = {name: weights.pop(f"{prefix}.{tensor}", None)
               for name, tensor in (("router_bias", "mlp.gate.bias"), ("gate_bias", "mlp.experts.gate_proj.bias"),
-                                   ("up_bias", "mlp.experts.up_proj.bias"), ("down_bias", "mlp.experts.down_proj.bias"))}
+                                   ("up_bias", "mlp.experts.up_proj.bias"), ("down_bias", "mlp.experts.down_proj.bias"),
+                                   ("expert_scale", "mlp.experts.down_proj.scale"))}
     shared = None
     if config.shared_expert_intermediate_size:
         shared = [pop(f"mlp.shared_expert.{projection}.weight") for projection in ("gate_proj", "up_proj", "down_proj")]

@@ -295,7 +295,8 @@ def shape_from_gguf(gguf: GGUFFile) -> ModelShape:
 # llama.cpp's build_moe_ffn norm_w in models/<arch>.cpp (its loader reads no key for qwen3moe,
 # qwen2moe, olmoe or llama; transformers: Qwen3-MoE's released configs set norm_topk_prob,
 # Qwen1.5/2-MoE's and OLMoE's do not, Mixtral, written as llama, always renormalises).
-_ARCHITECTURE_TO_EXPERT_NORMALIZE_TOP_K = {"qwen3moe": True, "llama": True, "qwen2moe": False, "olmoe": False}
+_ARCHITECTURE_TO_EXPERT_NORMALIZE_TOP_K = {"qwen3moe": True, "llama": True, "qwen2moe": False, "olmoe": False,
+                                           "gemma4": True}
 # An architecture's scoring where the file does not say: gpt-oss softmaxes the chosen k logits
 # only (llama.cpp's SOFTMAX_WEIGHT); the others softmax over all experts.
 _ARCHITECTURE_TO_EXPERT_SCORING = {"gpt-oss": "top_k_softmax"}
@@ -441,8 +442,9 @@ _HF_SCORINGS = ("softmax", "sigmoid")
 
 
 def _experts_from_hf(hf: dict, config_path: str, architecture: str) -> dict[str, Any]:
-    """A mixture of experts' counts, widths and routing under transformers' names (Qwen-MoE and
-    OLMoE num_experts, Mixtral and gpt-oss num_local_experts; no moe_intermediate_size: the
+    """A mixture of experts' counts, widths and routing under transformers' names (Qwen-MoE,
+    OLMoE and Gemma 4 num_experts, Mixtral and gpt-oss num_local_experts; Gemma 4 top_k_experts
+    for num_experts_per_tok; no moe_intermediate_size: the
     experts are intermediate_size wide; norm_topk_prob, scoring_func and routed_scaling_factor
     where the config has them). A setting tokios does not run is an error naming it."""
     num_experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
@@ -459,7 +461,8 @@ def _experts_from_hf(hf: dict, config_path: str, architecture: str) -> dict[str,
     normalize = hf.get("norm_topk_prob")
     scale = hf.get("routed_scaling_factor")
     return dict(num_experts=num_experts,
-                num_experts_per_token=int(hf.get("num_experts_per_tok") or hf["num_experts_per_token"]),
+                num_experts_per_token=int(hf.get("num_experts_per_tok") or hf.get("top_k_experts")
+                                          or hf["num_experts_per_token"]),
                 expert_intermediate_size=int(hf.get("moe_intermediate_size") or hf["intermediate_size"]),
                 shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0),
                 **_routing(architecture, dict(expert_scoring=scoring,

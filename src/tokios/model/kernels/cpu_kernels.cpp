@@ -1151,7 +1151,7 @@ class SparseExperts {
                 at::Tensor down, int64_t down_format, int64_t intermediate, c10::optional<at::Tensor> gate_bias,
                 c10::optional<at::Tensor> up_bias, c10::optional<at::Tensor> down_bias, int64_t activation,
                 double alpha, double limit, bool precise, std::vector<PackedLinear> shared,
-                c10::optional<at::Tensor> shared_output_gate)
+                c10::optional<at::Tensor> shared_output_gate, c10::optional<at::Tensor> expert_scale)
       : router_weight_(router_weight), num_experts_(router_weight.size(0)), hidden_(router_weight.size(1)),
         k_(num_experts_per_token), intermediate_(intermediate), scoring_(static_cast<Scoring>(scoring)),
         normalize_(normalize), scale_(static_cast<float>(scale)), gate_(gate), up_(up), down_(down),
@@ -1171,6 +1171,7 @@ class SparseExperts {
     router_bias_ = vector(router_bias, num_experts_, "router_bias");
     selection_bias_ = vector(selection_bias, num_experts_, "selection_bias");
     shared_output_gate_ = vector(shared_output_gate, hidden_, "shared_output_gate");
+    expert_scale_ = vector(expert_scale, num_experts_, "expert_scale");
     auto projection = [&](const at::Tensor& packed, int64_t format, int64_t out_features, int64_t in_features,
                           const at::Tensor& bias, int64_t column, const char* name) {
       TORCH_CHECK(valid_format(format), "unknown kernel format ", format, " for ", name);
@@ -1195,8 +1196,10 @@ class SparseExperts {
     down_projections_ = {projection(down_, down_format, hidden_, intermediate_, down_bias_, 0, "down")};
   }
 
-  // x [M, H] -> out [M, H].
-  void forward(const float* x, int64_t M, float* out) {
+  // x [M, H] -> out [M, H]. router_x [M, H]: what the router reads, where it is not x (Gemma 4);
+  // null: x.
+  void forward(const float* x, int64_t M, float* out, const float* router_x = nullptr) {
+    if (router_x == nullptr) router_x = x;
     const int64_t H = hidden_, E = num_experts_, I = intermediate_, P = M * k_;
     grow(logits_, M * E);
     grow(weights_, P);
@@ -1206,12 +1209,17 @@ class SparseExperts {
       for (int64_t m = begin; m < end; ++m) {
         float* logits = logits_.data() + m * E;
         for (int64_t e = 0; e < E; ++e) {
-          logits[e] = dot_f32(x + m * H, router_weight_.data_ptr<float>() + e * H, H) +
+          logits[e] = dot_f32(router_x + m * H, router_weight_.data_ptr<float>() + e * H, H) +
                       (router_bias_.defined() ? router_bias_.data_ptr<float>()[e] : 0.f);
         }
         route_row(logits, E, k_, scoring_, normalize_, scale_,
                   selection_bias_.defined() ? selection_bias_.data_ptr<float>() : nullptr, scores.data(),
                   expert_ids_.data() + m * k_, weights_.data() + m * k_);
+        if (expert_scale_.defined()) {  // Gemma 4's per-expert output scale
+          for (int64_t slot = 0; slot < k_; ++slot) {
+            weights_[m * k_ + slot] *= expert_scale_.data_ptr<float>()[expert_ids_[m * k_ + slot]];
+          }
+        }
       }
     });
     // Pairs p = m * k + slot laid out expert by expert (rows ascending within an expert).
@@ -1276,12 +1284,19 @@ class SparseExperts {
     bytes_read_->fetch_add(num_bytes + router_weight_.numel() * 4, std::memory_order_relaxed);
   }
 
-  at::Tensor call(const at::Tensor& x) {
+  at::Tensor call(const at::Tensor& x, const c10::optional<at::Tensor>& router_x) {
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu() && x.size(1) == hidden_,
                 "x must be a [rows, ", hidden_, "] float32 CPU tensor");
     const at::Tensor input = x.contiguous();
+    at::Tensor router_input;
+    if (router_x.has_value()) {
+      router_input = router_x->contiguous();
+      check_f32(router_input, "router_x");
+      TORCH_CHECK(router_input.sizes() == x.sizes(), "router_x must be shaped as x");
+    }
     at::Tensor out = at::empty({x.size(0), hidden_}, x.options());
-    forward(input.data_ptr<float>(), x.size(0), out.data_ptr<float>());
+    forward(input.data_ptr<float>(), x.size(0), out.data_ptr<float>(),
+            router_input.defined() ? router_input.data_ptr<float>() : nullptr);
     return out;
   }
 
@@ -1314,7 +1329,7 @@ class SparseExperts {
   float alpha_, limit_;
   bool precise_;
   std::vector<PackedLinear> shared_;
-  at::Tensor shared_output_gate_;
+  at::Tensor shared_output_gate_, expert_scale_;
   std::vector<ExpertProjection> gate_up_projections_, down_projections_;
   std::shared_ptr<std::atomic<int64_t>> bytes_read_ = std::make_shared<std::atomic<int64_t>>(0);
   // Scratch kept across calls (only grown).
@@ -1545,8 +1560,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
       .def(pybind11::init<at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>, int64_t, int64_t, bool,
                           double, at::Tensor, int64_t, at::Tensor, int64_t, at::Tensor, int64_t, int64_t,
                           c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<at::Tensor>, int64_t,
-                          double, double, bool, std::vector<PackedLinear>, c10::optional<at::Tensor>>())
-      .def("__call__", &SparseExperts::call, release_gil())
+                          double, double, bool, std::vector<PackedLinear>, c10::optional<at::Tensor>,
+                          c10::optional<at::Tensor>>())
+      .def("__call__", &SparseExperts::call, pybind11::arg("x"), pybind11::arg("router_x") = pybind11::none(),
+           release_gil())
       .def_property_readonly("weight_bytes_read", &SparseExperts::weight_bytes_read)
       .def_property_readonly("num_bytes", &SparseExperts::num_bytes);
   module.def("rms_norm", &rms_norm, "RMSNorm over the last dimension (float32)", release_gil());

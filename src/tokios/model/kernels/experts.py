@@ -62,7 +62,7 @@ class PackedSparseMoE:
                  router_bias: torch.Tensor | None = None, selection_bias: torch.Tensor | None = None,
                  gate_bias: torch.Tensor | None = None, up_bias: torch.Tensor | None = None,
                  down_bias: torch.Tensor | None = None, shared_expert: SharedExpert | None = None,
-                 weight_format: str = "stored", precise: bool = False):
+                 expert_scale: torch.Tensor | None = None, weight_format: str = "stored", precise: bool = False):
         extension = load_extension()
         blocks = {name: _expert_blocks(weight, weight_format, f"ffn_{name}_exps")
                   for name, weight in (("gate", gate), ("up", up), ("down", down))}
@@ -86,7 +86,8 @@ class PackedSparseMoE:
             FORMAT_BY_TYPE[blocks["up"].ggml_type], packed["down"], FORMAT_BY_TYPE[blocks["down"].ggml_type],
             intermediate, _float(gate_bias), _float(up_bias), _float(down_bias), ACTIVATIONS.index(activation.kind),
             activation.alpha, activation.limit, precise, [linear.linear for linear in shared],
-            None if shared_expert is None or shared_expert.output_gate is None else _float(shared_expert.output_gate))
+            None if shared_expert is None or shared_expert.output_gate is None else _float(shared_expert.output_gate),
+            _float(expert_scale))
         # The tensors the kernel reads stay alive with it (it holds references), and with this.
         self._packed = packed
         self.expert_types = {name: w.ggml_type for name, w in blocks.items()}
@@ -94,8 +95,9 @@ class PackedSparseMoE:
         self.tensor_types = [T.F32, *self.expert_types.values()] + [
             t for linear in shared for t in linear.tensor_types]
 
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.kernel(hidden.float().contiguous()).to(hidden.dtype)
+    def __call__(self, hidden: torch.Tensor, router_input: torch.Tensor | None = None) -> torch.Tensor:
+        router_x = None if router_input is None else router_input.float().contiguous()
+        return self.kernel(hidden.float().contiguous(), router_x).to(hidden.dtype)
 
     def num_bytes(self) -> int:
         """All of its weights (every expert's), as held."""

@@ -219,3 +219,26 @@ def test_tensor_parallel_refuses_a_mixture_of_experts_before_any_rank_starts(tmp
     ParallelPlan(tensor_parallel_size=1, pipeline_parallel_size=2).check(config)
     with pytest.raises(UnsupportedError, match="tensor_parallel_size 2 with a mixture of experts"):
         ParallelPlan(tensor_parallel_size=2, pipeline_parallel_size=1).check(config)
+
+
+def test_gemma4s_shape_counts_the_dense_mlp_beside_its_experts(tmp_path_factory):
+    """What `tokios plan` reads: the tiny Gemma 4 MoE's feed-forward parameters from its file
+    (everything but attention, which the shape counts at its widest head for every layer) are
+    transformers' dense MLP, router and experts: all experts resident, a token's k of n active."""
+    import dataclasses
+
+    from tokios.model.shape import read_model_shape
+
+    tiny = converted_model(FAMILIES["gemma4moe"], tmp_path_factory)
+    shape = read_model_shape(str(tiny.gguf_path))
+    attention_only = dataclasses.replace(shape, num_experts=0, intermediate_size=0)
+    config = tiny.reference.config
+    layers = tiny.reference.model.layers
+    dense_and_router = sum(module.weight.numel() for layer in layers
+                           for module in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj,
+                                          layer.router.proj))
+    experts = sum(layer.experts.gate_up_proj.numel() + layer.experts.down_proj.numel() for layer in layers)
+    assert shape.has_mlp_beside_experts
+    assert shape.num_layer_linear_params - attention_only.num_layer_linear_params == dense_and_router + experts
+    assert (shape.num_active_layer_linear_params - attention_only.num_layer_linear_params
+            == dense_and_router + experts * config.top_k_experts // config.num_experts)

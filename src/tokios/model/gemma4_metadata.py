@@ -45,6 +45,8 @@ def gemma4_fields(metadata: dict[str, Any], path: str, num_layers: int) -> dict[
             "layer_kv_shapes": layer_kv_shapes,
             "kv_source_layers": kv_source_layers(is_sliding, int(metadata.get(f"{arch}.attention.shared_kv_layers", 0)),
                                                  path),
+            # the MoE variant keeps its dense MLP beside the experts
+            "has_mlp_beside_experts": bool(metadata.get(f"{arch}.expert_count")),
             "query_pre_attn_scalar": 1.0}  # Gemma 4 attends with scale 1 (its q/k norms set the size)
 
 
@@ -95,6 +97,7 @@ def gemma4_hf_fields(hf: dict[str, Any], path: str) -> dict[str, Any]:
             "num_kv_heads": max(heads for heads, _ in layer_kv_shapes),
             "layer_kv_shapes": tuple(layer_kv_shapes),
             "kv_source_layers": kv_source_layers(is_sliding, int(hf.get("num_kv_shared_layers") or 0), path),
+            "has_mlp_beside_experts": bool(hf.get("enable_moe_block")),
             "rope_theta": float(full.get("rope_theta", 1_000_000.0)),
             "rope_scaling": ({"type": "proportional", "partial_rotary_factor": float(full["partial_rotary_factor"])}
                              if full.get("rope_type") == "proportional" else None),

@@ -111,6 +111,8 @@ class ModelShape:
     shared_expert_intermediate_size: int = 0
     # Bytes of the routed experts' tensors in the file (all of them; a step reads its tokens' share).
     file_expert_bytes: int | None = None
+    # Gemma 4's MoE variant: a dense feed-forward of intermediate_size beside the experts.
+    has_mlp_beside_experts: bool = False
     # The routing (model/moe.py Routing) as the file states it (GGUF expert_gating_func,
     # expert_weights_norm, expert_weights_scale; HF scoring_func, norm_topk_prob,
     # routed_scaling_factor), and where it is silent the architecture's rule.
@@ -156,6 +158,8 @@ class ModelShape:
             shared_gate = self.hidden_size if self.shared_expert_intermediate_size else 0
             router = self.hidden_size * self.num_experts
             mlp = 3 * self.hidden_size * self.expert_intermediate_size * num_experts + router + shared + shared_gate
+            if self.has_mlp_beside_experts:
+                mlp += 3 * self.hidden_size * self.intermediate_size
         else:
             mlp = 3 * self.hidden_size * self.intermediate_size
         bias = (self.q_size + 2 * self.kv_size) if self.has_qkv_bias else 0

@@ -204,6 +204,8 @@ def test_metrics_and_request_log(tokios_server, client, model):
     assert re.search(r'^tokios:request_queue_time_seconds_count\{model_name="%s"\} [1-9]' % model, text, re.M)
     generated = float(re.search(r'^tokios:generation_tokens_total\{model_name="%s"\} (\S+)$' % model, text, re.M).group(1))
     assert generated >= 3
+    # The default model as stored: every step reads its weights on the quantized kernels.
+    assert re.search(r'^tokios:weight_bytes_read_total\{model_name="%s"\} [1-9]' % model, text, re.M)
     log = tokios_server.log_text()
     lines = [line for line in log.splitlines() if "tokios.requests" in line and "completion_tokens=3 " in line]
     assert lines, log[-2000:]

@@ -49,3 +49,4 @@ def test_the_kernels_count_every_weight_byte_of_a_dense_decode_step_once():
     for point in decode:
         assert point.weight_bytes_counted == engine.weight_bytes()
         assert point.weight_bytes_estimated == engine.weight_bytes()
+    assert engine.stats().weight_bytes_read == engine.weight_bytes_read() > 0  # /metrics' figure

@@ -79,6 +79,9 @@ class EngineStats:
     disk_cache_rejected: int = 0
     disk_cache_files: int = 0
     disk_cache_bytes: int = 0
+    # Weight bytes the quantized kernels have read since start (a mixture of experts: its chosen
+    # experts' only); 0 where the weights run off the kernels (float formats, a GPU).
+    weight_bytes_read: int = 0
 
 
 class EngineCore:
@@ -360,7 +363,14 @@ class EngineCore:
             spec_accepted_per_position=list(spec.accepted_per_position),
             num_constrained_requests=self.num_constrained_requests,
             grammar_compile_seconds=self.grammars.compile_seconds,
-            grammar_mask_seconds=self.runner.grammar_bitmask.mask_seconds)
+            grammar_mask_seconds=self.runner.grammar_bitmask.mask_seconds,
+            weight_bytes_read=self.weight_bytes_read() or 0)
+
+    def weight_bytes_read(self) -> int | None:
+        """The weight bytes this process's quantized kernels have read so far (None: some product
+        runs off them, or the model counts none, as a parallel group's front)."""
+        counter = getattr(self.model, "weight_bytes_read", None)
+        return None if counter is None else counter()
 
     def reset_counters(self) -> None:
         """Cumulative request counters back to zero (the KV cache and its contents stay)."""

@@ -119,7 +119,7 @@ class LLM:
     def weight_bytes_read(self) -> int | None:
         """The weight bytes the model's quantized kernels have read so far, every step's (a
         mixture of experts: its chosen experts' only); None where some product runs off them."""
-        return self.core.model.weight_bytes_read()
+        return self.core.weight_bytes_read()
 
     def kv_bytes_per_token(self) -> int:
         return self.core.kv_bytes_per_token

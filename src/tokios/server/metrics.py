@@ -78,6 +78,8 @@ _ENGINE_FAMILIES = (
      "disk_cache_rejected"),
     ("gauge", "tokios:prefix_cache_disk_bytes", "Bytes the prefix cache's disk tier holds.", "disk_cache_bytes"),
     ("counter", "tokios:num_preemptions", "Requests preempted for lack of KV blocks.", "num_preemptions"),
+    ("counter", "tokios:weight_bytes_read", "Weight bytes the quantized kernels read (a mixture of experts: the "
+     "chosen experts' only; 0 where weights run off the kernels).", "weight_bytes_read"),
     ("counter", "tokios:spec_decode_num_drafts", "Speculative verifications with proposed tokens.", "spec_num_drafts"),
     ("counter", "tokios:spec_decode_num_draft_tokens", "Proposed (draft) tokens verified.", "spec_num_draft_tokens"),
     ("counter", "tokios:spec_decode_num_accepted_tokens", "Proposed tokens accepted.", "spec_num_accepted_tokens"),

@@ -22,7 +22,6 @@ from __future__ import annotations
 import torch
 
 from tokios.config import ModelConfig
-from tokios.model.attention import AttentionMetadata
 from tokios.model.gpt_oss_metadata import SWIGLU_ALPHA, SWIGLU_LIMIT
 from tokios.model.llama import LlamaLayer, LlamaModel
 from tokios.model.moe import ExpertActivation
@@ -44,16 +43,3 @@ class GptOssLayer(LlamaLayer):
 
 class GptOssModel(LlamaModel):
     layer_class = GptOssLayer
-
-    def layer_loop(self, hidden: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
-                   kv_caches: list[tuple[torch.Tensor, torch.Tensor]], count: int, start: int = 0) -> torch.Tensor:
-        ops = self.ops
-        rope_tables = ops.rope_tables(positions)
-        for index, layer, (key_cache, value_cache) in zip(self.layer_indices[start:count], self.layers[start:count],
-                                                          kv_caches[start:count]):
-            qkv = self.project_qkv(layer, hidden)
-            attended = ops.attention(qkv, positions, key_cache, value_cache, metadata.for_layer(index), rope_tables,
-                                     sinks=layer.sinks)
-            hidden = hidden + layer.o_proj(attended.to(self.dtype)).to(self.dtype)
-            hidden = hidden + layer.feed_forward(ops.rms_norm(hidden, layer.post_attention_norm)).to(self.dtype)
-        return hidden

@@ -30,6 +30,7 @@ class LlamaLayer:
 
     # How a mixture of experts' expert combines gate and up (model/moe.py).
     expert_activation = ExpertActivation("silu")
+    sinks = None  # [num_heads] float32 attention sinks, where the architecture has them (gpt-oss)
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], prefix: str, weight_format: str,
                  device: torch.device, ops):
@@ -100,9 +101,12 @@ class LlamaModel(DecoderModel):
                    kv_caches: list[tuple[torch.Tensor, torch.Tensor]], count: int, start: int = 0) -> torch.Tensor:
         ops = self.ops
         rope_tables = ops.rope_tables(positions)
-        for layer, (key_cache, value_cache) in zip(self.layers[start:count], kv_caches[start:count]):
+        for index, layer, (key_cache, value_cache) in zip(self.layer_indices[start:count], self.layers[start:count],
+                                                          kv_caches[start:count]):
             qkv = self.project_qkv(layer, hidden)
-            attended = ops.attention(qkv, positions, key_cache, value_cache, metadata, rope_tables)
+            # for_layer: the layer's KV group's metadata where layers differ in window (gpt-oss)
+            attended = ops.attention(qkv, positions, key_cache, value_cache, metadata.for_layer(index), rope_tables,
+                                     sinks=layer.sinks)
             hidden = hidden + layer.o_proj(attended.to(self.dtype)).to(self.dtype)
             hidden = hidden + layer.feed_forward(ops.rms_norm(hidden, layer.post_attention_norm)).to(self.dtype)
         return hidden

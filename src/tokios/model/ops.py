@@ -146,7 +146,7 @@ class CpuKernelOps(TorchOps):
             optional("post_attention_norm"), optional("post_feedforward_norm"), optional("q_norm", has_head_norms),
             optional("k_norm", has_head_norms), layer_groups,
             [layer.feed_forward.kernel for layer in layers] if is_moe else [],
-            [layer.sinks for layer in layers] if hasattr(layers[0], "sinks") else [])
+            [layer.sinks for layer in layers] if getattr(layers[0], "sinks", None) is not None else [])
 
 
 def fused_decode_inputs(metadata: AttentionMetadata) -> tuple[list, list, list]:

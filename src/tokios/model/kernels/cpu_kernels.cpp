@@ -1204,8 +1204,8 @@ class SparseExperts {
     grow(logits_, M * E);
     grow(weights_, P);
     expert_ids_.resize(std::max<size_t>(expert_ids_.size(), P));
+    grow(scores_, M * E);
     at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores(E);
       for (int64_t m = begin; m < end; ++m) {
         float* logits = logits_.data() + m * E;
         for (int64_t e = 0; e < E; ++e) {
@@ -1213,7 +1213,7 @@ class SparseExperts {
                       (router_bias_.defined() ? router_bias_.data_ptr<float>()[e] : 0.f);
         }
         route_row(logits, E, k_, scoring_, normalize_, scale_,
-                  selection_bias_.defined() ? selection_bias_.data_ptr<float>() : nullptr, scores.data(),
+                  selection_bias_.defined() ? selection_bias_.data_ptr<float>() : nullptr, scores_.data() + m * E,
                   expert_ids_.data() + m * k_, weights_.data() + m * k_);
         if (expert_scale_.defined()) {  // Gemma 4's per-expert output scale
           for (int64_t slot = 0; slot < k_; ++slot) {
@@ -1333,7 +1333,7 @@ class SparseExperts {
   std::vector<ExpertProjection> gate_up_projections_, down_projections_;
   std::shared_ptr<std::atomic<int64_t>> bytes_read_ = std::make_shared<std::atomic<int64_t>>(0);
   // Scratch kept across calls (only grown).
-  std::vector<float> logits_, weights_, grouped_, gate_up_, activated_, pair_out_, shared_gate_up_,
+  std::vector<float> logits_, scores_, weights_, grouped_, gate_up_, activated_, pair_out_, shared_gate_up_,
       shared_activated_, shared_out_;
   std::vector<int64_t> expert_ids_, pair_positions_;
   ExpertRows rows_;

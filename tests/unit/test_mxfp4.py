@@ -45,20 +45,22 @@ def llama_cpp_quants(tmp_path_factory):
     return ctypes.CDLL(str(library))
 
 
+def _call_row_function(function, source: np.ndarray, out: np.ndarray, num_weights: int) -> np.ndarray:
+    """ggml's (const void * x, void * y, int64_t k) row functions over numpy arrays."""
+    function(source.ctypes.data_as(ctypes.c_void_p), out.ctypes.data_as(ctypes.c_void_p), ctypes.c_int64(num_weights))
+    return out
+
+
 def reference_quantize(library, rows: np.ndarray) -> np.ndarray:
     rows = np.ascontiguousarray(rows, dtype=np.float32)
-    out = np.zeros(rows.size // BLOCK * BLOCK_BYTES, dtype=np.uint8)
-    library.quantize_row_mxfp4_ref(rows.ctypes.data_as(ctypes.c_void_p), out.ctypes.data_as(ctypes.c_void_p),
-                                   ctypes.c_int64(rows.size))
-    return out
+    return _call_row_function(library.quantize_row_mxfp4_ref, rows,
+                              np.zeros(rows.size // BLOCK * BLOCK_BYTES, dtype=np.uint8), rows.size)
 
 
 def reference_dequantize(library, raw: np.ndarray) -> np.ndarray:
     raw = np.ascontiguousarray(raw, dtype=np.uint8)
     out = np.zeros(raw.size // BLOCK_BYTES * BLOCK, dtype=np.float32)
-    library.dequantize_row_mxfp4(raw.ctypes.data_as(ctypes.c_void_p), out.ctypes.data_as(ctypes.c_void_p),
-                                 ctypes.c_int64(out.size))
-    return out
+    return _call_row_function(library.dequantize_row_mxfp4, raw, out, out.size)
 
 
 def edge_blocks(rng: np.random.Generator) -> np.ndarray:

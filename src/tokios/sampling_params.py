@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from tokios.config import check_num_speculative_tokens, check_speculative_method
 from tokios.errors import InvalidRequestError
+from tokios.reasoning.budget import ThinkingBudget
 from tokios.structured.spec import StructuredOutput
 
 MAX_N = 128
@@ -134,6 +135,9 @@ class SamplingParams:
     # choice / grammar; tokios.structured.StructuredOutput, built by the server from
     # response_format, structured_outputs or the tools.
     structured_output: StructuredOutput | None = None
+    # A reasoning model's thinking budget (tokios.reasoning.ThinkingBudget, built by the server):
+    # once spent, the sampler writes the end of the thinking so that an answer follows.
+    thinking_budget: ThinkingBudget | None = None
     # "mean" or "last": also return the prompt's final hidden states pooled over its positions
     # (the embedding routes; docs/apis.md). The request computes its whole prompt (no prefix hit).
     pooling: str | None = None
@@ -184,6 +188,9 @@ class SamplingParams:
         if self.pooling not in (None, "mean", "last"):
             raise InvalidRequestError(f"pooling must be 'mean' or 'last', got {self.pooling!r}", param="pooling")
         self.speculative = SpeculativeParams.from_value(self.speculative)
+        if self.thinking_budget is not None and not isinstance(self.thinking_budget, ThinkingBudget):
+            raise InvalidRequestError("thinking_budget must be a tokios.reasoning.ThinkingBudget, got "
+                                      f"{type(self.thinking_budget).__name__}", param="max_thinking_tokens")
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
             raise InvalidRequestError("structured_output must be a tokios.structured.StructuredOutput, got "
                                       f"{type(self.structured_output).__name__}", param="structured_outputs")

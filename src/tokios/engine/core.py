@@ -37,6 +37,7 @@ from tokios.scheduler.scheduler import Scheduler
 from tokios.speculative.draft_model import load_draft_proposer
 from tokios.speculative.proposers import ModelDraftProposer, NgramProposer
 from tokios.speculative.speculator import Speculator
+from tokios.reasoning.budget import BudgetMatcher
 from tokios.structured.compiler import CompiledGrammar, GrammarCompiler
 from tokios.tokenizer import tokenizer_for_loaded_model
 from tokios.tokenizer.chat_template import resolve_chat_template
@@ -271,8 +272,10 @@ class EngineCore:
             child_params = params.for_child(index) if params.n > 1 else params
             sequences.append(Request(sequence_id, prompt_token_ids, child_params, max_tokens, eos_token_ids,
                                      sample_index=index, parent=sequences[0] if index else None))
-            if grammar is not None:
-                sequences[-1].grammar = grammar.new_matcher()
+            matcher = grammar.new_matcher() if grammar is not None else None
+            if params.thinking_budget is not None:
+                matcher = BudgetMatcher(params.thinking_budget, matcher)
+            sequences[-1].grammar = matcher
         return sequences
 
     def add_requests(self, sequences: list[Request]) -> None:

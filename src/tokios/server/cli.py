@@ -25,6 +25,7 @@ import uvicorn
 
 from tokios.engine_flags import add_engine_arguments, engine_config_from_args
 from tokios.errors import InvalidRequestError
+from tokios.reasoning.formats import FORMAT_CHOICES
 from tokios.server.connection_limits import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
                                              DEFAULT_MAX_CONNECTIONS, header_timeout_protocol, raise_open_file_limit)
 
@@ -86,6 +87,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default 10)")
     server.add_argument("--pooling", default="mean", choices=["mean", "last"],
                         help="how /v1/embeddings and /api/embed pool the prompt's final hidden states (default mean)")
+    server.add_argument("--reasoning-format", default="auto", choices=list(FORMAT_CHOICES),
+                        help="how a reasoning model's output splits into thinking and answer: think (<think> "
+                             "blocks), harmony (gpt-oss channels), none; auto reads it from the chat template "
+                             "and vocabulary (default auto)")
     server.add_argument("--responses-store-size", type=int, default=1000,
                         help="responses the OpenAI Responses API keeps for previous_response_id (default 1000)")
     server.add_argument("--responses-store-ttl", default="1h",
@@ -238,6 +243,7 @@ def run(args: argparse.Namespace, on_listening: Callable[[Any, int], None] | Non
         health_generate_timeout_s=args.health_generate_timeout,
         request_body_timeout_s=args.request_body_timeout,
         pooling=args.pooling,
+        reasoning_format=args.reasoning_format,
         responses_store_size=args.responses_store_size,
         responses_store_ttl_s=parse_duration(args.responses_store_ttl, field_name="responses_store_ttl"),
     )

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from tokios.outputs import RequestOutput, TokenLogprobs
-from tokios.tool_calls import ToolCallParser, ToolSet
+from tokios.reasoning import AnswerParser, ReasoningFormat, ThinkingRequest
+from tokios.tool_calls import ToolSet
 from tokios.tool_calls.parser import ToolCallDelta
 from tokios.tool_calls.prompt import template_inputs
 
@@ -48,6 +49,9 @@ class RunOwner(Protocol):
 
     def decode_token(self, token_id: int, logprob: Logprob | None = None) -> str: ...
 
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
 
 @dataclass
 class ChatTurn:
@@ -62,6 +66,10 @@ class ChatTurn:
     raw_prompt: str | None = None
     # A context smaller than the model's for this request (Ollama's num_ctx): prompt + output.
     context_limit: int | None = None
+    # What the request asks of a reasoning model's thinking, and variables for the chat template
+    # (OpenAI's chat_template_kwargs; Serving adds enable_thinking / reasoning_effort).
+    thinking: ThinkingRequest = field(default_factory=ThinkingRequest)
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def calls_possible(self) -> bool:
@@ -72,9 +80,10 @@ class ChatTurn:
         chat template over the messages (and tools), or the raw prompt."""
         if self.raw_prompt is not None:
             return self.raw_prompt, True
-        messages, template_tools = template_inputs(self.messages, self.tools, tokenizer.chat_template_takes_tools)
+        messages, template_tools = template_inputs([_with_reasoning_names(message) for message in self.messages],
+                                                   self.tools, tokenizer.chat_template_takes_tools)
         return tokenizer.apply_chat_template(messages, add_generation_prompt=self.add_generation_prompt,
-                                             tools=template_tools), False
+                                             tools=template_tools, **self.template_kwargs), False
 
     def prompt_ids(self, tokenizer: Tokenizer) -> list[int]:
         """The prompt's token ids. The gateway's prefix-aware routing hashes the same ids from the
@@ -83,12 +92,23 @@ class ChatTurn:
         return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
+def _with_reasoning_names(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant turn's reasoning under both names templates read it by: `reasoning_content`
+    (Qwen3, DeepSeek, GLM...) and `thinking` (gpt-oss). Whether a template keeps or drops it is
+    the template's choice, as its authors wrote it."""
+    reasoning = message.get("reasoning_content") or message.get("thinking")
+    if not reasoning:
+        return message
+    return {**message, "reasoning_content": reasoning, "thinking": reasoning}
+
+
 @dataclass
 class ChoiceDelta:
     """What one output adds to one choice."""
 
     index: int
     content: str = ""
+    reasoning: str = ""
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] | None = None
@@ -107,14 +127,26 @@ class ChoiceResult:
     logprobs: list[TokenLogprobs] | None
     finish_reason: str | None
     stop_reason: str | int | None = None
+    reasoning: str | None = None  # a reasoning model's thinking (None: it did not think)
+    num_reasoning_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class ReasoningSetup:
+    """How a run's output is read: the model's reasoning format and whether the prompt opened
+    the thinking (Serving.start_chat decides both from the rendered prompt)."""
+
+    reasoning_format: ReasoningFormat | None = None
+    starts_inside: bool = False
 
 
 class ChatRun:
     """A started generation for a ChatTurn: a job of one engine request (n choices)."""
 
     def __init__(self, serving: RunOwner, http_request: Request, job: Job, turn: ChatTurn, prompt_ids: list[int],
-                 load_seconds: float):
+                 load_seconds: float, reasoning: ReasoningSetup = ReasoningSetup()):
         self.serving = serving
+        self.reasoning = reasoning
         self.http_request = http_request
         self.job = job
         self.turn = turn
@@ -122,7 +154,8 @@ class ChatRun:
         self.load_seconds = load_seconds
         self.created = int(time.time())
         self._first_output: RequestOutput | None = None
-        self._parsers = ({} if turn.calls_possible else None)
+        self._parsers: dict[int, AnswerParser] = {}
+        self._index_to_num_reasoning_tokens: dict[int, int] = {}
 
     @property
     def stream(self):
@@ -141,28 +174,57 @@ class ChatRun:
         """Waits for the first output, so that bad input is an HTTP error before the first byte."""
         self._first_output = (await self.serving.start_stream(self.http_request, self.job))[0]
 
-    def _parser(self, index: int) -> ToolCallParser | None:
-        if self._parsers is None:
-            return None
-        return self._parsers.setdefault(index, ToolCallParser())
+    @property
+    def parses_output(self) -> bool:
+        """Whether the output is read for reasoning or calls (else it is all content, as it comes)."""
+        return self.reasoning.reasoning_format is not None or self.turn.calls_possible
+
+    def _parser(self, index: int) -> AnswerParser:
+        parser = self._parsers.get(index)
+        if parser is None:
+            parser = self._parsers[index] = AnswerParser(self.reasoning.reasoning_format, self.reasoning.starts_inside,
+                                                         self.turn.calls_possible)
+        return parser
+
+    @property
+    def num_cached_prompt_tokens(self) -> int:
+        output = self.stream.last_output
+        return 0 if output is None or output.metrics is None else output.metrics.num_cached_prompt_tokens
+
+    @property
+    def num_reasoning_tokens(self) -> int:
+        """The thinking's tokens over every choice (its text re-encoded: the text the model wrote
+        encodes to the tokens it wrote, so streamed and whole answers count alike)."""
+        return sum(self._index_to_num_reasoning_tokens.values())
+
+    def _count_reasoning(self, index: int, parser: AnswerParser) -> int:
+        reasoning = parser.reasoning
+        count = 0
+        if reasoning or parser.is_reasoning:
+            count = len(self.serving.tokenizer.encode(reasoning, add_special_tokens=False))
+        self._index_to_num_reasoning_tokens[index] = count
+        return count
 
     def _deltas_of(self, output: RequestOutput) -> list[ChoiceDelta]:
         deltas = []
         for choice in output.outputs:
             delta = ChoiceDelta(choice.index, token_ids=choice.token_ids_delta, logprobs=choice.logprobs_delta,
                                 finish_reason=choice.finish_reason, stop_reason=choice.stop_reason)
-            parser = self._parser(choice.index)
-            if parser is None:
+            if not self.parses_output:
                 delta.content = choice.text_delta
             else:
+                parser = self._parser(choice.index)
                 parsed = parser.feed(choice.text_delta)
                 if choice.finish_reason:
                     rest = parser.finish()
+                    parsed.reasoning += rest.reasoning
                     parsed.content += rest.content
                     parsed.tool_calls += rest.tool_calls
                     delta.finish_reason = tool_finish_reason(choice.finish_reason, parser)
-                delta.content, delta.tool_calls = parsed.content, parsed.tool_calls
-            if delta.content or delta.tool_calls or delta.finish_reason or delta.logprobs or delta.token_ids:
+                    self._count_reasoning(choice.index, parser)
+                delta.content, delta.tool_calls, delta.reasoning = parsed.content, parsed.tool_calls, parsed.reasoning
+            if (delta.content or delta.reasoning or delta.tool_calls or delta.finish_reason or delta.logprobs
+                    or delta.token_ids):
                 deltas.append(delta)
         return deltas
 
@@ -181,17 +243,20 @@ class ChatRun:
         results = []
         for choice in output.outputs:
             logprobs = self.stream.logprobs_of(choice)
-            parser = self._parser(choice.index)
-            if parser is None:
+            if not self.parses_output:
                 results.append(ChoiceResult(choice.index, choice.text, [], choice.token_ids, logprobs,
                                             choice.finish_reason, choice.stop_reason))
                 continue
+            parser = self._parser(choice.index)
             parser.feed(choice.text)
             parser.finish()
             # With calls, the content is null unless the model wrote text before them (OpenAI).
             content = (parser.content.strip() or None) if parser.has_calls else parser.content
+            thought = self.reasoning.reasoning_format is not None and (parser.reasoning or parser.is_reasoning)
             results.append(ChoiceResult(choice.index, content, parser.tool_calls(), choice.token_ids, logprobs,
-                                        tool_finish_reason(choice.finish_reason, parser), choice.stop_reason))
+                                        tool_finish_reason(choice.finish_reason, parser), choice.stop_reason,
+                                        parser.reasoning if thought else None,
+                                        self._count_reasoning(choice.index, parser)))
         return results
 
     def durations_ns(self) -> dict[str, int]:
@@ -205,7 +270,7 @@ class ChatRun:
                 "eval_duration": int((end - first) * 1e9)}
 
 
-def tool_finish_reason(finish_reason: str | None, parser: ToolCallParser) -> str | None:
+def tool_finish_reason(finish_reason: str | None, parser: AnswerParser) -> str | None:
     """"tool_calls" when the answer ended normally with calls; "length" stays "length" (a call cut
     short: its arguments are incomplete JSON)."""
     return "tool_calls" if finish_reason == "stop" and parser.has_calls else finish_reason

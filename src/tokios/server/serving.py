@@ -21,7 +21,9 @@ from starlette.requests import Request
 from tokios.errors import ContextLengthExceededError, InvalidRequestError
 from tokios.outputs import Logprob, RequestOutput
 from tokios.server.admission import Admission
-from tokios.server.generation import ChatRun, ChatTurn
+from tokios.reasoning import THINK, ReasoningFormat, ThinkingBudget, plan_thinking, resolve_reasoning_format
+from tokios.reasoning.grammar import reasoning_rules
+from tokios.server.generation import ChatRun, ChatTurn, ReasoningSetup
 from tokios.server.metrics import ServerMetrics
 from tokios.server.registry import ModelLease
 from tokios.server.streams import EngineStream, Job, run_watching_disconnect
@@ -46,6 +48,8 @@ class ServerSettings:
     request_body_timeout_s: float = 30.0
     # How /v1/embeddings and /api/embed pool a prompt's final hidden states: "mean" or "last".
     pooling: str = "mean"
+    # A reasoning model's format (tokios.reasoning): "auto" reads it from the model's files.
+    reasoning_format: str = "auto"
     # The OpenAI Responses API's store (previous_response_id, GET /v1/responses/{id}).
     responses_store_size: int = 1000
     responses_store_ttl_s: float = 3600.0
@@ -80,7 +84,19 @@ class Serving:
         self.served_model_names = list(names)
         self.model_name = self.served_model_names[0]
         self.created = int(time.time())
+        self.reasoning_format = self._reasoning_format(settings.reasoning_format)
         metrics.add_model(self.model_name)
+
+    def _reasoning_format(self, choice: str) -> ReasoningFormat | None:
+        """The model's reasoning format; the markers that are special tokens are shown in the output
+        text (decoding skips special tokens), so the output parser sees them."""
+        tokenizer = self.tokenizer
+        vocabulary = frozenset(marker for marker in THINK.markers if tokenizer.single_token_id(marker) is not None)
+        reasoning_format = resolve_reasoning_format(choice, tokenizer.chat_template, vocabulary)
+        if reasoning_format is not None:
+            marker_ids = (tokenizer.single_token_id(marker) for marker in reasoning_format.markers)
+            tokenizer.show_special_tokens(token_id for token_id in marker_ids if token_id is not None)
+        return reasoning_format
 
     # ---- shared steps -------------------------------------------------------------------
 
@@ -140,24 +156,57 @@ class Serving:
     async def start_chat(self, http_request: Request, turn: ChatTurn, lease: ModelLease | None, *, stream: bool,
                          response_id: str) -> ChatRun:
         """Prompt, limits, grammar and engine request for a turn; a streamed run has its first output."""
-        prompt_ids = turn.prompt_ids(self.tokenizer)
+        reasoning_format = self.reasoning_format if turn.raw_prompt is None else None
+        plan = plan_thinking(turn.thinking.with_template_switch(turn.template_kwargs), reasoning_format,
+                             self.tokenizer.chat_template_variables)
+        turn.template_kwargs = {**turn.template_kwargs, **plan.template_kwargs}
+        prompt_text, add_special_tokens = turn.prompt_text(self.tokenizer)
+        prompt_ids = self.tokenizer.encode(prompt_text, add_special_tokens=add_special_tokens)
         prompt_param = "prompt" if turn.raw_prompt is not None else "messages"
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty", param=prompt_param)
         max_tokens = self.resolve_max_tokens(len(prompt_ids), turn.requested_max_tokens, prompt_param,
                                              turn.context_limit)
         kwargs = {**turn.sampling, "max_tokens": max_tokens}
+        reasoning = ReasoningSetup(reasoning_format, reasoning_format is not None
+                                   and reasoning_format.prompt_opens_reasoning(prompt_text))
+        if reasoning_format is not None and plan.is_enabled or plan.max_thinking_tokens is not None:
+            kwargs["thinking_budget"] = self._thinking_budget(reasoning, plan.max_thinking_tokens)
         if turn.calls_possible:
             if kwargs.get("structured_output") is not None:
                 raise InvalidRequestError("a response format or structured output cannot be combined with tools "
                                           "unless tool_choice is 'none'", param="response_format")
-            kwargs["structured_output"] = tool_call_grammar(turn.tools)
+            kwargs["structured_output"] = tool_call_grammar(turn.tools, self._reasoning_grammar(reasoning))
         sampling_params = make_sampling_params(kwargs)
         job = self.new_job(response_id, [prompt_ids], sampling_params, kwargs, lease)
-        run = ChatRun(self, http_request, job, turn, prompt_ids, lease.load_seconds if lease else 0.0)
+        run = ChatRun(self, http_request, job, turn, prompt_ids, lease.load_seconds if lease else 0.0, reasoning)
         if stream:
             await run.start_streaming()
         return run
+
+    def _thinking_budget(self, reasoning: ReasoningSetup, max_thinking_tokens: int | None) -> ThinkingBudget:
+        reasoning_format = reasoning.reasoning_format
+
+        def ids(text: str) -> tuple[int, ...]:
+            return tuple(self.tokenizer.encode(text, add_special_tokens=False))
+
+        return ThinkingBudget(max_thinking_tokens, ids(reasoning_format.start), ids(reasoning_format.end),
+                              ids(reasoning_format.forced_end), reasoning.starts_inside,
+                              tuple(sorted(self.tokenizer.eos_token_ids)))
+
+    def _reasoning_grammar(self, reasoning: ReasoningSetup) -> tuple[str, list[str]] | None:
+        """The thinking a tool-call grammar lets through first (reasoning/grammar.py)."""
+        reasoning_format = reasoning.reasoning_format
+        if reasoning_format is None:
+            return None
+        special_ids = set(self.tokenizer.all_special_ids)
+
+        def special_id(text: str) -> int | None:
+            token_id = self.tokenizer.single_token_id(text)
+            return token_id if token_id in special_ids else None
+
+        return reasoning_rules(reasoning_format, reasoning.starts_inside, special_id(reasoning_format.start),
+                               special_id(reasoning_format.end))
 
     # ---- embeddings (OpenAI's /v1/embeddings and Ollama's /api/embed) --------------------
 

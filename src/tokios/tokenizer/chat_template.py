@@ -160,7 +160,8 @@ class ChatTemplate:
             self._template = environment.from_string(source)
             # Templates written for tool calling read the `tools` variable; the others get our
             # prompt format for tools (tool_calls/prompt.py).
-            self.takes_tools = "tools" in jinja2.meta.find_undeclared_variables(environment.parse(source))
+            self.variables = frozenset(jinja2.meta.find_undeclared_variables(environment.parse(source)))
+            self.takes_tools = "tools" in self.variables
         except jinja2.exceptions.TemplateError as exc:
             raise ModelLoadError(f"the model's chat template does not compile: {exc}") from None
 

@@ -45,7 +45,9 @@ class _ByteLevelStream:
 class _WindowedStream:
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool):
         self._backend = tokenizer.backend
-        self._skip_special_tokens = skip_special_tokens
+        # Skipped tokens are dropped here rather than by the backend, which would also drop the
+        # special tokens the tokenizer shows (reasoning markers).
+        self._skipped_ids = tokenizer.skipped_special_ids if skip_special_tokens else frozenset()
         self._num_tokens = tokenizer.vocab_size
         self._byte_token_to_byte = tokenizer.byte_fallback_token_to_byte
         # ids[:read_offset] are emitted; ids[prefix_offset:read_offset] is the boundary window,
@@ -55,7 +57,7 @@ class _WindowedStream:
         self._read_offset = 0
 
     def _decode(self, ids: list[int]) -> str:
-        return self._backend.decode(ids, skip_special_tokens=self._skip_special_tokens)
+        return self._backend.decode(ids, skip_special_tokens=False)
 
     def _num_unfinished_tokens(self) -> int:
         """How many trailing byte-fallback tokens form a UTF-8 character that is not complete yet."""
@@ -84,7 +86,7 @@ class _WindowedStream:
         return text[len(prefix_text) :]
 
     def add_tokens(self, token_ids: Sequence[int]) -> str:
-        self._ids.extend(i for i in token_ids if 0 <= i < self._num_tokens)
+        self._ids.extend(i for i in token_ids if 0 <= i < self._num_tokens and i not in self._skipped_ids)
         end = len(self._ids) - self._num_unfinished_tokens()
         return self._emit_until(end) if end > self._read_offset else ""
 

@@ -94,6 +94,7 @@ class Tokenizer:
             "pad_token": pad_token_id,
         }
         self._token_bytes_tables: dict[bool, tuple[bytes, ...] | None] = {}
+        self.shown_special_ids: frozenset[int] = frozenset()
 
     # ---- construction ---------------------------------------------------------------------
 
@@ -216,7 +217,7 @@ class Tokenizer:
             table = None
             if self.is_byte_level:
                 id_to_token = self.backend.id_to_token
-                skipped_ids = self.all_special_ids if skip_special_tokens else ()
+                skipped_ids = sorted(self.skipped_special_ids) if skip_special_tokens else ()
                 table = build_token_bytes_table([id_to_token(i) for i in range(self.vocab_size)], skipped_ids)
             self._token_bytes_tables[skip_special_tokens] = table
         return self._token_bytes_tables[skip_special_tokens]
@@ -264,6 +265,27 @@ class Tokenizer:
     def chat_template_takes_tools(self) -> bool:
         """Whether the chat template renders `tools` itself (else tool_calls/prompt.py does)."""
         return self._compiled_chat_template is not None and self._compiled_chat_template.takes_tools
+
+    @property
+    def chat_template_variables(self) -> frozenset[str]:
+        """The variables the chat template reads beyond its own (enable_thinking, reasoning_effort...)."""
+        return self._compiled_chat_template.variables if self._compiled_chat_template is not None else frozenset()
+
+    def single_token_id(self, text: str) -> int | None:
+        """The id of the one token `text` is, if it is one (an added or special token)."""
+        token_id = self.backend.token_to_id(text)
+        return token_id if token_id is not None and self.backend.id_to_token(token_id) == text else None
+
+    @property
+    def skipped_special_ids(self) -> frozenset[int]:
+        """The special tokens decoding drops when told to skip them."""
+        return frozenset(self.all_special_ids) - self.shown_special_ids
+
+    def show_special_tokens(self, token_ids: Iterable[int]) -> None:
+        """Keep these special tokens in decoded text even when special tokens are skipped: the
+        markers a reasoning or tool-call parser reads (the server sets them once, at load)."""
+        self.shown_special_ids = self.shown_special_ids | frozenset(token_ids)
+        self._token_bytes_tables = {}  # a copy (with_chat_template) must keep its own tables
 
     def with_chat_template(self, chat_template: str) -> Tokenizer:
         """The same tokenizer with another chat template (--chat-template)."""

@@ -23,14 +23,22 @@ def _literal(text: str) -> str:
     return json.dumps(text)  # a Lark string literal takes JSON's escapes
 
 
-def tool_call_grammar(tools: ToolSet) -> StructuredOutput:
+def tool_call_grammar(tools: ToolSet, reasoning: tuple[str, list[str]] | None = None) -> StructuredOutput:
+    """The answer's grammar; `reasoning` (reasoning/grammar.py: an expression and its rules) is
+    a reasoning model's thinking, which comes first and is free text."""
     functions = tools.callable_functions
     rules = ["%llguidance {}"]
+    thinking = ""
+    if reasoning is not None:
+        # The blank space a model writes between its thinking and its answer.
+        thinking = reasoning[0] + " AFTER_THINKING? "
+        rules += [*reasoning[1], r"AFTER_THINKING: /[ \t\n]+/"]
     more = "more_calls" if tools.parallel and tools.mode != "function" else ""
     if tools.calls_required:
-        rules.append(f"start: {_literal(CALL_OPEN)} call_body {more}")
+        rules.append(f"start: {thinking}{_literal(CALL_OPEN)} call_body {more}")
     else:
-        rules += ["start: plain_text | text_then_call call_body " + more,
+        rules += [f"start: {thinking}answer",
+                  "answer: plain_text | text_then_call call_body " + more,
                   "plain_text: TEXT",
                   f"text_then_call[lazy]: TEXT {_literal(CALL_OPEN)}",
                   r"TEXT: /(.|\n)*/"]

@@ -43,6 +43,7 @@ class ToolCallDelta:
 class ParsedDelta:
     content: str = ""
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
+    reasoning: str = ""  # what a reasoning model's thinking adds (reasoning/answer.py)
 
 
 def _held_back(text: str, marker: str) -> int:

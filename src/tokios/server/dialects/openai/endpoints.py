@@ -44,7 +44,8 @@ async def chat(http_request: Request, body: ChatCompletionRequest, lease: ModelL
     body.check_supported()
     tools = ToolSet.from_request(body.tools, body.tool_choice, body.parallel_tool_calls)
     turn = ChatTurn(body.messages_as_dicts(), sampling_kwargs(body, vocab_size=serving.vocab_size),
-                    body.requested_max_tokens, tools, body.add_generation_prompt)
+                    body.requested_max_tokens, tools, body.add_generation_prompt,
+                    thinking=body.thinking_request(), template_kwargs=dict(body.chat_template_kwargs or {}))
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     run = await serving.start_chat(http_request, turn, lease, stream=body.stream, response_id=response_id)
     if body.stream:
@@ -56,9 +57,14 @@ async def chat(http_request: Request, body: ChatCompletionRequest, lease: ModelL
             logprobs = shapes.chat_logprobs(result.token_ids, result.logprobs or [], body.top_logprobs or 0,
                                                serving.decode_token)
         choices.append(shapes.chat_choice(result.index, result.content, result.finish_reason, logprobs,
-                                             result.tool_calls))
+                                          result.tool_calls, result.reasoning))
     return JSONResponse(shapes.chat_completion(response_id, run.created, model, choices, run.num_prompt_tokens,
-                                                  run.num_completion_tokens))
+                                               run.num_completion_tokens, _reasoning_tokens(run)))
+
+
+def _reasoning_tokens(run: ChatRun) -> int | None:
+    """usage's reasoning_tokens, for a model that reasons."""
+    return run.num_reasoning_tokens if run.reasoning.reasoning_format is not None else None
 
 
 async def _chat_events(serving: Serving, body: ChatCompletionRequest, run: ChatRun, response_id: str,
@@ -76,6 +82,8 @@ async def _chat_events(serving: Serving, body: ChatCompletionRequest, run: ChatR
             logprobs = shapes.chat_logprobs(delta.token_ids, delta.logprobs, body.top_logprobs or 0,
                                                serving.decode_token)
         message: dict[str, Any] = {}
+        if delta.reasoning:
+            message.update(shapes.reasoning_fields(delta.reasoning))
         if delta.content:
             message["content"] = delta.content
         if delta.tool_calls:
@@ -84,7 +92,7 @@ async def _chat_events(serving: Serving, body: ChatCompletionRequest, run: ChatR
             yield chunk([shapes.chat_chunk_choice(delta.index, message, delta.finish_reason, logprobs)])
     if include_usage:
         yield shapes.usage_chunk(response_id, run.created, model, "chat.completion.chunk", run.num_prompt_tokens,
-                                 run.num_completion_tokens)
+                                 run.num_completion_tokens, _reasoning_tokens(run))
 
 
 # ---- completions ---------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from tokios.errors import InvalidRequestError
+from tokios.reasoning import ThinkingRequest
 from tokios.server.body import MAX_TOP_LOGPROBS, JsonBool, JsonFloat, JsonInt, RequestBody, TokenId
 from tokios.server.dialects.dialect import join_text_parts
 from tokios.structured.spec import StructuredOutput
@@ -111,6 +112,10 @@ class ChatMessage(RequestBody):
     # An assistant turn's calls, and a tool result's call id (history of a tool-using conversation).
     tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
+    # A prior assistant turn's thinking, as this server returned it (either name); the chat
+    # template keeps or drops it as its model expects.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     @model_validator(mode="after")
     def _tool_results_name_their_call(self) -> ChatMessage:
@@ -135,6 +140,15 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: JsonBool | None = None
     # {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", "strict"}}.
     response_format: dict[str, Any] | None = None
+    # A reasoning model's thinking (docs/apis.md, "Reasoning"): an effort ("none" turns it off),
+    # a budget in tokens, and variables for the chat template (enable_thinking, ...).
+    reasoning_effort: str | None = Field(default=None, json_schema_extra={
+        "enum": ["none", "minimal", "low", "medium", "high"]})
+    max_thinking_tokens: JsonInt | None = Field(default=None, ge=0)
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def thinking_request(self) -> ThinkingRequest:
+        return ThinkingRequest.from_effort(self.reasoning_effort, "reasoning_effort", self.max_thinking_tokens)
 
     def check_supported(self) -> None:
         if self.top_logprobs and not self.logprobs:
@@ -156,6 +170,9 @@ class ChatCompletionRequest(SamplingFields):
                 entry["tool_calls"] = [call.model_dump() for call in message.tool_calls]
             if message.tool_call_id is not None:
                 entry["tool_call_id"] = message.tool_call_id
+            reasoning = message.reasoning_content or message.reasoning
+            if reasoning:
+                entry["reasoning_content"] = reasoning
             messages.append(entry)
         return messages
 

@@ -18,9 +18,14 @@ from tokios.server.logprobs import MIN_LOGPROB, TokenDecoder, finite_logprob, ra
 SSE_DONE = "data: [DONE]\n\n"
 
 
-def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
-            "total_tokens": num_prompt_tokens + num_completion_tokens}
+def usage(num_prompt_tokens: int, num_completion_tokens: int,
+          num_reasoning_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage; a reasoning model's answer also counts its thinking's tokens."""
+    body: dict[str, Any] = {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+                            "total_tokens": num_prompt_tokens + num_completion_tokens}
+    if num_reasoning_tokens is not None:
+        body["completion_tokens_details"] = {"reasoning_tokens": num_reasoning_tokens}
+    return body
 
 
 def chat_logprobs(token_ids: list[int], positions: list[TokenLogprobs], num_top: int,
@@ -78,15 +83,25 @@ def merge_completion_logprobs(first: dict[str, Any] | None, second: dict[str, An
 
 
 def chat_completion(response_id: str, created: int, model: str, choices: list[dict[str, Any]],
-                    num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, Any]:
+                    num_prompt_tokens: int, num_completion_tokens: int,
+                    num_reasoning_tokens: int | None = None) -> dict[str, Any]:
     return {"id": response_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": usage(num_prompt_tokens, num_completion_tokens),
+            "choices": choices, "usage": usage(num_prompt_tokens, num_completion_tokens, num_reasoning_tokens),
             "system_fingerprint": None}
 
 
+def reasoning_fields(reasoning: str) -> dict[str, str]:
+    """A message's (or a delta's) reasoning under both names clients read: `reasoning_content`
+    (vLLM, llama.cpp, DeepSeek) and `reasoning` (vLLM's newer name, OpenRouter)."""
+    return {"reasoning_content": reasoning, "reasoning": reasoning}
+
+
 def chat_choice(index: int, text: str | None, finish_reason: str | None,
-                logprobs: dict[str, Any] | None, tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                logprobs: dict[str, Any] | None, tool_calls: list[dict[str, Any]] | None = None,
+                reasoning: str | None = None) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": text}
+    if reasoning is not None:
+        message.update(reasoning_fields(reasoning))
     if tool_calls:
         message["tool_calls"] = tool_calls
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -122,22 +137,31 @@ def completion_choice(index: int, text: str, finish_reason: str | None,
 
 
 def usage_chunk(response_id: str, created: int, model: str, obj: str, num_prompt_tokens: int,
-                num_completion_tokens: int) -> dict[str, Any]:
+                num_completion_tokens: int, num_reasoning_tokens: int | None = None) -> dict[str, Any]:
     return {"id": response_id, "object": obj, "created": created, "model": model, "choices": [],
-            "usage": usage(num_prompt_tokens, num_completion_tokens), "system_fingerprint": None}
+            "usage": usage(num_prompt_tokens, num_completion_tokens, num_reasoning_tokens),
+            "system_fingerprint": None}
 
 
 # ---- the answers' schemas, as /openapi.json publishes them -----------------------------------------
+
+class CompletionTokensDetails(ResponseBody):
+    reasoning_tokens: int
+
 
 class Usage(ResponseBody):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class ChatMessageOut(ResponseBody):
     role: Literal["assistant"]
     content: str | None
+    # A reasoning model's thinking, under both names clients read.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatChoice(ResponseBody):

@@ -267,3 +267,37 @@ def test_a_grammar_with_speculation_gives_the_greedy_output_without(engine):
     for method in ("ngram", "self_draft"):
         assert token_ids(llm.generate(prompts, params(method))) == plain, method
     llm.check_invariants()
+
+
+def test_a_thinking_budget_with_speculation_gives_the_greedy_output_without(engine):
+    # The budget forces the end of the thinking at its token count: verify row j must be masked
+    # as the budget stands after j proposals (a proposal past the budget that is not the forced
+    # id is cut), and EOS is never sampled inside the thinking. An oracle corrupting the true
+    # continuation at random, and the real proposers, must give plain decoding's tokens.
+    from tokios.reasoning import THINK, ThinkingBudget
+
+    llm, prompts, _, _ = engine
+    prompts = prompts[:6]
+    tokenizer = llm.tokenizer
+    forced_ids = tuple(tokenizer.encode(THINK.forced_end, add_special_tokens=False))
+    budget = ThinkingBudget(5, tuple(tokenizer.encode(THINK.start, add_special_tokens=False)),
+                            tuple(tokenizer.encode(THINK.end, add_special_tokens=False)), forced_ids,
+                            starts_inside=True, stop_ids=tuple(sorted(tokenizer.eos_token_ids)))
+
+    def params(method: str) -> SamplingParams:
+        return SamplingParams(max_tokens=16, temperature=0.0, thinking_budget=budget, speculative={"method": method})
+
+    plain = token_ids(llm.generate(prompts, params("none")))
+    for ids in plain:  # the models never close a thinking block themselves: the budget does
+        assert tuple(ids[5:5 + len(forced_ids)]) == forced_ids
+        assert not set(ids[:5]) & set(tokenizer.eos_token_ids)
+    ngram = llm.core.speculator.proposers["ngram"]
+    llm.core.speculator.proposers["ngram"] = ChaosProposer(
+        {tuple(p): ids for p, ids in zip(prompts, plain)}, seed=5, corruption=0.3)
+    try:
+        assert token_ids(llm.generate(prompts, params("ngram"))) == plain
+    finally:
+        llm.core.speculator.proposers["ngram"] = ngram
+    for method in ("ngram", "self_draft"):
+        assert token_ids(llm.generate(prompts, params(method))) == plain, method
+    llm.check_invariants()

@@ -1,7 +1,8 @@
 """The reasoning part of an answer's grammar: the thinking a tool-call grammar lets through first.
 
-A request under a grammar (tools) that a reasoning model answers must be free to think before
-it answers: the grammar starts with the reasoning block, any text up to its close, and only then
+A request under a grammar (tools) that a reasoning model answers while thinking must be free to
+think before it answers: the grammar starts with the reasoning block (opened by the prompt, or
+by the model), any text up to its close, and only then
 the answer's rules apply, so call-shaped text inside the reasoning is not forced into a call and
 a call after it is one. Where the close is a special token the block is text then that token
 (text cannot contain a special token); otherwise the text ends lazily at the first close.
@@ -32,5 +33,8 @@ def reasoning_rules(reasoning_format: ReasoningFormat, starts_inside: bool, star
         rules = [f"thinking[lazy]: /(.|\\n)*/ {_literal(reasoning_format.end)}"]
     if starts_inside:
         return "thinking", rules
+    # The model opens the thinking itself: it must, once asked to think. (Optional, the open
+    # marker would be a second way to start the answer's free text, and llguidance's lexer
+    # would commit to whichever lexeme ends first: a `<tool_call>` inside the thinking.)
     rules.append(f"opened_thinking: {_marker(reasoning_format.start, start_special_id)} thinking")
-    return "opened_thinking?", rules
+    return "opened_thinking", rules

@@ -170,13 +170,17 @@ class Serving:
         kwargs = {**turn.sampling, "max_tokens": max_tokens}
         reasoning = ReasoningSetup(reasoning_format, reasoning_format is not None
                                    and reasoning_format.prompt_opens_reasoning(prompt_text))
-        if reasoning_format is not None and plan.is_enabled or plan.max_thinking_tokens is not None:
+        # The model thinks (or must be stopped from thinking): the budget's matcher follows it,
+        # and a tool-call grammar lets the thinking through first.
+        thinks = reasoning_format is not None and (plan.is_enabled or plan.max_thinking_tokens is not None)
+        if thinks:
             kwargs["thinking_budget"] = self._thinking_budget(reasoning, plan.max_thinking_tokens)
         if turn.calls_possible:
             if kwargs.get("structured_output") is not None:
                 raise InvalidRequestError("a response format or structured output cannot be combined with tools "
                                           "unless tool_choice is 'none'", param="response_format")
-            kwargs["structured_output"] = tool_call_grammar(turn.tools, self._reasoning_grammar(reasoning))
+            kwargs["structured_output"] = tool_call_grammar(turn.tools, self._reasoning_grammar(reasoning) if thinks
+                                                            else None)
         sampling_params = make_sampling_params(kwargs)
         job = self.new_job(response_id, [prompt_ids], sampling_params, kwargs, lease)
         run = ChatRun(self, http_request, job, turn, prompt_ids, lease.load_seconds if lease else 0.0, reasoning)

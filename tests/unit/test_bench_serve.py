@@ -23,8 +23,11 @@ from tokios.tools.bench.serve import (
     BenchRequest,
     ServeLoad,
     build_requests,
+    chunk_text,
     parse_concurrencies,
     parse_sse_data,
+    read_tools,
+    request_body,
     run_level,
 )
 from tokios.tools.bench.peers import free_port
@@ -273,3 +276,15 @@ def test_each_endpoint_gets_its_own_body_and_stream_parsing():
     last = parse_line('{"message":{"content":""},"done":true,"prompt_eval_count":6,"eval_count":9}', "ollama-chat")
     assert chunk_text(first, "ollama-chat") == "x" and not chunk_usage(first, "ollama-chat", usage)
     assert chunk_usage(last, "ollama-chat", usage) and usage == {"prompt": 6, "completion": 9}
+
+
+def test_tool_calling_requests_and_their_streamed_arguments():
+    load = ServeLoad(base_url="http://127.0.0.1:1", tools=read_tools("builtin"))
+    body = request_body(load, "m", BenchRequest("hi", 8, 1))
+    assert body["tool_choice"] == "required" and body["parallel_tool_calls"] is False
+    assert body["tools"][0]["function"]["parameters"]["properties"]["notes"]["minItems"] == 100
+    chunk = {"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": '{"ti'}}]}}]}
+    assert chunk_text(chunk, "chat") == '{"ti'
+    with pytest.raises(InvalidRequestError, match="--tools works with --endpoint chat"):
+        request_body(ServeLoad(base_url="http://127.0.0.1:1", endpoint="completions", tools=load.tools), "m",
+                     BenchRequest("hi", 8, 1))

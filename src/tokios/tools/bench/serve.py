@@ -51,6 +51,9 @@ class ServeLoad:
     timeout_s: float = 600.0
     # A JSON schema every request's output must match (None: unconstrained).
     json_schema: dict | None = None
+    # Tools every chat request must call (tool_choice "required", one call): the streamed
+    # arguments are the output.
+    tools: list[dict] | None = None
 
     def __post_init__(self) -> None:
         if self.endpoint not in ENDPOINT_TO_PATH:
@@ -109,6 +112,10 @@ def request_body(load: ServeLoad, model: str, request: BenchRequest) -> dict:
             body["messages"] = messages
         else:
             body["prompt"] = request.prompt
+    if load.tools is not None:
+        if load.endpoint != "chat":
+            raise InvalidRequestError("--tools works with --endpoint chat", param="endpoint")
+        body.update(tools=load.tools, tool_choice="required", parallel_tool_calls=False)
     if load.json_schema is not None:
         if load.endpoint == "chat":
             body["response_format"] = {"type": "json_schema",
@@ -130,6 +137,24 @@ BUILTIN_JSON_SCHEMA = {
                    "notes": {"type": "array", "items": {"type": "string", "maxLength": 60}, "minItems": 100}},
     "required": ["title", "rating", "notes"], "additionalProperties": False,
 }
+
+
+def read_tools(value: str | None) -> list[dict] | None:
+    """--tools: 'builtin' (one function whose arguments are the builtin schema's record, so that a
+    call runs to max_tokens as a plain answer does) or a JSON file of OpenAI tools."""
+    if value is None:
+        return None
+    if value == "builtin":
+        return [{"type": "function", "function": {"name": "record_notes", "description": "Record notes on the text",
+                                                  "parameters": BUILTIN_JSON_SCHEMA}}]
+    try:
+        with open(value, encoding="utf-8") as file:
+            tools = json.load(file)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise InvalidRequestError(f"--tools {value!r}: {exc}", param="tools") from None
+    if not isinstance(tools, list) or not tools:
+        raise InvalidRequestError(f"--tools {value!r} must hold a non-empty JSON list of tools", param="tools")
+    return tools
 
 
 def read_json_schema(value: str | None) -> dict | None:
@@ -176,7 +201,9 @@ def chunk_text(payload: dict, endpoint: str) -> str:
         return ""
     if endpoint == "chat":
         delta = choices[0].get("delta") or {}
-        return (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+        arguments = "".join((call.get("function") or {}).get("arguments") or ""
+                            for call in delta.get("tool_calls") or ())
+        return (delta.get("content") or "") + (delta.get("reasoning_content") or "") + arguments
     return choices[0].get("text") or ""
 
 
@@ -364,6 +391,9 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", dest="show_progress", action="store_false")
     parser.add_argument("--json-schema", default=None,
                         help="constrain every output to this JSON schema: 'builtin' or a file")
+    parser.add_argument("--tools", default=None,
+                        help="every chat request must call one of these tools (tool_choice required), its "
+                             "arguments streamed: 'builtin' or a JSON file of OpenAI tools")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -412,7 +442,8 @@ def load_from_args(args: argparse.Namespace, base_url: str, model: str | None) -
         input_len=LengthSpec.parse(args.input_len, field_name="input_len"),
         output_len=LengthSpec.parse(args.output_len, field_name="output_len"),
         ignore_eos=args.ignore_eos, api_key=getattr(args, "api_key", None), seed=args.seed,
-        json_schema=read_json_schema(getattr(args, "json_schema", None)))
+        json_schema=read_json_schema(getattr(args, "json_schema", None)),
+        tools=read_tools(getattr(args, "tools", None)))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -427,8 +458,9 @@ def run(args: argparse.Namespace) -> int:
     if args.cold_load:
         return run_cold_load(args, load)
     if args.compare_unconstrained:
-        if load.json_schema is None:
-            raise InvalidRequestError("--compare-unconstrained needs --json-schema", param="compare_unconstrained")
+        if load.json_schema is None and load.tools is None:
+            raise InvalidRequestError("--compare-unconstrained needs --json-schema or --tools",
+                                      param="compare_unconstrained")
         return run_structured_comparison(args, load, requests, concurrencies)
     summaries = run_sweep(load, requests, concurrencies=concurrencies, request_rate=args.request_rate,
                           num_warmups=args.num_warmups, show_progress=args.show_progress)
@@ -560,7 +592,8 @@ def run_structured_comparison(args, load: ServeLoad, requests: list[BenchRequest
 
     from tokios.tools.bench import report
 
-    plain_load = replace(load, json_schema=None)
+    plain_load = replace(load, json_schema=None, tools=None)
+    constraint = "tools" if load.tools is not None else "JSON schema"
     lines = ["| level | unconstrained out tok/s | constrained out tok/s | ratio | compiles | compile p50 / p99 "
              "| mask per step p50 / p99 |", "|---|---|---|---|---|---|---|"]
     results = []
@@ -571,7 +604,8 @@ def run_structured_comparison(args, load: ServeLoad, requests: list[BenchRequest
                                          request_rate=args.request_rate, num_warmups=args.num_warmups,
                                          show_progress=args.show_progress))
         before = engine_histograms(load)
-        constrained, _ = asyncio.run(run_level(load, requests, label=label + " json", max_concurrency=concurrency,
+        constrained, _ = asyncio.run(run_level(load, requests, label=f"{label} {constraint}",
+                                               max_concurrency=concurrency,
                                                request_rate=args.request_rate, num_warmups=args.num_warmups,
                                                show_progress=args.show_progress))
         after = engine_histograms(load)
@@ -595,7 +629,7 @@ def run_structured_comparison(args, load: ServeLoad, requests: list[BenchRequest
                      f"| {ms('grammar_mask_seconds', 'p50_s')} / {ms('grammar_mask_seconds', 'p99_s')} |")
         results.append({"level": label, "unconstrained": plain.to_dict(), "constrained": constrained.to_dict(),
                         "ratio": ratio, "grammar": timings})
-    print(f"{load.root_url} ({load.endpoint}, in {load.input_len}, out {load.output_len}), JSON schema vs none, "
+    print(f"{load.root_url} ({load.endpoint}, in {load.input_len}, out {load.output_len}), {constraint} vs none, "
           "same prompts:\n")
     print("\n".join(lines))
     if args.json_path:

@@ -32,6 +32,12 @@ THINK_CASES = [
     ("r</think>answer with <think>inside</think>", True, "r", "answer with <think>inside</think>"),
     ("«ü» ünïcode</think>\n«ok»", True, "«ü» ünïcode", "«ok»"),
     ("", True, "", ""),
+    # llama.cpp's expected parses (tests/test-chat.cpp: QwQ, Qwen3.5, and a model-opened block)
+    ("Let me think about this...\n</think>\nThe answer is 42.", True, "Let me think about this...",
+     "The answer is 42."),
+    ("</think>Hello, world!", True, "", "Hello, world!"),
+    ("I'm\nthinking\n</think>\n\nHello, world!\nWhat's up?", True, "I'm\nthinking", "Hello, world!\nWhat's up?"),
+    ("<think>I'm\nthinking</think>Hello, world!\nWhat's up?", False, "I'm\nthinking", "Hello, world!\nWhat's up?"),
 ]
 
 

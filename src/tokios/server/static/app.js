@@ -111,7 +111,17 @@ function actionButton(label, className, onClick) {
 }
 
 // Fills an assistant or user bubble's content, error and footer from its message.
+// A reasoning model's thinking: plain text in a fold above the answer, open while it streams
+// and no answer has come yet.
+function fillThinking(bubble, message) {
+  const thinking = bubble.querySelector(".thinking");
+  thinking.hidden = !message.reasoning;
+  thinking.querySelector(".thinking-text").textContent = message.reasoning || "";
+  if (bubble.classList.contains("streaming") && !message.content) thinking.open = true;
+}
+
 function fillBubble(bubble, message, index) {
+  fillThinking(bubble, message);
   const content = bubble.querySelector(".content");
   if (message.role === "assistant") renderMarkdown(content, message.content);
   else content.textContent = message.content;
@@ -133,6 +143,13 @@ function makeBubble(message, index) {
   const bubble = document.createElement("article");
   bubble.className = `message ${message.role}`;
   bubble.dataset.index = String(index);
+  const thinking = document.createElement("details");
+  thinking.className = "thinking";
+  const summary = document.createElement("summary");
+  summary.textContent = "Thinking";
+  const thinkingText = document.createElement("div");
+  thinkingText.className = "thinking-text";
+  thinking.append(summary, thinkingText);
   const content = document.createElement("div");
   content.className = "content";
   const error = document.createElement("p");
@@ -143,7 +160,7 @@ function makeBubble(message, index) {
   const actions = document.createElement("span");
   actions.className = "actions";
   footer.append(stats, actions);
-  bubble.append(content, error, footer);
+  bubble.append(thinking, content, error, footer);
   fillBubble(bubble, message, index);
   return bubble;
 }
@@ -271,7 +288,12 @@ function showNotice(text) {
 function historyFor(conversation, index, systemPrompt) {
   const history = systemPrompt ? [{ role: "system", content: systemPrompt }] : [];
   for (const message of conversation.messages.slice(0, index)) {
-    if (message.content) history.push({ role: message.role, content: message.content });
+    // Prior thinking goes back with its turn: the model's template keeps or drops it.
+    if (message.content) {
+      history.push(message.reasoning ? { role: message.role, content: message.content,
+                                         reasoning_content: message.reasoning }
+        : { role: message.role, content: message.content });
+    }
   }
   return history;
 }
@@ -333,6 +355,7 @@ async function streamReply(conversation, index) {
       if (!bubble) return;
       const follow = isNearBottom();
       const renderStart = performance.now();
+      fillThinking(bubble, message);
       renderMarkdown(bubble.querySelector(".content"), message.content);
       renderInterval = Math.max(MIN_RENDER_INTERVAL_MS, (performance.now() - renderStart) / MAX_RENDER_SHARE);
       if (follow) $("messages").scrollTop = $("messages").scrollHeight;
@@ -356,6 +379,12 @@ async function streamReply(conversation, index) {
       if (chunk.error) throw new Error(chunk.error.message || JSON.stringify(chunk.error));
       if (chunk.usage) numTokens = chunk.usage.completion_tokens;
       for (const choice of chunk.choices || []) {
+        const reasoning = choice.delta && choice.delta.reasoning_content;
+        if (reasoning) {
+          if (firstTokenTime === null) firstTokenTime = performance.now();
+          message.reasoning = (message.reasoning || "") + reasoning;
+          scheduleRender();
+        }
         if (choice.delta && choice.delta.content) {
           if (firstTokenTime === null) firstTokenTime = performance.now();
           message.content += choice.delta.content;

@@ -270,3 +270,39 @@ def test_llama_cpp_partial_calls_keep_their_partial_arguments():
         parser.finish()
         assert parser.tool_calls()[0]["function"] == {"name": "special_function", "arguments": arguments}
         assert parser.has_open_call and parser.content == ""
+
+
+# ---- Anthropic's tool_choice ------------------------------------------------------------------
+
+@pytest.mark.parametrize("tool_choice, mode, forced_name, parallel", [
+    (None, "auto", None, True),
+    ({"type": "auto"}, "auto", None, True),
+    ({"type": "any"}, "required", None, True),
+    ({"type": "any", "disable_parallel_tool_use": True}, "required", None, False),
+    ({"type": "auto", "disable_parallel_tool_use": True}, "auto", None, False),
+    ({"type": "tool", "name": "get_time"}, "function", "get_time", True),
+    ({"type": "none"}, "none", None, True),
+])
+def test_anthropic_tool_choice_maps_onto_the_tool_set(tool_choice, mode, forced_name, parallel):
+    from tokios.server.dialects.anthropic import CountTokensRequest, to_toolset
+
+    tools = [{"name": tool["function"]["name"], "input_schema": tool["function"]["parameters"]} for tool in (WEATHER, TIME)]
+    body = CountTokensRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=tools,
+                              tool_choice=tool_choice)
+    tool_set = to_toolset(body)
+    assert (tool_set.mode, tool_set.forced_name, tool_set.parallel) == (mode, forced_name, parallel)
+
+
+def test_ollama_format_schemas_are_closed_like_tool_parameters():
+    from tokios.server.dialects.ollama import _format
+
+    schema = {"type": "object", "properties": {"name": {"type": "string"},
+                                               "pet": {"type": "object", "properties": {"kind": {"type": "string"}}},
+                                               "extra": {"type": "object", "properties": {},
+                                                         "additionalProperties": {"type": "integer"}}},
+              "required": ["name"]}
+    closed = json.loads(_format(schema).source)
+    assert closed["additionalProperties"] is False and closed["properties"]["pet"]["additionalProperties"] is False
+    assert closed["properties"]["extra"]["additionalProperties"] == {"type": "integer"}
+    assert schema.get("additionalProperties") is None  # the caller's schema is left as given
+    assert json.loads(_format({"type": "object"}).source) == {"type": "object"}  # lists nothing: open

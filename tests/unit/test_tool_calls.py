@@ -191,6 +191,7 @@ SPLIT_CASES = {
         "Vérifions ☀️ —", [("météo", '{"ville": "Zürich 東京 🌧", "ß": "\\u00e9"}')]),
     "text only, with a lookalike tag": (
         "a <tool_c and <b> then </tool_call> end \n", "a <tool_c and <b> then </tool_call> end \n", []),
+    "a tag with no call after it": ("see <tool_call> here", "see <tool_call> here", []),
 }
 
 

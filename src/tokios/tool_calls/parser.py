@@ -73,6 +73,7 @@ class ToolCallParser:
         self._depth = 0
         self._is_in_string = False
         self._is_escaped = False
+        self._separator = ""  # the whitespace before the last `<tool_call>`
         self.content = ""
         self.calls: list[dict[str, Any]] = []  # {"id", "name", "arguments"}
 
@@ -149,7 +150,9 @@ class ToolCallParser:
     def _read_content(self, delta: ParsedDelta, rest: str, final: bool) -> bool:
         at = rest.find(CALL_OPEN)
         if at >= 0:
-            self._emit_content(delta, rest[:at].rstrip())
+            before = rest[:at].rstrip()
+            self._emit_content(delta, before)
+            self._separator = rest[len(before):at]  # given back if no call follows the tag
             self._cursor += at + len(CALL_OPEN)
             self._state = "header"
             return True
@@ -163,7 +166,7 @@ class ToolCallParser:
 
     def _read_header(self, delta: ParsedDelta, rest: str) -> bool:
         if not (rest.startswith(NAME_PREFIX) or NAME_PREFIX.startswith(rest)):
-            self._emit_content(delta, CALL_OPEN)
+            self._emit_content(delta, self._separator + CALL_OPEN)
             self._state = "content"
             return True
         end = rest.find(ARGUMENTS_PREFIX, len(NAME_PREFIX))

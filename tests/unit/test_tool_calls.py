@@ -271,6 +271,14 @@ def test_llama_cpp_partial_calls_keep_their_partial_arguments():
         parser.finish()
         assert parser.tool_calls()[0]["function"] == {"name": "special_function", "arguments": arguments}
         assert parser.has_open_call and parser.content == ""
+    whole = call_text("f", '{"a": 1}')
+    for cut in range(len(whole)):  # cut anywhere: open exactly while the arguments are
+        parser = ToolCallParser()
+        parser.feed(call_text("g", "{}") + "\n" + whole[:cut])
+        parser.finish()
+        arguments_start, arguments_end = whole.index('{"a"'), whole.index("}") + 1
+        assert parser.has_open_call is (arguments_start <= cut < arguments_end), cut
+        assert len(parser.calls) == 1 + (cut >= arguments_start), cut
 
 
 # ---- Anthropic's tool_choice ------------------------------------------------------------------

@@ -83,8 +83,9 @@ class ToolCallParser:
 
     @property
     def has_open_call(self) -> bool:
-        """A call was started and its end not read (the text was cut inside it)."""
-        return self._state in ("header", "arguments", "tail")
+        """The last call's arguments were cut short (incomplete JSON). A call cut in its header is
+        not among the calls; one cut after its arguments closed is whole to the client."""
+        return self._state == "arguments"
 
     def tool_calls(self) -> list[dict[str, Any]]:
         """The calls so far in the shape of a chat message's `tool_calls`."""

@@ -164,29 +164,6 @@ def test_each_tool_choice(client, model):
     assert kinds, kinds
 
 
-def test_streamed_tool_call_deltas_reassemble_into_the_non_streamed_calls(client, model):
-    kwargs = dict(model=model, messages=ASK_WEATHER, tools=TOOLS, tool_choice="required", max_tokens=120,
-                  temperature=0)
-    whole = client.chat.completions.create(**kwargs).choices[0]
-    calls: dict[int, dict] = {}
-    content, finish_reason = "", None
-    for chunk in client.chat.completions.create(stream=True, **kwargs):
-        delta = chunk.choices[0].delta
-        content += delta.content or ""
-        finish_reason = chunk.choices[0].finish_reason or finish_reason
-        for call in delta.tool_calls or ():
-            entry = calls.setdefault(call.index, {"id": None, "name": None, "arguments": ""})
-            if call.id:
-                assert entry["id"] is None and call.function.name and call.type == "function"
-                entry["id"], entry["name"] = call.id, call.function.name
-            entry["arguments"] += call.function.arguments or ""
-    assert content == "" and finish_reason == "tool_calls"
-    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
-        (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
-    for entry in calls.values():
-        jsonschema.validate(json.loads(entry["arguments"]), PARAMETERS_BY_NAME[entry["name"]])
-
-
 def _streamed_answer(client, **kwargs):
     """(content, calls by index as {"id", "name", "arguments"}, finish_reason) of a streamed answer."""
     calls: dict[int, dict] = {}

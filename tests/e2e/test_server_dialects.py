@@ -101,6 +101,18 @@ def test_ollama_options_stop_seed_and_format(ollama_client, model):
     assert as_json.done_reason == "stop" and isinstance(json.loads(as_json.response), dict)
 
 
+def test_ollama_format_objects_admit_only_their_properties(ollama_client, model):
+    """A `format` schema that lists properties and says nothing of others is closed, as tool
+    parameters are and as Ollama's own grammar closes it: SmolLM2 asked for a person's name, age
+    and city under a schema listing only `name` wrote `{"name": "John Smith", "age": 45, "city":
+    "New York"}` while schemas were left open."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}}, "required": ["name"]}
+    person = ollama_client.chat(model=model, format=schema, options={"temperature": 0, "num_predict": 80},
+                                messages=[{"role": "user", "content": "Describe a person as JSON with their name, "
+                                                                      "age and city."}])
+    assert person.done_reason == "stop" and list(json.loads(person.message.content)) == ["name"]
+
+
 def test_ollama_refuses_options_it_cannot_honour(ollama_client, model):
     for options, named in (({"mirostat": 2}, "options.mirostat"), ({"num_ctx": 10**6}, "options.num_ctx"),
                            ({"num_gpu": 1}, "options.num_gpu"), ({"typical_p": 0.5}, "options.typical_p"),
@@ -222,6 +234,28 @@ def test_anthropic_tool_round_trip(anthropic_client, model):
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id,
                                       "content": "18 degrees and sunny"}]}])
     assert answer.content and answer.stop_reason in ("end_turn", "max_tokens", "tool_use")
+
+
+def test_anthropic_tool_choice_any_none_and_one_call_only(anthropic_client, model):
+    """`any` with disable_parallel_tool_use: exactly one tool_use and the turn ends (tool_use),
+    whole and streamed, where with parallel calls allowed SmolLM2's greedy answer repeats the
+    same call until max_tokens (measured: six identical calls in 200 tokens); `none`: no call."""
+    tools = [{"name": "get_weather", "description": "Weather for a city", "input_schema": WEATHER_SCHEMA}]
+    kwargs = dict(model=model, max_tokens=200, tools=tools, extra_body=GREEDY,
+                  messages=[{"role": "user", "content": "What is the weather in Paris?"}])
+    one = {"type": "any", "disable_parallel_tool_use": True}
+    called = anthropic_client.messages.create(tool_choice=one, **kwargs)
+    uses = [block for block in called.content if block.type == "tool_use"]
+    assert called.stop_reason == "tool_use" and len(uses) == 1 and uses[0].name == "get_weather"
+    jsonschema.validate(uses[0].input, WEATHER_SCHEMA)
+    with anthropic_client.messages.stream(tool_choice=one, **kwargs) as stream:
+        streamed = stream.get_final_message()
+    assert streamed.stop_reason == "tool_use"
+    assert [(block.name, block.input) for block in streamed.content if block.type == "tool_use"] == [
+        (uses[0].name, uses[0].input)]
+    none = anthropic_client.messages.create(tool_choice={"type": "none"}, **{**kwargs, "max_tokens": 24})
+    assert none.stop_reason != "tool_use" and [block.type for block in none.content] == ["text"]
+    assert "<tool_call>" not in none.content[0].text
 
 
 def test_anthropic_structured_output(anthropic_client, model):

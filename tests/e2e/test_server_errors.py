@@ -153,3 +153,31 @@ def test_server_still_healthy_and_idle_after_errors(http, model):
     stats = http.get("/v1/engine/stats").json()
     assert stats["num_requests_in_flight"] == 0
     assert stats["num_blocks_used"] == 0 and stats["invariants_error"] is None
+
+
+def test_a_chat_template_that_refuses_the_conversation_is_a_400():
+    """A template's raise_exception (Gemma 2's on a system turn, llama.cpp's copy) refuses that
+    request with a 400 naming messages, streamed or not, in OpenAI's and Anthropic's shapes, and
+    the server serves the next conversation the template accepts."""
+    import anthropic
+
+    from conftest import serve
+    from tokios.model_files import llama_cpp_sources
+
+    template = llama_cpp_sources() / "models" / "templates" / "google-gemma-2-2b-it.jinja"
+    with serve("--dtype", "bfloat16", "--max-model-len", "512", "--chat-template", str(template)) as server:
+        client = server.openai()
+        model = client.models.list().data[0].id
+        system_turn = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as error:
+                client.chat.completions.create(model=model, messages=system_turn, max_tokens=4, stream=stream)
+            assert error.value.status_code == 400 and error.value.body["param"] == "messages"
+            assert "System role not supported" in error.value.body["message"]
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0).messages.create(
+                model=model, max_tokens=4, system="Be brief.", messages=[{"role": "user", "content": "Hi"}])
+        assert "System role not supported" in str(refused.value)
+        answer = client.chat.completions.create(model=model, messages=system_turn[1:], max_tokens=4, temperature=0)
+        assert answer.choices[0].finish_reason in ("stop", "length")
+        assert "Traceback" not in server.log_text()

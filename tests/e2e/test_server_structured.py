@@ -164,10 +164,8 @@ def test_each_tool_choice(client, model):
     assert kinds, kinds
 
 
-def test_streamed_tool_call_deltas_reassemble_into_the_non_streamed_calls(client, model):
-    kwargs = dict(model=model, messages=ASK_WEATHER, tools=TOOLS, tool_choice="required", max_tokens=120,
-                  temperature=0)
-    whole = client.chat.completions.create(**kwargs).choices[0]
+def _streamed_answer(client, **kwargs):
+    """(content, calls by index as {"id", "name", "arguments"}, finish_reason) of a streamed answer."""
     calls: dict[int, dict] = {}
     content, finish_reason = "", None
     for chunk in client.chat.completions.create(stream=True, **kwargs):
@@ -180,11 +178,50 @@ def test_streamed_tool_call_deltas_reassemble_into_the_non_streamed_calls(client
                 assert entry["id"] is None and call.function.name and call.type == "function"
                 entry["id"], entry["name"] = call.id, call.function.name
             entry["arguments"] += call.function.arguments or ""
-    assert content == "" and finish_reason == "tool_calls"
-    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
-        (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
-    for entry in calls.values():
-        jsonschema.validate(json.loads(entry["arguments"]), PARAMETERS_BY_NAME[entry["name"]])
+    return content, calls, finish_reason
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+def test_streamed_tool_calls_equal_non_streamed_over_seeds(client, model):
+    """20 seeds at temperature 1, tool_choice auto and required, parallel calls allowed: the
+    streamed deltas of every call concatenate to the non-streamed call byte for byte (names and
+    arguments; ids are made per response, so two responses' ids differ), the content is the same,
+    indexes and ids are distinct, and the finish reason is tool_calls whenever whole calls were
+    made. The requests run at once: seeded sampling does not depend on the batch."""
+    prompts = {"auto": [{"role": "user", "content": "Call get_weather for Paris."}],
+               "required": [{"role": "user", "content": "What is the weather and the time in Paris and in London?"}]}
+    requests = [dict(model=model, messages=prompts[tool_choice], tools=TOOLS, tool_choice=tool_choice,
+                     parallel_tool_calls=True, max_tokens=60, temperature=1.0, seed=seed)
+                for tool_choice in ("auto", "required") for seed in range(20)]
+    with ThreadPoolExecutor(len(requests)) as pool:
+        wholes = list(pool.map(lambda kwargs: client.chat.completions.create(**kwargs).choices[0], requests))
+        streams = list(pool.map(lambda kwargs: _streamed_answer(client, **kwargs), requests))
+    num_with_calls = {"auto": 0, "required": 0}
+    for kwargs, whole, (content, calls, finish_reason) in zip(requests, wholes, streams):
+        where = (kwargs["tool_choice"], kwargs["seed"])
+        whole_calls = whole.message.tool_calls or []
+        assert sorted(calls) == list(range(len(calls))), where
+        assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+            (c.function.name, c.function.arguments) for c in whole_calls], where
+        assert content == (whole.message.content or ""), where
+        assert finish_reason == whole.finish_reason, where
+        assert len({c["id"] for c in calls.values()}) == len(calls) and len({c.id for c in whole_calls}) == len(calls)
+        assert "<tool_call>" not in content, where
+        if whole_calls:
+            num_with_calls[kwargs["tool_choice"]] += 1
+            is_complete = _is_json(whole_calls[-1].function.arguments)
+            assert whole.finish_reason == ("tool_calls" if is_complete else "length"), where
+            complete_calls = whole_calls if is_complete else whole_calls[:-1]
+            if complete_calls:
+                assert_valid_calls(complete_calls)
+    assert num_with_calls["required"] == 20 and num_with_calls["auto"] >= 1, num_with_calls  # measured: auto 2 of 20
 
 
 def test_parallel_calls_and_a_tool_result_history(client, model):

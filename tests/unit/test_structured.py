@@ -159,3 +159,19 @@ def test_the_tool_call_grammar_admits_calls_under_each_schema_and_nothing_else(c
     # Once the model opens a call, the call is under the grammar: free text is refused.
     assert not accepts(compiler, tokenizer, auto, "Let me look. <tool_call>\nhello", complete=False)
     json.loads(call[len("<tool_call>\n"):-len("\n</tool_call>")])  # the call body is itself JSON
+
+
+def test_without_parallel_calls_the_grammar_ends_the_turn_after_one_call(compiler, tokenizer):
+    """parallel_tool_calls false (Anthropic's disable_parallel_tool_use): once the call is
+    written only EOS remains, so a model cannot repeat it until max_tokens."""
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    call = call_text("get_weather", '{"city": "Oslo"}')
+    for tool_choice, parallel, is_finished in [("required", False, True), ("auto", False, True),
+                                              ({"type": "function", "function": {"name": "get_weather"}}, True, True),
+                                              ("required", True, False), ("auto", True, False)]:
+        matcher = compiler.compile(tool_call_grammar(ToolSet.from_request([weather], tool_choice, parallel))).new_matcher()
+        text = "Sure. " + call if tool_choice == "auto" else call
+        for token_id in tokenizer.encode(text, add_special_tokens=False):
+            assert matcher.accept(token_id)
+        assert matcher.is_finished is is_finished, (tool_choice, parallel)

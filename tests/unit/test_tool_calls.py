@@ -127,7 +127,7 @@ def test_streamed_deltas_reassemble_to_the_whole_answer(cuts):
     deltas.append(parser.feed(TEXT[position:]))
     deltas.append(parser.finish())
     content, calls = _reassemble(deltas)
-    assert content == "Checking. "
+    assert content == "Checking."  # the space before the call is its separator
     assert [(c["name"], c["arguments"]) for c in calls] == [
         ("get_weather", '{"city": "Par}is", "n": {"a": [1, {"b": "}\\n"}]}}'), ("get_time", "{}")]
     assert [c["id"] for c in calls] == [c["id"] for c in parser.tool_calls()]
@@ -138,8 +138,8 @@ def test_streamed_deltas_reassemble_to_the_whole_answer(cuts):
 
 def test_text_that_only_looks_like_a_tag_stays_content():
     parser = ToolCallParser()
-    assert parser.feed("a < b and <tool").content == "a < b and "
-    assert parser.feed("kit> done").content == "<toolkit> done"
+    assert parser.feed("a < b and <tool").content == "a < b and"  # the space waits: a call's separator?
+    assert parser.feed("kit> done").content == " <toolkit> done"
     assert parser.finish().content == "" and not parser.has_calls
     cut = ToolCallParser()
     cut.feed('<tool_call>\n{"name": "f", "arguments": {"a": "x')
@@ -167,3 +167,151 @@ def test_a_template_that_takes_tools_renders_them_itself():
     assert text == "TOOLS:get_weather;get_time;user: hiassistant: [call get_time]"  # trim_blocks, as HF
     # tool_choice none: the template gets no tools.
     assert template_inputs(messages, ToolSet.from_request([WEATHER], "none", None), True)[1] is None
+
+
+# Texts as the grammar writes them, and as other servers' models write the same format.
+SPLIT_CASES = {
+    "a call after text": (
+        "Let me check.\n" + call_text("get_weather", '{"city": "Oslo"}'),
+        "Let me check.", [("get_weather", '{"city": "Oslo"}')]),
+    "parallel calls": (
+        call_text("get_weather", '{"city": "Oslo"}') + "\n" + call_text("get_time", "{}"),
+        "", [("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")]),
+    "nested JSON": (
+        call_text("f", '{"a": {"b": [1, {"c": []}], "d": {}}, "e": [[{}]]}'),
+        "", [("f", '{"a": {"b": [1, {"c": []}], "d": {}}, "e": [[{}]]}')]),
+    "escaped quotes and backslashes": (
+        call_text("f", r'{"q": "say \"}\" and \\", "r": "\\\"{"}'),
+        "", [("f", r'{"q": "say \"}\" and \\", "r": "\\\"{"}')]),
+    "tags inside string arguments": (
+        call_text("f", '{"x": "</tool_call>", "y": "}\\n</tool_call>\\n<tool_call>", "z": "<tool_call>"}'),
+        "", [("f", '{"x": "</tool_call>", "y": "}\\n</tool_call>\\n<tool_call>", "z": "<tool_call>"}')]),
+    "unicode": (
+        "Vérifions ☀️ — " + call_text("météo", '{"ville": "Zürich 東京 🌧", "ß": "\\u00e9"}'),
+        "Vérifions ☀️ —", [("météo", '{"ville": "Zürich 東京 🌧", "ß": "\\u00e9"}')]),
+    "text only, with a lookalike tag": (
+        "a <tool_c and <b> then </tool_call> end \n", "a <tool_c and <b> then </tool_call> end \n", []),
+    "a tag with no call after it": ("see <tool_call> here", "see <tool_call> here", []),
+}
+
+
+def _parse_in_pieces(text: str, cuts: tuple[int, ...]):
+    parser, deltas, start = ToolCallParser(), [], 0
+    for cut in (*cuts, len(text)):
+        deltas.append(parser.feed(text[start:cut]))
+        start = cut
+    deltas.append(parser.finish())
+    content, calls = _reassemble(deltas)
+    whole_calls = [(call["function"]["name"], call["function"]["arguments"]) for call in parser.tool_calls()]
+    assert [(c["name"], c["arguments"]) for c in calls] == whole_calls  # the deltas add up to the calls
+    assert content == parser.content
+    return content, whole_calls
+
+
+@pytest.mark.parametrize("name", SPLIT_CASES)
+def test_every_split_gives_the_answer_the_whole_text_gives(name):
+    """Fed whole, at every single split, and at every pair of split points: the same content
+    and calls, so a streamed answer equals the non-streamed one whatever the deltas are."""
+    text, expected_content, expected_calls = SPLIT_CASES[name]
+    assert _parse_in_pieces(text, ()) == (expected_content, expected_calls)
+    for calls in expected_calls:
+        json.loads(calls[1])
+    for first in range(len(text) + 1):
+        for second in range(first, len(text) + 1):
+            assert _parse_in_pieces(text, (first, second)) == (expected_content, expected_calls), (first, second)
+
+
+def test_parallel_calls_have_distinct_indexes_and_ids():
+    text = SPLIT_CASES["parallel calls"][0]
+    parser = ToolCallParser()
+    firsts = [call for position in range(len(text)) for call in parser.feed(text[position]).tool_calls
+              if call.id is not None]
+    assert [call.index for call in firsts] == [0, 1] and len({call.id for call in firsts}) == 2
+
+
+# llama.cpp's expected parses (tests/test-chat.cpp) of the `<tool_call>` JSON form of Hermes 2 Pro,
+# Hermes 3, Qwen 2.5, MiMo-VL, Granite 4 and Reka Edge; those with reasoning are the reasoning
+# parser's. Arguments compare as JSON, as llama.cpp's do (it re-serializes them).
+LLAMA_CPP_CASES = [
+    ('<tool_call>\n{"name": "special_function", "arguments": {"arg1": 1}}</tool_call>',
+     "", [("special_function", {"arg1": 1})]),
+    ('Hello, world!\nWhat\'s up?<tool_call>\n{"name": "special_function", "arguments": {"arg1": 1}}</tool_call>',
+     "Hello, world!\nWhat's up?", [("special_function", {"arg1": 1})]),
+    ('<tool_call>\n{"name": "special_function", "arguments": {"arg1": 1}}\n</tool_call>',
+     "", [("special_function", {"arg1": 1})]),
+    ('Hello, world!\nWhat\'s up?\n<tool_call>\n{"name": "special_function", "arguments": {"arg1": 1}}\n</tool_call>',
+     "Hello, world!\nWhat's up?", [("special_function", {"arg1": 1})]),
+    ('<tool_call>\n{"name": "get_time", "arguments": {"city": "XYZCITY"}}</tool_call>',
+     "", [("get_time", {"city": "XYZCITY"})]),
+    ('<tool_call>\n{"name": "special_function", "arguments": {"arg1": 1}}</tool_call>'
+     '<tool_call>\n{"name": "special_function_with_opt", "arguments": {"arg1": 1, "arg2": 2}}</tool_call>',
+     "", [("special_function", {"arg1": 1}), ("special_function_with_opt", {"arg1": 1, "arg2": 2})]),
+    ('<tool_call>\n{"name": "special_function", "arguments": {"arg1": 1}}\n</tool_call>\n'
+     '<tool_call>\n{"name": "special_function_with_opt", "arguments": {"arg1": 1, "arg2": 2}}\n</tool_call>',
+     "", [("special_function", {"arg1": 1}), ("special_function_with_opt", {"arg1": 1, "arg2": 2})]),
+    ('<tool_call>\n{"name": "empty_args", "arguments": {}}</tool_call>', "", [("empty_args", {})]),
+    ("Hello, world!\nWhat's up?", "Hello, world!\nWhat's up?", []),
+]
+
+
+@pytest.mark.parametrize("text, expected_content, expected_calls", LLAMA_CPP_CASES)
+def test_llama_cpp_hermes_cases(text, expected_content, expected_calls):
+    for cut in range(len(text) + 1):
+        content, calls = _parse_in_pieces(text, (cut,))
+        assert content == expected_content
+        assert [(name, json.loads(arguments)) for name, arguments in calls] == expected_calls
+
+
+def test_llama_cpp_partial_calls_keep_their_partial_arguments():
+    """llama.cpp's partial parses: a call cut inside its arguments is a call with what arrived."""
+    for text, arguments in [('<tool_call>\n{"name": "special_function", "arguments": {"arg1":', '{"arg1":'),
+                            ('<tool_call>\n{"name": "special_function", "arguments": {"arg', '{"arg')]:
+        parser = ToolCallParser()
+        parser.feed(text)
+        parser.finish()
+        assert parser.tool_calls()[0]["function"] == {"name": "special_function", "arguments": arguments}
+        assert parser.has_open_call and parser.content == ""
+    whole = call_text("f", '{"a": 1}')
+    for cut in range(len(whole)):  # cut anywhere: open exactly while the arguments are
+        parser = ToolCallParser()
+        parser.feed(call_text("g", "{}") + "\n" + whole[:cut])
+        parser.finish()
+        arguments_start, arguments_end = whole.index('{"a"'), whole.index("}") + 1
+        assert parser.has_open_call is (arguments_start <= cut < arguments_end), cut
+        assert len(parser.calls) == 1 + (cut >= arguments_start), cut
+
+
+# ---- Anthropic's tool_choice ------------------------------------------------------------------
+
+@pytest.mark.parametrize("tool_choice, mode, forced_name, parallel", [
+    (None, "auto", None, True),
+    ({"type": "auto"}, "auto", None, True),
+    ({"type": "any"}, "required", None, True),
+    ({"type": "any", "disable_parallel_tool_use": True}, "required", None, False),
+    ({"type": "auto", "disable_parallel_tool_use": True}, "auto", None, False),
+    ({"type": "tool", "name": "get_time"}, "function", "get_time", True),
+    ({"type": "none"}, "none", None, True),
+])
+def test_anthropic_tool_choice_maps_onto_the_tool_set(tool_choice, mode, forced_name, parallel):
+    from tokios.server.dialects.anthropic import CountTokensRequest, to_toolset
+
+    tools = [{"name": tool["function"]["name"], "input_schema": tool["function"]["parameters"]} for tool in (WEATHER, TIME)]
+    body = CountTokensRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=tools,
+                              tool_choice=tool_choice)
+    tool_set = to_toolset(body)
+    assert (tool_set.mode, tool_set.forced_name, tool_set.parallel) == (mode, forced_name, parallel)
+
+
+def test_ollama_format_schemas_are_closed_like_tool_parameters():
+    from tokios.server.dialects.ollama import _format
+
+    schema = {"type": "object", "properties": {"name": {"type": "string"},
+                                               "pet": {"type": "object", "properties": {"kind": {"type": "string"}}},
+                                               "extra": {"type": "object", "properties": {},
+                                                         "additionalProperties": {"type": "integer"}}},
+              "required": ["name"]}
+    closed = json.loads(_format(schema).source)
+    assert closed["additionalProperties"] is False and closed["properties"]["pet"]["additionalProperties"] is False
+    assert closed["properties"]["extra"]["additionalProperties"] == {"type": "integer"}
+    assert schema.get("additionalProperties") is None  # the caller's schema is left as given
+    assert json.loads(_format({"type": "object"}).source) == {"type": "object"}  # lists nothing: open

@@ -41,6 +41,11 @@ class AnswerParser:
     def has_calls(self) -> bool:
         return self._calls is not None and self._calls.has_calls
 
+    @property
+    def has_open_call(self) -> bool:
+        """A call whose arguments have not closed yet."""
+        return self._calls is not None and self._calls.has_open_call
+
     def tool_calls(self) -> list[dict[str, Any]]:
         return self._calls.tool_calls() if self._calls is not None else []
 

@@ -250,8 +250,9 @@ class ChatRun:
             parser = self._parser(choice.index)
             parser.feed(choice.text)
             parser.finish()
-            # With calls, the content is null unless the model wrote text before them (OpenAI).
-            content = (parser.content.strip() or None) if parser.has_calls else parser.content
+            # With calls, the content is null unless the model wrote text before them (OpenAI);
+            # not stripped, so that it equals the streamed content byte for byte.
+            content = (parser.content or None) if parser.has_calls else parser.content
             thought = self.reasoning.reasoning_format is not None and (parser.reasoning or parser.is_reasoning)
             results.append(ChoiceResult(choice.index, content, parser.tool_calls(), choice.token_ids, logprobs,
                                         tool_finish_reason(choice.finish_reason, parser), choice.stop_reason,
@@ -271,6 +272,8 @@ class ChatRun:
 
 
 def tool_finish_reason(finish_reason: str | None, parser: AnswerParser) -> str | None:
-    """"tool_calls" when the answer ended normally with calls; "length" stays "length" (a call cut
-    short: its arguments are incomplete JSON)."""
-    return "tool_calls" if finish_reason == "stop" and parser.has_calls else finish_reason
+    """"tool_calls" when the answer ended with whole calls, also when max_tokens ran out after
+    the last one ended; "length" when a call was cut short (its arguments are incomplete JSON)."""
+    if parser.has_calls and (finish_reason == "stop" or (finish_reason == "length" and not parser.has_open_call)):
+        return "tool_calls"
+    return finish_reason

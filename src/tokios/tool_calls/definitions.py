@@ -10,7 +10,7 @@ Two choices where OpenAI's API is silent or where small local models need a firm
 `parallel_tool_calls` defaults to false, as in llama.cpp's server (a 135M model asked for "one
 or more" calls repeats the same call until max_tokens); and an object schema in the parameters
 that does not say otherwise admits no properties beyond those it lists, so `f(**arguments)` does
-not break on an invented keyword.
+not break on an invented keyword (`closed_objects`, which Ollama's `format` schemas go through too).
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def _function(tool: Any, index: int) -> Function:
         # list would be unparseable by the client.
         raise InvalidRequestError(f"{where_parameters} must describe an object (type 'object'), got type "
                                   f"{declared_type!r}", param=where_parameters)
-    return Function(name, description, _closed_objects(parameters))
+    return Function(name, description, closed_objects(parameters))
 
 
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
@@ -125,7 +125,7 @@ _SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
 _SCHEMA_VALUES = ("items", "additionalProperties", "not", "contains", "if", "then", "else", "propertyNames")
 
 
-def _closed_objects(schema: Any) -> Any:
+def closed_objects(schema: Any) -> Any:
     """A copy of `schema` where every object schema that lists properties and says nothing about
     others gets additionalProperties false (walking the keywords that hold subschemas)."""
     if not isinstance(schema, Mapping):
@@ -133,13 +133,13 @@ def _closed_objects(schema: Any) -> Any:
     closed = dict(schema)
     for key in _SCHEMA_MAPS:
         if isinstance(closed.get(key), Mapping):
-            closed[key] = {name: _closed_objects(value) for name, value in closed[key].items()}
+            closed[key] = {name: closed_objects(value) for name, value in closed[key].items()}
     for key in _SCHEMA_LISTS:
         if isinstance(closed.get(key), list):
-            closed[key] = [_closed_objects(value) for value in closed[key]]
+            closed[key] = [closed_objects(value) for value in closed[key]]
     for key in _SCHEMA_VALUES:
         if key in closed:
-            closed[key] = _closed_objects(closed[key])
+            closed[key] = closed_objects(closed[key])
     if (isinstance(closed.get("properties"), Mapping) and "additionalProperties" not in closed
             and "patternProperties" not in closed and "unevaluatedProperties" not in closed):
         closed["additionalProperties"] = False

@@ -2,23 +2,34 @@
 
 Fed the text deltas of one choice in order, it returns what each delta adds: content text, and
 tool-call deltas in OpenAI's streaming form (a call's first delta carries its index, id and
-name; later ones carry argument fragments). Text that might be the start of a `<tool_call>` tag,
-or of a call's end, is held back until the next delta decides it, so call text never reaches
-`content` and the arguments stream holds exactly the arguments object. The non-streaming answer
-feeds the whole text at once, so both answers come from the same code. The call format is
-call_format.py's, which the grammar enforces; text that departs from it (possible only without
-the grammar) is reported as content, never dropped.
+name; later ones carry argument fragments). The non-streaming answer feeds the whole text at
+once, so both answers come from the same code, and a text fed in any pieces gives the same
+content and calls as fed whole:
+
+- content that might be the start of a `<tool_call>` tag is held back until the next delta
+  decides it, and so is trailing whitespace, because whitespace right before a call is the
+  call's separator, not content (llama.cpp parses "Hi\n<tool_call>..." to the content "Hi");
+- a call's arguments stream as they arrive: the parser follows the JSON object (nesting,
+  strings, escapes) to find its closing brace, so a `</tool_call>` or `}` inside a string
+  argument never ends the call;
+- after the arguments, the wrapper's `}` and `</tool_call>` (with or without the newline our
+  grammar writes: Hermes 2 Pro and Reka write none), then, between calls, any whitespace.
+
+The call format is call_format.py's, which the grammar enforces; text that departs from it
+(possible only without the grammar) is reported as content, never dropped.
 """
 
 from __future__ import annotations
 
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokios.tool_calls.call_format import ARGUMENTS_PREFIX, CALL_END, CALL_OPEN, CALL_SEPARATOR, NAME_PREFIX
+from tokios.tool_calls.call_format import ARGUMENTS_PREFIX, CALL_CLOSE, CALL_OPEN, NAME_PREFIX
 
-_NEXT_CALL = CALL_SEPARATOR + CALL_OPEN
+# After a call's arguments object: the wrapper's brace, optional whitespace, the closing tag.
+_CALL_TAIL = re.compile(r"\}\s*" + re.escape(CALL_CLOSE))
 
 
 @dataclass
@@ -58,13 +69,24 @@ class ToolCallParser:
     def __init__(self) -> None:
         self._buffer = ""
         self._cursor = 0
-        self._state = "content"  # content | header | arguments | between
+        self._state = "content"  # content | header | arguments | tail | between
+        # Where the arguments scan is in the JSON: object depth, inside a string, after a backslash.
+        self._depth = 0
+        self._is_in_string = False
+        self._is_escaped = False
+        self._separator = ""  # the whitespace before the last `<tool_call>`
         self.content = ""
         self.calls: list[dict[str, Any]] = []  # {"id", "name", "arguments"}
 
     @property
     def has_calls(self) -> bool:
         return bool(self.calls)
+
+    @property
+    def has_open_call(self) -> bool:
+        """The last call's arguments were cut short (incomplete JSON). A call cut in its header is
+        not among the calls; one cut after its arguments closed is whole to the client."""
+        return self._state == "arguments"
 
     def tool_calls(self) -> list[dict[str, Any]]:
         """The calls so far in the shape of a chat message's `tool_calls`."""
@@ -85,10 +107,10 @@ class ToolCallParser:
         while self._step(delta, final=True):
             pass
         rest = self._buffer[self._cursor:]
-        if self._state == "content" and rest:
+        if self._state == "content":
             self._emit_content(delta, rest)
-        elif self._state == "arguments" and rest:
-            self._emit_arguments(delta, rest)
+        # A call cut inside its header is dropped: it names no function yet, and its text is
+        # call text, which never goes into content.
         self._cursor = len(self._buffer)
         return delta
 
@@ -99,59 +121,93 @@ class ToolCallParser:
         if not rest:
             return False
         if self._state == "content":
-            return self._read_until(delta, rest, CALL_OPEN, self._emit_content, "header", hold_back=not final)
+            return self._read_content(delta, rest, final)
         if self._state == "header":
-            if len(rest) < len(NAME_PREFIX):
-                if not NAME_PREFIX.startswith(rest):
-                    return self._not_a_call(delta)
-                return False
-            if not rest.startswith(NAME_PREFIX):
-                return self._not_a_call(delta)
-            end = rest.find(ARGUMENTS_PREFIX, len(NAME_PREFIX))
-            if end < 0:
-                return False
-            name = rest[len(NAME_PREFIX):end]
-            call = {"id": f"call_{uuid.uuid4().hex[:24]}", "name": name, "arguments": ""}
-            self.calls.append(call)
-            delta.tool_calls.append(ToolCallDelta(len(self.calls) - 1, call["id"], name))
-            self._cursor += end + len(ARGUMENTS_PREFIX)
-            self._state = "arguments"
-            return True
+            return self._read_header(delta, rest)
         if self._state == "arguments":
-            return self._read_until(delta, rest, CALL_END, self._emit_arguments, "between")
-        # between calls: another call, or the end
-        if rest.startswith(_NEXT_CALL):
-            self._cursor += len(_NEXT_CALL)
+            return self._read_arguments(delta, rest)
+        if self._state == "tail":
+            match = _CALL_TAIL.match(rest)
+            if match:
+                self._cursor += match.end()
+                self._state = "between"
+                return True
+            if not final and _could_begin_tail(rest):
+                return False
+            self._state = "content"  # not our format: the text stays content
+            return True
+        # between calls: whitespace, then another call or the end
+        stripped = rest.lstrip()
+        if stripped.startswith(CALL_OPEN):
+            self._cursor += len(rest) - len(stripped) + len(CALL_OPEN)
             self._state = "header"
             return True
-        if _NEXT_CALL.startswith(rest) and not final:
+        if not stripped or (CALL_OPEN.startswith(stripped) and not final):
+            if final:
+                self._cursor += len(rest)
             return False
-        if rest.strip():
-            self._state = "content"  # text after the calls: content, as given
+        self._state = "content"  # text after the calls: content, as given
+        return True
+
+    def _read_content(self, delta: ParsedDelta, rest: str, final: bool) -> bool:
+        at = rest.find(CALL_OPEN)
+        if at >= 0:
+            before = rest[:at].rstrip()
+            self._emit_content(delta, before)
+            self._separator = rest[len(before):at]  # given back if no call follows the tag
+            self._cursor += at + len(CALL_OPEN)
+            self._state = "header"
             return True
+        if final:
+            return False  # finish() emits the rest
+        keep = _held_back(rest, CALL_OPEN)
+        ready = rest[:len(rest) - keep].rstrip()
+        self._emit_content(delta, ready)
+        self._cursor += len(ready)
+        return False
+
+    def _read_header(self, delta: ParsedDelta, rest: str) -> bool:
+        if not (rest.startswith(NAME_PREFIX) or NAME_PREFIX.startswith(rest)):
+            self._emit_content(delta, self._separator + CALL_OPEN)
+            self._state = "content"
+            return True
+        end = rest.find(ARGUMENTS_PREFIX, len(NAME_PREFIX))
+        if end < 0:
+            return False
+        name = rest[len(NAME_PREFIX):end]
+        call = {"id": f"call_{uuid.uuid4().hex[:24]}", "name": name, "arguments": ""}
+        self.calls.append(call)
+        delta.tool_calls.append(ToolCallDelta(len(self.calls) - 1, call["id"], name))
+        self._cursor += end + len(ARGUMENTS_PREFIX)
+        self._state = "arguments"
+        self._depth, self._is_in_string, self._is_escaped = 0, False, False
+        return True
+
+    def _read_arguments(self, delta: ParsedDelta, rest: str) -> bool:
+        """Emit the arguments up to the brace that closes the object (True), or all of `rest`
+        when the object is still open (False: wait for more)."""
+        for position, char in enumerate(rest):
+            if self._is_in_string:
+                if self._is_escaped:
+                    self._is_escaped = False
+                elif char == "\\":
+                    self._is_escaped = True
+                elif char == '"':
+                    self._is_in_string = False
+            elif char == '"':
+                self._is_in_string = True
+            elif char in "{[":
+                self._depth += 1
+            elif char in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    self._emit_arguments(delta, rest[:position + 1])
+                    self._cursor += position + 1
+                    self._state = "tail"
+                    return True
+        self._emit_arguments(delta, rest)
         self._cursor += len(rest)
         return False
-
-    def _read_until(self, delta: ParsedDelta, rest: str, marker: str, emit, next_state: str,
-                    hold_back: bool = True) -> bool:
-        """Emit `rest` up to `marker` and move past it into `next_state` (True); or, with no
-        marker yet, emit all of it but a tail that could begin the marker (False: wait)."""
-        at = rest.find(marker)
-        if at >= 0:
-            emit(delta, rest[:at])
-            self._cursor += at + len(marker)
-            self._state = next_state
-            return True
-        keep = _held_back(rest, marker) if hold_back else 0
-        if len(rest) > keep:
-            emit(delta, rest[:len(rest) - keep])
-            self._cursor += len(rest) - keep
-        return False
-
-    def _not_a_call(self, delta: ParsedDelta) -> bool:
-        self._emit_content(delta, CALL_OPEN)
-        self._state = "content"
-        return True
 
     def _emit_content(self, delta: ParsedDelta, text: str) -> None:
         if text:
@@ -167,3 +223,8 @@ class ToolCallParser:
             delta.tool_calls[-1].arguments += text
         else:
             delta.tool_calls.append(ToolCallDelta(index, arguments=text))
+
+
+def _could_begin_tail(text: str) -> bool:
+    """Whether more text could make `text` a call's tail (`}`, whitespace, `</tool_call>`)."""
+    return text.startswith("}") and CALL_CLOSE.startswith(text[1:].lstrip())

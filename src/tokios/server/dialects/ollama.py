@@ -1,11 +1,12 @@
 """Ollama's API: /api/chat, /api/generate, /api/tags, /api/show, /api/ps, /api/version.
 
 A thin translation onto the shared chat path (server/generation.py): `options` become
-SamplingParams keyword arguments (`options_to_sampling`), `format` a structured output, `tools`
-a ToolSet, `keep_alive` the model's idle lifetime in the registry. Answers are Ollama's:
-NDJSON streams (`stream` defaults to true) whose last line has `done: true`, the done reason and
-the counts and nanosecond durations Ollama reports; errors are `{"error": "..."}`, in a stream
-as its last line (the `OLLAMA` record at the end).
+SamplingParams keyword arguments (`options_to_sampling`), `format` a structured output (its
+objects closed as tool parameters are), `tools` a ToolSet, `keep_alive` the model's idle
+lifetime in the registry. Answers are Ollama's: NDJSON streams (`stream` defaults to true)
+whose last line has `done: true`, the done reason and the counts and nanosecond durations Ollama
+reports; errors are `{"error": "..."}`, in a stream as its last line (the `OLLAMA` record at the
+end).
 
 Options that would change the output and that Tokios cannot honour (mirostat, tfs_z,
 typical_p, repeat_last_n other than -1, per-request hardware settings) are a 400 naming the
@@ -41,6 +42,7 @@ from tokios.server.serving import make_sampling_params
 from tokios.server.streams import StreamedResponse
 from tokios.structured.spec import StructuredOutput
 from tokios.tool_calls import ToolSet
+from tokios.tool_calls.definitions import closed_objects
 
 # options -> SamplingParams names; the values keep their meaning.
 _OPTION_TO_SAMPLING = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
@@ -238,7 +240,10 @@ def _format(value: str | dict[str, Any] | None) -> StructuredOutput | None:
     if value == "json":
         return StructuredOutput.from_structured_outputs({"json_object": True})
     if isinstance(value, dict):
-        return StructuredOutput.from_structured_outputs({"json": value}, param="format")
+        # Closed as tool parameters are, and as Ollama's own converter (llama.cpp's
+        # json-schema-to-grammar) closes them: an object listing its properties admits no others
+        # unless the schema says so, so a reply parses into the caller's model class.
+        return StructuredOutput.from_structured_outputs({"json": closed_objects(value)}, param="format")
     raise InvalidRequestError(f"format must be \"json\" or a JSON schema, got {value!r}", param="format")
 
 

@@ -23,8 +23,10 @@ def _marker(text: str, special_id: int | None) -> str:
 
 
 def reasoning_rules(reasoning_format: ReasoningFormat, starts_inside: bool, start_special_id: int | None,
-                    end_special_id: int | None) -> tuple[str, list[str]]:
-    """(the expression that goes before the answer in `start`, the rules it needs)."""
+                    end_special_id: int | None, must_think: bool = False) -> tuple[str, list[str]]:
+    """(the expression that goes before the answer in `start`, the rules it needs). `must_think`:
+    the request has thinking on, so a model that opens the reasoning itself (Qwen3) opens it
+    first, as it was trained to (else a small model may skip to the answer, or pad before it)."""
     if end_special_id is not None:
         rules = [f"thinking: THINKING_TEXT {_marker(reasoning_format.end, end_special_id)}",
                  r"THINKING_TEXT: /(.|\n)*/"]
@@ -33,4 +35,4 @@ def reasoning_rules(reasoning_format: ReasoningFormat, starts_inside: bool, star
     if starts_inside:
         return "thinking", rules
     rules.append(f"opened_thinking: {_marker(reasoning_format.start, start_special_id)} thinking")
-    return "opened_thinking?", rules
+    return "opened_thinking" if must_think else "opened_thinking?", rules

@@ -175,3 +175,36 @@ def test_a_spent_budget_without_a_required_call_leads_to_an_answer(served):
     reasoning, content, calls, finish_reason = _streamed(client, **body)
     assert (reasoning, content, finish_reason) == (message["reasoning_content"], message["content"] or "",
                                                    choice["finish_reason"])
+
+
+def test_the_harmony_grammar_admits_its_messages_only(tmp_path_factory):
+    """Over the tiny gpt-oss's vocabulary (the markers as their special ids): the analysis first,
+    then under `auto` a final answer or a call, under `required` a call only, under a named
+    tool_choice a call of that function only, each call's arguments under its schema."""
+    from tokios.reasoning.harmony_grammar import MARKERS, harmony_tool_call_grammar
+    from tokios.structured import GrammarCompiler
+    from tokios.tool_calls import ToolSet
+
+    tokenizer = _tokenizer(converted_model(GPT_OSS, tmp_path_factory).gguf_path)
+    compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size)
+    marker_to_id = {marker: tokenizer.single_token_id(marker) for marker in MARKERS}
+    clock = {"type": "function", "function": {"name": "get_time", "description": "The time", "parameters": {
+        "type": "object", "properties": {}}}}
+
+    def accepts(tool_choice, text: str) -> bool:
+        grammar = harmony_tool_call_grammar(ToolSet.from_request([UNIT, clock], tool_choice, None), marker_to_id)
+        matcher = compiler.compile(grammar).new_matcher()
+        return all(matcher._matcher.consume_token(token_id)
+                   for token_id in tokenizer.encode(text, add_special_tokens=False)) and matcher.is_accepting
+
+    analysis = "<|channel|>analysis<|message|>Need the unit.<|end|><|start|>assistant"
+    call = '<|channel|>commentary to=functions.set_unit <|constrain|>json<|message|>{"unit": "f"}<|call|>'
+    final = "<|channel|>final<|message|>It is done.<|return|>"
+    assert accepts("auto", analysis + call) and accepts("auto", analysis + final)
+    assert accepts("required", analysis + call) and not accepts("required", analysis + final)
+    assert not accepts("auto", call) and not accepts("auto", final)  # the analysis comes first
+    assert not accepts("auto", analysis + call.replace('"f"', '"k"'))
+    assert not accepts("auto", analysis + call.replace("<|call|>", "<|end|>"))
+    named = {"type": "function", "function": {"name": "get_time"}}
+    assert not accepts(named, analysis + call)
+    assert accepts(named, analysis + call.replace("set_unit", "get_time").replace('{"unit": "f"}', "{}"))

@@ -12,6 +12,7 @@ effort and thinking switch reach the templates.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 
@@ -44,7 +45,7 @@ def _family(name: str):
 
 @pytest.fixture(scope="module", params=["qwen3", "gpt-oss"])
 def served(request, tmp_path_factory):
-    """(family name, tokenizer, a TestClient of the server on the family's tiny model)."""
+    """(family name, a TestClient of the server on the family's tiny model)."""
     from starlette.testclient import TestClient
 
     from tokios.config import EngineConfig
@@ -59,10 +60,12 @@ def served(request, tmp_path_factory):
         while client.get("/health").json()["status"] == "loading":
             time.sleep(0.05)
         assert client.get("/health").json()["status"] == "ok"
-        yield request.param, app.state.tokios.registry, client
+        yield request.param, client
 
 
+@functools.lru_cache(maxsize=None)
 def _tokenizer(path):
+    """Our tokenizer from the file (read once per file: a 150k-token vocabulary takes seconds)."""
     from tokios.tokenizer.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf_file(str(path))
@@ -132,7 +135,7 @@ def _streamed(client, **body) -> tuple[str, str, list[dict], str]:
 
 
 def test_a_spent_budget_closes_the_thinking_with_its_special_ids_and_the_grammar_writes_the_call(served):
-    name, _, client = served
+    name, client = served
     body = dict(tools=[UNIT], tool_choice="required", max_thinking_tokens=NUM_THINKING_TOKENS, max_tokens=80,
                 logprobs=True)
     whole = _chat(client, **body)
@@ -165,7 +168,7 @@ def test_a_spent_budget_closes_the_thinking_with_its_special_ids_and_the_grammar
 def test_a_spent_budget_without_a_required_call_leads_to_an_answer(served):
     """`auto`: gpt-oss's forced end opens the final channel, Qwen3's closes the thinking; the
     model then answers (the random model's text, or a call the grammar completes)."""
-    name, _, client = served
+    name, client = served
     body = dict(tools=[UNIT], max_thinking_tokens=NUM_THINKING_TOKENS, max_tokens=24)
     (choice,) = _chat(client, **body)["choices"]
     message = choice["message"]

@@ -176,6 +176,7 @@ def olmoe_config(vocab_size: int):
         initializer_range=0.5, pad_token_id=None, bos_token_id=None, eos_token_id=None)
 
 
+QWEN3_MARKERS = ("<think>", "</think>", "<tool_call>", "</tool_call>")
 MOE_FAMILIES = ("qwen3moe", "qwen2moe", "mixtral", "olmoe", "gemma4moe")
 FAMILIES = {
     family.name: family for family in (
@@ -185,7 +186,10 @@ FAMILIES = {
         TinyFamily("phi3", phi3_config, vocab="phi-3"),
         TinyFamily("gemma4", gemma4_config, vocab="gemma-4", random_scales=("norm.weight", "layer_scalar"),
                    seed=1),
-        TinyFamily("qwen3", qwen3_config, vocab="qwen2", random_scales=("norm.weight",)),
+        # Qwen3's markers as special tokens and its real template (the reasoning and tool-call
+        # tests read them: test_reasoning_markers.py); the qwen2 vocabulary has neither.
+        TinyFamily("qwen3", qwen3_config, vocab="qwen2", random_scales=("norm.weight",),
+                   special_tokens=QWEN3_MARKERS, chat_template="Qwen-Qwen3-0.6B.jinja"),
         TinyFamily("qwen3-yarn", qwen3_yarn_config, vocab="qwen2", random_scales=("norm.weight",)),
         TinyFamily("llama3", llama3_config, vocab="llama-bpe"),
         TinyFamily("qwen3moe", qwen3moe_config, vocab="qwen2", random_scales=("norm.weight",)),

@@ -315,3 +315,27 @@ def test_ollama_format_schemas_are_closed_like_tool_parameters():
     assert closed["properties"]["extra"]["additionalProperties"] == {"type": "integer"}
     assert schema.get("additionalProperties") is None  # the caller's schema is left as given
     assert json.loads(_format({"type": "object"}).source) == {"type": "object"}  # lists nothing: open
+
+
+@pytest.mark.parametrize("template, object_arguments", [
+    ("openai-gpt-oss-120b.jinja", True), ("Qwen-Qwen2.5-7B-Instruct.jinja", True),
+    ("Qwen-Qwen3-0.6B.jinja", False), ("NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja", False)])
+def test_a_past_calls_arguments_reach_a_tojson_template_as_the_object_the_model_wrote(template, object_arguments):
+    """OpenAI clients send a past call's arguments as JSON text; a template that writes them with
+    `tojson` whatever they are (gpt-oss's, Qwen2.5's, Llama 3.x's) gets the object, else it would
+    write a quoted string the model never wrote. One that checks for text (Qwen3's) gets the text
+    as sent, byte for byte."""
+    from tokios.model_files import llama_cpp_sources
+    from tokios.tokenizer.chat_template import ChatTemplate
+
+    chat_template = ChatTemplate((llama_cpp_sources() / "models" / "templates" / template).read_text())
+    assert chat_template.takes_object_arguments == object_arguments
+    arguments = '{"city":"Paris"}'
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    tools = [{"type": "function", "function": WEATHER["function"]}]
+    rendered = chat_template.render(messages, add_generation_prompt=True, tools=tools, special_tokens={})
+    assert '\\"city\\"' not in rendered
+    assert (arguments in rendered) != object_arguments and ('{"city": "Paris"}' in rendered) == object_arguments

@@ -1,7 +1,7 @@
 """Reasoning models: which format a model thinks in, the split of its output into reasoning and
 answer, what a request asks of the thinking, and the thinking budget the sampler enforces."""
 
-from tokios.reasoning.answer import AnswerParser
+from tokios.reasoning.answer import AnswerParser, answer_parser
 from tokios.reasoning.budget import BudgetMatcher, ThinkingBudget
 from tokios.reasoning.formats import (FORMAT_CHOICES, HARMONY, THINK, ReasoningFormat, detect_reasoning_format,
                                       resolve_reasoning_format)
@@ -9,4 +9,4 @@ from tokios.reasoning.request import EFFORT_TO_MAX_THINKING_TOKENS, ThinkingPlan
 
 __all__ = ["AnswerParser", "BudgetMatcher", "EFFORT_TO_MAX_THINKING_TOKENS", "FORMAT_CHOICES", "HARMONY",
            "ReasoningFormat", "THINK", "ThinkingBudget", "ThinkingPlan", "ThinkingRequest",
-           "detect_reasoning_format", "plan_thinking", "resolve_reasoning_format"]
+           "answer_parser", "detect_reasoning_format", "plan_thinking", "resolve_reasoning_format"]

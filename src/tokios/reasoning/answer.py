@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokios.reasoning.formats import ReasoningFormat
+from tokios.reasoning.formats import HARMONY, ReasoningFormat
+from tokios.reasoning.harmony import HarmonyParser
 from tokios.reasoning.parser import ThinkParser
 from tokios.tool_calls.parser import ParsedDelta, ToolCallParser
 
@@ -76,3 +77,12 @@ class AnswerParser:
             delta.content += rest.content
             delta.tool_calls += rest.tool_calls
         return delta
+
+
+def answer_parser(reasoning_format: ReasoningFormat | None, starts_inside: bool,
+                  calls_possible: bool) -> AnswerParser | HarmonyParser:
+    """The parser of one choice's output for the model's format (harmony's channels, or the
+    reasoning split then the tool-call parser)."""
+    if reasoning_format == HARMONY:
+        return HarmonyParser(calls_possible)
+    return AnswerParser(reasoning_format, starts_inside, calls_possible)

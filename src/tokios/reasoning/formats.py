@@ -33,6 +33,9 @@ class ReasoningFormat:
     # Every marker of the format (the tool-call ones too): those that are special tokens must
     # stay in the output text for the parser to see them.
     markers: tuple[str, ...]
+    # The forced end when the answer must be a call (tool_choice required or named), if it
+    # differs: only as far as the tool-call grammar admits, which writes the call from there.
+    forced_end_before_call: str | None = None
 
     def prompt_opens_reasoning(self, prompt: str) -> bool:
         """Whether the prompt ends inside an open reasoning block (a template that writes
@@ -46,7 +49,8 @@ THINK = ReasoningFormat("think", "<think>", "</think>", "\n</think>\n\n",
 HARMONY = ReasoningFormat(
     "harmony", "<|channel|>analysis<|message|>", "<|end|>",
     "<|end|><|start|>assistant<|channel|>final<|message|>",
-    ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|constrain|>", "<|call|>", "<|return|>"))
+    ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|constrain|>", "<|call|>", "<|return|>"),
+    "<|end|><|start|>assistant")
 REASONING_FORMATS = {format_.name: format_ for format_ in (THINK, HARMONY)}
 FORMAT_CHOICES = ("auto", "none", *REASONING_FORMATS)
 

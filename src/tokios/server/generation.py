@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from tokios.outputs import RequestOutput, TokenLogprobs
-from tokios.reasoning import AnswerParser, ReasoningFormat, ThinkingRequest
+from tokios.reasoning import AnswerParser, ReasoningFormat, ThinkingRequest, answer_parser
 from tokios.tool_calls import ToolSet
 from tokios.tool_calls.parser import ToolCallDelta
 from tokios.tool_calls.prompt import template_inputs
@@ -182,8 +182,8 @@ class ChatRun:
     def _parser(self, index: int) -> AnswerParser:
         parser = self._parsers.get(index)
         if parser is None:
-            parser = self._parsers[index] = AnswerParser(self.reasoning.reasoning_format, self.reasoning.starts_inside,
-                                                         self.turn.calls_possible)
+            parser = self._parsers[index] = answer_parser(self.reasoning.reasoning_format, self.reasoning.starts_inside,
+                                                          self.turn.calls_possible)
         return parser
 
     @property

@@ -21,12 +21,14 @@ from starlette.requests import Request
 from tokios.errors import ContextLengthExceededError, InvalidRequestError
 from tokios.outputs import Logprob, RequestOutput
 from tokios.server.admission import Admission
-from tokios.reasoning import THINK, ReasoningFormat, ThinkingBudget, plan_thinking, resolve_reasoning_format
+from tokios.reasoning import HARMONY, THINK, ReasoningFormat, ThinkingBudget, plan_thinking, resolve_reasoning_format
 from tokios.reasoning.grammar import reasoning_rules
+from tokios.reasoning.harmony_grammar import MARKERS as HARMONY_MARKERS, harmony_tool_call_grammar
 from tokios.server.generation import ChatRun, ChatTurn, ReasoningSetup
 from tokios.server.metrics import ServerMetrics
 from tokios.server.registry import ModelLease
 from tokios.server.streams import EngineStream, Job, run_watching_disconnect
+from tokios.tool_calls.call_format import CALL_CLOSE, CALL_OPEN
 from tokios.tool_calls.grammar import tool_call_grammar
 
 
@@ -174,13 +176,13 @@ class Serving:
         # and a tool-call grammar lets the thinking through first.
         thinks = reasoning_format is not None and (plan.is_enabled or plan.max_thinking_tokens is not None)
         if thinks:
-            kwargs["thinking_budget"] = self._thinking_budget(reasoning, plan.max_thinking_tokens)
+            kwargs["thinking_budget"] = self._thinking_budget(reasoning, plan.max_thinking_tokens,
+                                                              turn.calls_possible and turn.tools.calls_required)
         if turn.calls_possible:
             if kwargs.get("structured_output") is not None:
                 raise InvalidRequestError("a response format or structured output cannot be combined with tools "
                                           "unless tool_choice is 'none'", param="response_format")
-            kwargs["structured_output"] = tool_call_grammar(turn.tools, self._reasoning_grammar(reasoning) if thinks
-                                                            else None)
+            kwargs["structured_output"] = self._tool_call_grammar(turn, reasoning, thinks)
         sampling_params = make_sampling_params(kwargs)
         job = self.new_job(response_id, [prompt_ids], sampling_params, kwargs, lease)
         run = ChatRun(self, http_request, job, turn, prompt_ids, lease.load_seconds if lease else 0.0, reasoning)
@@ -188,15 +190,31 @@ class Serving:
             await run.start_streaming()
         return run
 
-    def _thinking_budget(self, reasoning: ReasoningSetup, max_thinking_tokens: int | None) -> ThinkingBudget:
+    def _thinking_budget(self, reasoning: ReasoningSetup, max_thinking_tokens: int | None,
+                         calls_required: bool) -> ThinkingBudget:
         reasoning_format = reasoning.reasoning_format
+        forced_end = reasoning_format.forced_end
+        if calls_required and reasoning_format.forced_end_before_call is not None:
+            forced_end = reasoning_format.forced_end_before_call
 
         def ids(text: str) -> tuple[int, ...]:
             return tuple(self.tokenizer.encode(text, add_special_tokens=False))
 
         return ThinkingBudget(max_thinking_tokens, ids(reasoning_format.start), ids(reasoning_format.end),
-                              ids(reasoning_format.forced_end), reasoning.starts_inside,
+                              ids(forced_end), reasoning.starts_inside,
                               tuple(sorted(self.tokenizer.eos_token_ids)))
+
+    def _tool_call_grammar(self, turn: ChatTurn, reasoning: ReasoningSetup, thinks: bool):
+        """gpt-oss's calls in harmony's messages; any other model's in the `<tool_call>` format,
+        after its thinking when it thinks."""
+        special_ids = set(self.tokenizer.all_special_ids)
+        if reasoning.reasoning_format == HARMONY:
+            marker_to_id = {marker: self.tokenizer.single_token_id(marker) for marker in HARMONY_MARKERS}
+            return harmony_tool_call_grammar(turn.tools, {marker: token_id for marker, token_id in marker_to_id.items()
+                                                          if token_id in special_ids})
+        tag_to_id = {tag: self.tokenizer.single_token_id(tag) for tag in (CALL_OPEN, CALL_CLOSE)}
+        return tool_call_grammar(turn.tools, self._reasoning_grammar(reasoning) if thinks else None,
+                                 {tag: token_id for tag, token_id in tag_to_id.items() if token_id in special_ids})
 
     def _reasoning_grammar(self, reasoning: ReasoningSetup) -> tuple[str, list[str]] | None:
         """The thinking a tool-call grammar lets through first (reasoning/grammar.py)."""

@@ -164,6 +164,23 @@ class ChatTemplate:
             self.takes_tools = "tools" in self.variables
         except jinja2.exceptions.TemplateError as exc:
             raise ModelLoadError(f"the model's chat template does not compile: {exc}") from None
+        self.takes_object_arguments = self.takes_tools and self._writes_string_arguments_quoted()
+
+    def _writes_string_arguments_quoted(self) -> bool:
+        """Whether the template writes a past call's arguments with `tojson` whatever they are
+        (gpt-oss's): OpenAI clients send them as a JSON string, which it would write as a quoted
+        string, not the object the model wrote. Found by rendering a probe conversation once, as
+        llama.cpp probes its templates."""
+        call = {"id": "call_probe", "type": "function", "function": {"name": "probe", "arguments": '{"probe": 1}'}}
+        probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                 {"role": "tool", "tool_call_id": "call_probe", "content": "y"}]
+        tool = {"type": "function", "function": {"name": "probe", "description": "", "parameters": {
+            "type": "object", "properties": {"probe": {"type": "integer"}}}}}
+        try:
+            rendered = self._template.render(messages=probe, tools=[tool], add_generation_prompt=True)
+        except Exception:  # noqa: BLE001 - a template that cannot render the probe takes what it is given
+            return False
+        return '\\"probe\\"' in rendered
 
     def render(
         self,
@@ -175,6 +192,8 @@ class ChatTemplate:
         **kwargs: Any,
     ) -> str:
         validated = validate_messages(messages)
+        if self.takes_object_arguments:
+            validated = [_with_object_arguments(message) for message in validated]
         # Caller kwargs may set extra variables (documents, enable_thinking, ...) but never the
         # conversation itself.
         variables = {
@@ -194,6 +213,26 @@ class ChatTemplate:
             raise InvalidRequestError(
                 f"chat template cannot render these messages: {type(exc).__name__}: {exc}", param="messages"
             ) from None
+
+
+def _with_object_arguments(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant turn whose calls' arguments are JSON text, with them as objects."""
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list):
+        return message
+    converted = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        if isinstance(arguments, str):
+            try:
+                parsed = json.loads(arguments)
+            except json.JSONDecodeError:
+                parsed = None
+            if isinstance(parsed, dict):
+                call = {**call, "function": {**function, "arguments": parsed}}
+        converted.append(call)
+    return {**message, "tool_calls": converted}
 
 
 BUILTIN_TEMPLATE_NAMES = ("chatml", "gemma")

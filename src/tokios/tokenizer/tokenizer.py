@@ -54,7 +54,12 @@ END_OF_TURN_TOKENS = (
     "<|end_of_text|>",
     "<EOT>",
     "<\uff5cend\u2581of\u2581sentence\uff5c>",
+    "<|return|>",  # gpt-oss's harmony: the final answer's end
+    "<|call|>",  # and a tool call's
 )
+# In harmony `<|end|>` ends one message and the next follows (the reasoning, then the answer):
+# a vocabulary with harmony's two ends does not stop at it (as llama.cpp's end-of-generation set).
+HARMONY_ENDS = ("<|return|>", "<|call|>")
 
 
 class Tokenizer:
@@ -83,6 +88,8 @@ class Tokenizer:
         self.all_special_ids: list[int] = sorted(i for i, token in added_tokens.items() if token.special)
         special_contents = {added_tokens[i].content: i for i in self.all_special_ids}
         end_of_turn_ids = {special_contents[text] for text in END_OF_TURN_TOKENS if text in special_contents}
+        if all(text in special_contents for text in HARMONY_ENDS):
+            end_of_turn_ids.discard(special_contents.get("<|end|>"))
         eos_ids = end_of_turn_ids | set(extra_eos_token_ids)
         if eos_token_id is not None:
             eos_ids.add(eos_token_id)

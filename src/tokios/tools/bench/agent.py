@@ -34,8 +34,8 @@ from dataclasses import asdict, dataclass
 
 from tokios.errors import InvalidRequestError
 from tokios.tools.bench import report
-from tokios.tools.bench.agent_session import (INTERRUPTED, MAX_TURNS, AgentTurn, agent_session, plain_messages,
-                                              recompute_bound)
+from tokios.tools.bench.agent_session import (INTERRUPTED, MAX_TURNS, TURN, AgentTurn, agent_session,
+                                              plain_messages, recompute_bound)
 from tokios.tools.bench.offline import machine_line, noise_note
 from tokios.tools.bench.report import fmt, markdown_table
 
@@ -112,7 +112,9 @@ def replay(base_url: str, server_name: str, turns: list[AgentTurn], prompt_ids: 
 
     results = []
     computed: list[list[int]] = []  # what the server has computed: each prompt and its answer
-    with httpx.Client(timeout=600.0) as http:
+    # A connection per request: llama-server may close a kept-alive one as the next request goes out
+    # on it ("Server disconnected without sending a response", seen after a streamed turn).
+    with httpx.Client(timeout=600.0, limits=httpx.Limits(max_keepalive_connections=0)) as http:
         model = http.get(base_url + "/v1/models").json()["data"][0]["id"]
         warm_up = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
                    "temperature": 0}
@@ -162,11 +164,13 @@ def table(name_to_results: dict[str, list[TurnResult]]) -> str:
             row += [recomputed, fmt(None if result.ttft_s is None else result.ttft_s * 1000, 0),
                     fmt(result.total_s * 1000, 0)]
         rows.append(row)
-    total = ["total", "", str(sum(t.num_prompt_tokens for t in first)), str(sum(t.max_recomputed_tokens for t in first))]
+    total = ["total", "", str(sum(t.num_prompt_tokens for t in first)),
+             str(sum(t.max_recomputed_tokens for t in first))]
     for name in names:
         results = name_to_results[name]
         total += [str(sum(r.num_recomputed_tokens or 0 for r in results)),
-                  fmt(sum((r.ttft_s or 0.0) for r in results) * 1000, 0), fmt(sum(r.total_s for r in results) * 1000, 0)]
+                  fmt(sum((r.ttft_s or 0.0) for r in results) * 1000, 0),
+                  fmt(sum(r.total_s for r in results) * 1000, 0)]
     rows.append(total)
     return markdown_table(headers, rows)
 
@@ -249,10 +253,12 @@ def run(args: argparse.Namespace) -> int:
             "command": report.command_line(), "machine": machine_line(),
             "results": {name: [asdict(r) for r in results] for name, results in name_to_results.items()}})
     if args.write_docs:
+        kinds = ", ".join(f"turn {turn.index} {turn.kind}" for turn in turns if turn.kind != TURN)
         body = (f"Command: `{report.command_line()}`\n\nMeasured {machine_line()}. {noise_note()}\n\n"
                 f"The scripted {args.turns}-turn agent session (tools/bench/agent_session.py: tool schemas, tool "
-                f"calls and results, turn 4 regenerated, turn 6 interrupted after {args.interrupt_after} streamed "
-                f"chunks), the same conversation and tokens sent to each server through the OpenAI chat API, "
+                f"calls and results; {kinds or 'no regenerated or interrupted turn'}; an interrupted turn reads "
+                f"{args.interrupt_after} streamed chunks), the same conversation and tokens sent to each server "
+                f"through the OpenAI chat API, "
                 f"{args.max_tokens} greedy tokens a turn. Recomputed: tokios prompt_tokens - cached_tokens, "
                 f"llama-server timings.prompt_n; bound: the tokens after the longest common prefix with what "
                 f"the server already computed, rounded up to a {BLOCK_SIZE}-token block, plus a block.\n\n"

@@ -88,9 +88,9 @@ def report(items: list[Item], since: str) -> str:
 _TEST_OUTPUT_FAIL = '''============================= test session starts ==============================
 collected 14 items
 
-tests/test_config.py ....                                                [ 28%]
-tests/test_report.py ...F..                                              [ 71%]
-tests/test_cli.py ...F                                                   [100%]
+tests/test_config.py .... [ 28%]
+tests/test_report.py ...F.. [ 71%]
+tests/test_cli.py ...F [100%]
 
 =================================== FAILURES ===================================
 __________________________ test_report_item_without_price ______________________
@@ -113,9 +113,9 @@ _REPORT_FIXED = _REPORT_PY.replace(
 _TEST_OUTPUT_PASS = '''============================= test session starts ==============================
 collected 15 items
 
-tests/test_config.py ....                                                [ 26%]
-tests/test_report.py .......                                             [ 73%]
-tests/test_cli.py ....                                                   [100%]
+tests/test_config.py .... [ 26%]
+tests/test_report.py ....... [ 73%]
+tests/test_cli.py .... [100%]
 
 ============================== 15 passed in 0.38s ==============================
 '''
@@ -229,9 +229,10 @@ def plain_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         elif role == "tool":
             role, content = "user", f"<tool_response>\n{content}\n</tool_response>"
         elif message.get("tool_calls"):
-            content += "".join(
-                f"<tool_call>\n{json.dumps({'name': call['function']['name'], 'arguments': json.loads(call['function']['arguments'])})}\n</tool_call>"
-                for call in message["tool_calls"])
+            for call in message["tool_calls"]:
+                function = call["function"]
+                call_json = json.dumps({"name": function["name"], "arguments": json.loads(function["arguments"])})
+                content += f"<tool_call>\n{call_json}\n</tool_call>"
         plain.append({"role": role, "content": content})
     return plain
 

@@ -80,7 +80,8 @@ def merge_completion_logprobs(first: dict[str, Any] | None, second: dict[str, An
 
 
 def chat_completion(response_id: str, created: int, model: str, choices: list[dict[str, Any]],
-                    num_prompt_tokens: int, num_completion_tokens: int, num_cached_prompt_tokens: int) -> dict[str, Any]:
+                    num_prompt_tokens: int, num_completion_tokens: int,
+                    num_cached_prompt_tokens: int) -> dict[str, Any]:
     return {"id": response_id, "object": "chat.completion", "created": created, "model": model,
             "choices": choices, "usage": usage(num_prompt_tokens, num_completion_tokens, num_cached_prompt_tokens),
             "system_fingerprint": None}

@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from tokios.errors import InvalidRequestError
 from tokios.tools.bench import report
@@ -191,6 +192,18 @@ def verdicts(name_to_results: dict[str, list[TurnResult]]) -> list[str]:
     return lines
 
 
+def docs_body(args: argparse.Namespace, turns: list[AgentTurn], text: str, lines: list[str]) -> str:
+    kinds = ", ".join(f"turn {turn.index} {turn.kind}" for turn in turns if turn.kind != TURN)
+    return (f"Command: `{report.command_line()}`\n\nMeasured {machine_line()}. {noise_note()}\n\n"
+            f"The scripted {len(turns)}-turn agent session (tools/bench/agent_session.py: tool schemas, tool calls "
+            f"and results; {kinds or 'no regenerated or interrupted turn'}; an interrupted turn reads "
+            f"{args.interrupt_after} streamed chunks), the same conversation and tokens sent to each server through "
+            f"the OpenAI chat API, {args.max_tokens} greedy tokens a turn. Recomputed: tokios prompt_tokens - "
+            f"cached_tokens, llama-server timings.prompt_n; bound: the tokens after the longest common prefix with "
+            f"what the server already computed, rounded up to a {BLOCK_SIZE}-token block, plus a block.\n\n"
+            f"{text}\n\n" + "\n".join(f"- {line}" for line in lines))
+
+
 def _template_source(args: argparse.Namespace, model_path: str) -> str:
     from tokios.tokenizer.chat_template import resolve_chat_template
     from tokios.tokenizer.tokenizer import Tokenizer
@@ -253,16 +266,8 @@ def run(args: argparse.Namespace) -> int:
             "command": report.command_line(), "machine": machine_line(),
             "results": {name: [asdict(r) for r in results] for name, results in name_to_results.items()}})
     if args.write_docs:
-        kinds = ", ".join(f"turn {turn.index} {turn.kind}" for turn in turns if turn.kind != TURN)
-        body = (f"Command: `{report.command_line()}`\n\nMeasured {machine_line()}. {noise_note()}\n\n"
-                f"The scripted {args.turns}-turn agent session (tools/bench/agent_session.py: tool schemas, tool "
-                f"calls and results; {kinds or 'no regenerated or interrupted turn'}; an interrupted turn reads "
-                f"{args.interrupt_after} streamed chunks), the same conversation and tokens sent to each server "
-                f"through the OpenAI chat API, "
-                f"{args.max_tokens} greedy tokens a turn. Recomputed: tokios prompt_tokens - cached_tokens, "
-                f"llama-server timings.prompt_n; bound: the tokens after the longest common prefix with what "
-                f"the server already computed, rounded up to a {BLOCK_SIZE}-token block, plus a block.\n\n"
-                f"{text}\n\n" + "\n".join(f"- {line}" for line in lines))
-        report.update_docs_section(args.write_docs, SECTION, body)
+        # One section per model file, so that the SmolLM2 and the Gemma 3 runs stand side by side.
+        report.update_docs_section(args.write_docs, f"{SECTION} ({Path(model_path).name})",
+                                   docs_body(args, turns, text, lines))
         print(f"updated {args.write_docs}", file=sys.stderr)
     return 0

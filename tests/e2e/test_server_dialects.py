@@ -1,7 +1,8 @@
 """The Ollama, Anthropic Messages and OpenAI Responses APIs, driven by their official clients
 (`ollama`, `anthropic`, `openai`) against the shared default server: whole and streamed answers,
 tool round trips, structured output, the model listing routes, errors in each API's own shape,
-and the same greedy text through all four chat APIs."""
+the same greedy text through all four chat APIs, and the prompt tokens each reports read from the
+prefix cache."""
 
 from __future__ import annotations
 
@@ -52,6 +53,53 @@ def test_greedy_text_is_identical_across_the_four_chat_apis(client, model, ollam
     assert openai_text and openai_text == ollama_text == anthropic_text == responses_text
 
 
+# ---- cached prompt tokens, in each API's own words -----------------------------------------------
+
+CACHE_SYSTEM = ("You are the archivist of a small maritime museum. Answer questions about ship models, "
+                "logbooks and charts in the collection; say when something is not in the catalogue.")
+CACHE_QUESTION = "Which logbooks from the 1850s do you hold?"
+
+
+def test_each_api_reports_the_prompt_tokens_the_prefix_cache_served(client, model, ollama_client,
+                                                                     anthropic_client, tokios_server):
+    messages = [{"role": "system", "content": CACHE_SYSTEM}, {"role": "user", "content": CACHE_QUESTION}]
+    cold = client.chat.completions.create(model=model, messages=messages, max_tokens=1)
+    num_prompt = cold.usage.prompt_tokens
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    # Every later request finds the full blocks before the last prompt token (16-token blocks).
+    num_cached = (num_prompt - 1) // 16 * 16
+    assert num_cached >= 32
+    warm = client.chat.completions.create(model=model, messages=messages, max_tokens=1)
+    assert (warm.usage.prompt_tokens, warm.usage.prompt_tokens_details.cached_tokens) == (num_prompt, num_cached)
+    streamed = list(client.chat.completions.create(model=model, messages=messages, max_tokens=1, stream=True,
+                                                   stream_options={"include_usage": True}))
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens == num_cached
+    with tokios_server.client() as http:
+        prompt_ids = http.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    assert len(prompt_ids) == num_prompt
+    completion = client.completions.create(model=model, prompt=prompt_ids, max_tokens=1)
+    assert completion.usage.prompt_tokens_details.cached_tokens == num_cached
+
+    response = client.responses.create(model=model, instructions=CACHE_SYSTEM, input=CACHE_QUESTION,
+                                       max_output_tokens=1)
+    assert (response.usage.input_tokens, response.usage.input_tokens_details.cached_tokens) == (num_prompt,
+                                                                                                  num_cached)
+    # Anthropic counts the cache read apart from input_tokens, in message_start and at the end.
+    anthropic_messages = [{"role": "user", "content": CACHE_QUESTION}]
+    message = anthropic_client.messages.create(model=model, system=CACHE_SYSTEM, messages=anthropic_messages,
+                                               max_tokens=1)
+    with anthropic_client.messages.stream(model=model, system=CACHE_SYSTEM, messages=anthropic_messages,
+                                          max_tokens=1) as stream:
+        started = next(event for event in stream if event.type == "message_start")
+        final = stream.get_final_message()
+    for usage in (message.usage, started.message.usage, final.usage):
+        assert (usage.input_tokens, usage.cache_read_input_tokens, usage.cache_creation_input_tokens) == (
+            num_prompt - num_cached, num_cached, 0)
+    # Ollama counts only the prompt tokens it evaluated.
+    answer = ollama_client.chat(model=model, messages=messages, options={"num_predict": 1})
+    assert answer.prompt_eval_count == num_prompt - num_cached
+
+
 # ---- Ollama -------------------------------------------------------------------------------------
 
 def test_ollama_chat_whole_and_streamed_agree_and_report_counts_and_durations(ollama_client, model):
@@ -61,7 +109,8 @@ def test_ollama_chat_whole_and_streamed_agree_and_report_counts_and_durations(ol
     assert "".join(chunk.message.content for chunk in chunks) == whole.message.content
     assert [chunk.done for chunk in chunks].count(True) == 1 and chunks[-1].done
     for final in (whole, chunks[-1]):
-        assert final.done_reason == "length" and final.eval_count == NUM_TOKENS and final.prompt_eval_count > 5
+        # prompt_eval_count leaves out what the prefix cache held (earlier tests sent this prompt).
+        assert final.done_reason == "length" and final.eval_count == NUM_TOKENS and final.prompt_eval_count >= 1
         assert final.prompt_eval_duration > 0 and final.eval_duration > 0
         assert final.total_duration >= final.prompt_eval_duration + final.eval_duration
 
@@ -187,7 +236,7 @@ def test_anthropic_create_and_stream_agree(anthropic_client, model):
     assert streamed == created.content[0].text == final.content[0].text
     assert final.stop_reason == "max_tokens" and final.usage.output_tokens == NUM_TOKENS
     counted = anthropic_client.messages.count_tokens(model=model, messages=MESSAGES)
-    assert counted.input_tokens == created.usage.input_tokens
+    assert counted.input_tokens == created.usage.input_tokens + created.usage.cache_read_input_tokens
 
 
 def test_anthropic_event_sequence(tokios_server, model):

@@ -17,7 +17,9 @@ test_families.py, on every run.
 - The tokenizer gives transformers' ids on a multilingual corpus, adds BOS as the file says,
   and streams UTF-8-safe text over byte-fallback pieces.
 - Perplexity on the ~1,000-token text: float32 matches to 1e-4, the file's own blocks within 1%.
-- The KV cache frees sliding-layer blocks out of the window during a long request.
+- The KV cache frees sliding-layer blocks out of the window during a long request, and an agent's
+  conversation re-sent every turn (tokios/tools/bench/agent_session.py, the built-in gemma
+  template) still hits the cache: the next turn needs the sliding groups' last window only.
 
 """
 
@@ -234,6 +236,25 @@ def test_long_request_frees_sliding_blocks_out_of_the_window(gemma_stored, long_
     # The window plus one chunk being written, at most: never the whole 1,400-token context.
     assert window_blocks <= peak_sliding <= window_blocks + chunk_blocks + 1 < len(long_prompt) // kv.block_size
     kv.check_invariants(expect_idle=True)
+
+
+def test_agent_turns_hit_the_cache_past_the_sliding_window(gemma_stored):
+    """Every turn of the agent session is past the 512-token window; each recomputes at most the
+    tokens after what the engine already computed, rounded up to a block, plus a block
+    (tests/model/test_agent_cache.py for the full-attention model)."""
+    from agent_replay import cache_table, replay_agent_session
+    from test_agent_cache import NUM_TURNS
+    from tokios.tokenizer.chat_template import resolve_chat_template
+
+    tokenizer = gemma_stored.tokenizer.with_chat_template(resolve_chat_template("gemma"))
+    # 24-token answers: the window moves a block or two past where the next turn's prompt parts from
+    # the last one, so that turn needs sliding blocks freed while the answer was generated.
+    rows = replay_agent_session(gemma_stored, NUM_TURNS, num_answer_tokens=24, tokenizer=tokenizer)
+    print("\n" + cache_table(rows))
+    assert rows[0].num_prompt_tokens > 512
+    for row in rows:
+        assert row.num_recomputed_tokens <= row.max_recomputed_tokens, row
+    assert sum(row.num_cached_tokens for row in rows) > 0.8 * sum(row.num_prompt_tokens for row in rows[1:])
 
 
 # ---- scheduling invariance and speculative decoding on Gemma 3 ------------------------------

@@ -312,6 +312,27 @@ def test_admitted_prefix_hit_with_freed_window_blocks_then_decodes():
     kv.check_invariants(expect_idle=True)
 
 
+def test_an_agent_turn_parting_at_the_answer_hits_sliding_blocks_freed_while_it_was_generated():
+    """An agent's next request re-sends the prompt and replaces the answer (a scripted turn, or
+    reasoning the template drops): the prompt's last window was freed while the answer was
+    generated, and must still be cached to serve it."""
+    kv = sliding_manager()
+    a = FakeRequest("a", list(range(12)))
+    prefill_in_chunks(kv, a, 4)
+    assert kv.block_tables("a") == [[0, 2, 4], [1, 3, 5]]
+    for token in range(100, 107):  # decode 7 tokens (an 8th is sampled and never computed)
+        a.all_token_ids.append(token)
+        assert kv.allocate_slots(a, 1) == []
+        a.num_computed_tokens += 1
+    # At 19 computed tokens the window reads back to position 12: sliding blocks 1 and 3 are free.
+    assert kv.block_tables("a") == [[0, 2, 4, 6, 8], [NULL_BLOCK, NULL_BLOCK, 5, 7, 9]]
+    kv.free(a)
+    # The next query at 12 reads positions 5..11: sliding block index 1 (id 3), freed but cached.
+    b = FakeRequest("b", list(range(12)) + [200, 201, 202, 203, 204])
+    assert kv.get_computed_blocks(b) == ([[0, 2, 4], [NULL_BLOCK, 3, 5]], 12)
+    kv.check_invariants(expect_idle=True)
+
+
 def test_a_long_request_fits_in_far_fewer_blocks_with_sliding_groups():
     kv = sliding_manager(num_blocks=14)
     # 40 tokens: 10 full-group blocks, and at most (window + chunk + a block) / 4 = 4 sliding ones.

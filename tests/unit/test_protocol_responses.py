@@ -45,9 +45,9 @@ def test_chat_chunk_with_include_usage_carries_null_usage():
     chunk = responses.chat_chunk("id", 1, "m", [], include_usage=True)
     assert "usage" in chunk and chunk["usage"] is None
     assert "usage" not in responses.chat_chunk("id", 1, "m", [], include_usage=False)
-    final = responses.usage_chunk("id", 1, "m", "chat.completion.chunk", 5, 3)
+    final = responses.usage_chunk("id", 1, "m", "chat.completion.chunk", 5, 3, 2)
     assert final["choices"] == [] and final["usage"] == {"prompt_tokens": 5, "completion_tokens": 3,
-                                                         "total_tokens": 8}
+                                                         "total_tokens": 8, "prompt_tokens_details": {"cached_tokens": 2}}
 
 
 def test_chat_logprobs_keep_the_top_k_by_rank_and_clamp_minus_infinity():

@@ -133,7 +133,9 @@ class OutputProcessor:
             if scheduled_time is not None:  # n > 1: the request was scheduled when its first sample was
                 known = state.metrics.first_scheduled_time
                 state.metrics.first_scheduled_time = scheduled_time if known is None else min(known, scheduled_time)
-            state.metrics.num_cached_prompt_tokens = engine_output.num_cached_tokens
+            # n > 1: the prompt is counted once, as its first sample found it (the others fork it).
+            state.metrics.num_cached_prompt_tokens = max(state.metrics.num_cached_prompt_tokens,
+                                                         engine_output.num_cached_tokens)
             state.metrics.num_preemptions = max(state.metrics.num_preemptions, engine_output.num_preemptions)
             if engine_output.spec_counts != sequence.spec_counts:  # only speculating requests pay
                 sequence.spec_counts = engine_output.spec_counts

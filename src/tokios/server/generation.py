@@ -9,8 +9,8 @@ renders what a `ChatRun` yields:
   holds back anything that may be call text), token ids and logprobs, and the finish reason;
 - `ChatRun.results()`: the same, whole, for a non-streamed answer (the same parser, fed the whole
   text, so both answers come from one code path);
-- counts and timings (prompt and completion tokens, time to first token, load wait), which the
-  dialects report in their own units.
+- counts and timings (prompt, cached prompt and completion tokens, time to first token, load
+  wait), which the dialects report in their own units.
 
 Prompt building (chat template, tool prompt, tool-call grammar), the context-length check,
 stop strings and detokenization all happen once, here and below (Serving, the engine's output
@@ -166,6 +166,12 @@ class ChatRun:
         return len(self.prompt_ids)
 
     @property
+    def num_cached_prompt_tokens(self) -> int:
+        """Prompt tokens found in the engine's prefix cache (the rest were computed): what OpenAI's
+        cached_tokens, Anthropic's cache_read_input_tokens and Ollama's prompt_eval_count read."""
+        return self.stream.num_cached_prompt_tokens
+
+    @property
     def num_completion_tokens(self) -> int:
         output = self.stream.last_output
         return 0 if output is None else sum(len(choice.token_ids) for choice in output.outputs)
@@ -185,11 +191,6 @@ class ChatRun:
             parser = self._parsers[index] = answer_parser(self.reasoning.reasoning_format, self.reasoning.starts_inside,
                                                           self.turn.calls_possible)
         return parser
-
-    @property
-    def num_cached_prompt_tokens(self) -> int:
-        output = self.stream.last_output
-        return 0 if output is None or output.metrics is None else output.metrics.num_cached_prompt_tokens
 
     @property
     def num_reasoning_tokens(self) -> int:

@@ -130,6 +130,12 @@ class EngineStream:
     def last_token_time(self) -> float | None:
         return self._last_token_time
 
+    @property
+    def num_cached_prompt_tokens(self) -> int:
+        """Prompt tokens the engine took from its prefix cache for this request (not computed)."""
+        metrics = self.last_output.metrics if self.last_output is not None else None
+        return 0 if metrics is None else metrics.num_cached_prompt_tokens
+
     def logprobs_of(self, output: CompletionOutput) -> list[TokenLogprobs] | None:
         return self.index_to_logprobs.get(output.index) or output.logprobs
 

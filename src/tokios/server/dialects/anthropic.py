@@ -229,12 +229,20 @@ def _tool_use_id(call_id: str) -> str:
     return call_id if call_id.startswith("toolu_") else f"toolu_{call_id.removeprefix('call_')}"
 
 
+def _usage(run: ChatRun, num_output_tokens: int) -> dict[str, int]:
+    """Anthropic counts prompt tokens read from the cache apart from input_tokens; nothing is
+    written to a cache on request here (every computed block is cached anyway), so creation is 0."""
+    num_cached = run.num_cached_prompt_tokens
+    return {"input_tokens": run.num_prompt_tokens - num_cached, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": num_cached, "output_tokens": num_output_tokens}
+
+
 async def _stream(run: ChatRun, body: MessagesRequest, message_id: str, model: str
                   ) -> AsyncIterator[dict[str, Any]]:
     yield {"type": "message_start", "message": {
         "id": message_id, "type": "message", "role": "assistant", "model": model, "content": [],
         "stop_reason": None, "stop_sequence": None,
-        "usage": {"input_tokens": run.num_prompt_tokens, "output_tokens": 0}}}
+        "usage": _usage(run, num_output_tokens=0)}}
     block_index = -1
     open_kind: str | None = None  # "text" or "tool_use": the block being written
     finish_reason = stop_reason = None
@@ -271,7 +279,7 @@ async def _stream(run: ChatRun, body: MessagesRequest, message_id: str, model: s
         yield close_block()
     reason, sequence = _stop_reason(finish_reason, stop_reason, body.stop_sequences)
     yield {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-           "usage": {"input_tokens": run.num_prompt_tokens, "output_tokens": run.num_completion_tokens}}
+           "usage": _usage(run, run.num_completion_tokens)}
     yield {"type": "message_stop"}
 
 
@@ -292,8 +300,7 @@ async def _messages(request: Request, body: MessagesRequest, lease: ModelLease) 
     reason, sequence = _stop_reason(result.finish_reason, result.stop_reason, body.stop_sequences)
     return JSONResponse({"id": message_id, "type": "message", "role": "assistant", "model": model,
                          "content": content, "stop_reason": reason, "stop_sequence": sequence,
-                         "usage": {"input_tokens": chat_run.num_prompt_tokens,
-                                   "output_tokens": chat_run.num_completion_tokens}})
+                         "usage": _usage(chat_run, chat_run.num_completion_tokens)})
 
 
 async def _count_tokens(request: Request, body: CountTokensRequest, lease: ModelLease) -> Response:

@@ -304,7 +304,9 @@ def _logprobs(run: ChatRun, token_ids: list[int], positions, num_top: int) -> li
 
 def _done_fields(run: ChatRun, done_reason: str | None) -> dict[str, Any]:
     return {"done": True, "done_reason": done_reason, **run.durations_ns(),
-            "prompt_eval_count": run.num_prompt_tokens, "eval_count": run.num_completion_tokens}
+            # As Ollama counts it: the prompt tokens evaluated, not those its cache already held.
+            "prompt_eval_count": run.num_prompt_tokens - run.num_cached_prompt_tokens,
+            "eval_count": run.num_completion_tokens}
 
 
 def _done_reason(finish_reason: str | None) -> str | None:

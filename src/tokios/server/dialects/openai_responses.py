@@ -216,7 +216,8 @@ class ResponseBuilder:
             "metadata": body.metadata or {}, "store": body.store, "usage": None,
         }
         if status != "in_progress":
-            response["usage"] = {"input_tokens": self.run.num_prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+            response["usage"] = {"input_tokens": self.run.num_prompt_tokens,
+                                 "input_tokens_details": {"cached_tokens": self.run.num_cached_prompt_tokens},
                                  "output_tokens": self.run.num_completion_tokens,
                                  "output_tokens_details": {"reasoning_tokens": 0},
                                  "total_tokens": self.run.num_prompt_tokens + self.run.num_completion_tokens}

@@ -59,7 +59,8 @@ async def chat(http_request: Request, body: ChatCompletionRequest, lease: ModelL
         choices.append(shapes.chat_choice(result.index, result.content, result.finish_reason, logprobs,
                                           result.tool_calls, result.reasoning))
     return JSONResponse(shapes.chat_completion(response_id, run.created, model, choices, run.num_prompt_tokens,
-                                               run.num_completion_tokens, _reasoning_tokens(run)))
+                                               run.num_completion_tokens, run.num_cached_prompt_tokens,
+                                               _reasoning_tokens(run)))
 
 
 def _reasoning_tokens(run: ChatRun) -> int | None:
@@ -92,7 +93,7 @@ async def _chat_events(serving: Serving, body: ChatCompletionRequest, run: ChatR
             yield chunk([shapes.chat_chunk_choice(delta.index, message, delta.finish_reason, logprobs)])
     if include_usage:
         yield shapes.usage_chunk(response_id, run.created, model, "chat.completion.chunk", run.num_prompt_tokens,
-                                 run.num_completion_tokens, _reasoning_tokens(run))
+                                 run.num_completion_tokens, run.num_cached_prompt_tokens, _reasoning_tokens(run))
 
 
 # ---- completions ---------------------------------------------------------------------------------
@@ -154,8 +155,9 @@ async def completions(http_request: Request, body: CompletionRequest, lease: Mod
             choices.append(shapes.completion_choice(prompt_index * body.n + choice.index, text,
                                                        finish_reason, logprobs))
     num_prompt_tokens = sum(len(ids) for ids in prompt_ids_list)
+    num_cached_prompt_tokens = sum(stream.num_cached_prompt_tokens for stream in job.streams)
     return JSONResponse(shapes.text_completion(response_id, created, model, choices, num_prompt_tokens,
-                                                  num_completion_tokens))
+                                                  num_completion_tokens, num_cached_prompt_tokens))
 
 
 def _completion_logprobs(serving: Serving, body: CompletionRequest, stream: EngineStream, output: RequestOutput,
@@ -212,8 +214,9 @@ async def _completion_events(serving: Serving, body: CompletionRequest, job: Job
         num_prompt_tokens = sum(len(stream.prompt_ids) for stream in job.streams)
         num_completion_tokens = sum(len(choice.token_ids) for stream in job.streams
                                     for choice in stream.last_output.outputs)
+        num_cached_prompt_tokens = sum(stream.num_cached_prompt_tokens for stream in job.streams)
         yield shapes.usage_chunk(response_id, created, model, "text_completion", num_prompt_tokens,
-                                 num_completion_tokens)
+                                 num_completion_tokens, num_cached_prompt_tokens)
 
 
 # ---- embeddings and utilities ------------------------------------------------------------------

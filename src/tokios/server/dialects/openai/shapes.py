@@ -18,11 +18,13 @@ from tokios.server.logprobs import MIN_LOGPROB, TokenDecoder, finite_logprob, ra
 SSE_DONE = "data: [DONE]\n\n"
 
 
-def usage(num_prompt_tokens: int, num_completion_tokens: int,
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_prompt_tokens: int,
           num_reasoning_tokens: int | None = None) -> dict[str, Any]:
-    """OpenAI's usage; a reasoning model's answer also counts its thinking's tokens."""
+    """OpenAI's usage; cached_tokens are the prompt tokens the prefix cache served (part of
+    prompt_tokens), and a reasoning model's answer also counts its thinking's tokens."""
     body: dict[str, Any] = {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
-                            "total_tokens": num_prompt_tokens + num_completion_tokens}
+                            "total_tokens": num_prompt_tokens + num_completion_tokens,
+                            "prompt_tokens_details": {"cached_tokens": num_cached_prompt_tokens}}
     if num_reasoning_tokens is not None:
         body["completion_tokens_details"] = {"reasoning_tokens": num_reasoning_tokens}
     return body
@@ -84,9 +86,10 @@ def merge_completion_logprobs(first: dict[str, Any] | None, second: dict[str, An
 
 def chat_completion(response_id: str, created: int, model: str, choices: list[dict[str, Any]],
                     num_prompt_tokens: int, num_completion_tokens: int,
-                    num_reasoning_tokens: int | None = None) -> dict[str, Any]:
+                    num_cached_prompt_tokens: int, num_reasoning_tokens: int | None = None) -> dict[str, Any]:
     return {"id": response_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": usage(num_prompt_tokens, num_completion_tokens, num_reasoning_tokens),
+            "choices": choices,
+            "usage": usage(num_prompt_tokens, num_completion_tokens, num_cached_prompt_tokens, num_reasoning_tokens),
             "system_fingerprint": None}
 
 
@@ -123,11 +126,12 @@ def chat_chunk_choice(index: int, delta: dict[str, Any], finish_reason: str | No
 
 
 def text_completion(response_id: str, created: int, model: str, choices: list[dict[str, Any]],
-                    num_prompt_tokens: int | None, num_completion_tokens: int | None) -> dict[str, Any]:
+                    num_prompt_tokens: int | None, num_completion_tokens: int | None,
+                    num_cached_prompt_tokens: int = 0) -> dict[str, Any]:
     body = {"id": response_id, "object": "text_completion", "created": created, "model": model,
             "choices": choices, "system_fingerprint": None}
     if num_prompt_tokens is not None and num_completion_tokens is not None:
-        body["usage"] = usage(num_prompt_tokens, num_completion_tokens)
+        body["usage"] = usage(num_prompt_tokens, num_completion_tokens, num_cached_prompt_tokens)
     return body
 
 
@@ -137,9 +141,10 @@ def completion_choice(index: int, text: str, finish_reason: str | None,
 
 
 def usage_chunk(response_id: str, created: int, model: str, obj: str, num_prompt_tokens: int,
-                num_completion_tokens: int, num_reasoning_tokens: int | None = None) -> dict[str, Any]:
+                num_completion_tokens: int, num_cached_prompt_tokens: int,
+                num_reasoning_tokens: int | None = None) -> dict[str, Any]:
     return {"id": response_id, "object": obj, "created": created, "model": model, "choices": [],
-            "usage": usage(num_prompt_tokens, num_completion_tokens, num_reasoning_tokens),
+            "usage": usage(num_prompt_tokens, num_completion_tokens, num_cached_prompt_tokens, num_reasoning_tokens),
             "system_fingerprint": None}
 
 
@@ -149,10 +154,15 @@ class CompletionTokensDetails(ResponseBody):
     reasoning_tokens: int
 
 
+class PromptTokensDetails(ResponseBody):
+    cached_tokens: int
+
+
 class Usage(ResponseBody):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
     completion_tokens_details: CompletionTokensDetails | None = None
 
 

@@ -6,6 +6,7 @@ are in tests/e2e/test_server_reasoning.py)."""
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
 from tokios.errors import InvalidRequestError
 from tokios.reasoning import ThinkingRequest
@@ -77,6 +78,8 @@ def test_anthropic_thinking_and_effort_become_a_thinking_request():
     ({"thinking": {"type": "enabled", "budget_tokens": 64}}, "thinking.budget_tokens"),  # not below max_tokens
     ({"thinking": {"type": "enabled"}}, "thinking.budget_tokens"),
     ({"thinking": {"type": "between_tools"}}, "thinking.type"),
+    ({"thinking": {}}, "thinking.type"),
+    ({"thinking": {"type": "adaptive", "budget_tokens": "many"}}, "thinking.budget_tokens"),
     ({"thinking": {"type": "enabled", "budget_tokens": 8, "display": "full"}}, "thinking.display"),
     ({"output_config": {"effort": "max"}}, "output_config.effort"),
     ({"thinking": {"type": "disabled"}, "output_config": {"effort": "low"}}, "output_config.effort"),
@@ -115,6 +118,8 @@ def test_ollama_think_becomes_a_thinking_request():
     with pytest.raises(InvalidRequestError) as info:
         thinking("max")
     assert info.value.param == "think"
+    with pytest.raises(ValidationError):  # a JSON boolean, not a number standing for one
+        thinking(1)
 
 
 def test_ollama_thinking_of_a_prior_assistant_message_is_its_reasoning():

@@ -211,7 +211,7 @@ def to_thinking(body: MessagesRequest) -> ThinkingRequest:
     """`thinking` and `output_config.effort` -> a ThinkingRequest. budget_tokens must be less than
     max_tokens, as Anthropic requires (the thinking's tokens count toward max_tokens); Anthropic's
     minimum of 1024 is not required: a small local model may be given a smaller budget."""
-    thinking = body.thinking or {}
+    thinking = body.thinking if body.thinking is not None else {}
     effort = (body.output_config or {}).get("effort")
     if effort is not None and effort not in _EFFORTS:
         raise InvalidRequestError(f"output_config.effort must be one of {list(_EFFORTS)}, got {effort!r}",
@@ -220,20 +220,21 @@ def to_thinking(body: MessagesRequest) -> ThinkingRequest:
     if kind not in (None, "enabled", "adaptive", "disabled"):
         raise InvalidRequestError(f"thinking.type must be enabled, adaptive or disabled, got {kind!r}",
                                   param="thinking.type")
-    if thinking and kind is None:
+    if body.thinking is not None and kind is None:
         raise InvalidRequestError("thinking.type is required", param="thinking.type")
     if thinking.get("display") not in (None, "summarized", "omitted"):
         raise InvalidRequestError("thinking.display must be summarized or omitted", param="thinking.display")
+    budget = thinking.get("budget_tokens")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+        raise InvalidRequestError("thinking.budget_tokens must be an integer >= 1", param="thinking.budget_tokens")
     if kind == "disabled":
         if effort is not None:
             raise InvalidRequestError("output_config.effort sets the thinking's effort, and thinking is disabled",
                                       param="output_config.effort")
         return ThinkingRequest(False, param="thinking")
-    budget = None
     if kind == "enabled":
-        budget = thinking.get("budget_tokens")
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-            raise InvalidRequestError("thinking.budget_tokens must be an integer >= 1 when thinking is enabled",
+        if budget is None:
+            raise InvalidRequestError("thinking.budget_tokens is required when thinking is enabled",
                                       param="thinking.budget_tokens")
         if budget >= body.max_tokens:
             raise InvalidRequestError(f"thinking.budget_tokens ({budget}) must be less than max_tokens "
@@ -241,7 +242,8 @@ def to_thinking(body: MessagesRequest) -> ThinkingRequest:
                                       param="thinking.budget_tokens")
     if kind is None and effort is None:
         return ThinkingRequest(param="thinking")
-    return ThinkingRequest(True, effort, budget, "thinking" if kind is not None else "output_config.effort")
+    return ThinkingRequest(True, effort, budget if kind == "enabled" else None,
+                           "thinking" if kind is not None else "output_config.effort")
 
 
 def _sampling(body: MessagesRequest) -> dict[str, Any]:

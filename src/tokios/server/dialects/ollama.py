@@ -115,7 +115,7 @@ class _OllamaBody(RequestBody):
     options: dict[str, Any] | None = Field(default=None, json_schema_extra=_options_schema())
     stream: JsonBool = True
     keep_alive: str | JsonFloat | None = Field(default=None, json_schema_extra=_DURATION)
-    think: bool | str | None = Field(default=None, json_schema_extra=_THINK)
+    think: JsonBool | str | None = Field(default=None, json_schema_extra=_THINK)
     logprobs: JsonBool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 

@@ -143,6 +143,7 @@ def test_anthropic_thinking_blocks_budget_and_stream(thinking_server, thinking_m
 
 def test_ollama_think_length_stream_and_off(thinking_server, thinking_model):
     client = ollama.Client(host=thinking_server.base_url, timeout=120)
+    assert "thinking" in client.show(thinking_model).capabilities
     options = {"num_predict": CUT, "seed": SEEDED["seed"], "temperature": SEEDED["temperature"]}
     whole = client.chat(model=thinking_model, messages=MESSAGES, think=True, options=options)
     assert whole.done_reason == "length" and whole.message.thinking and whole.message.content == ""
@@ -169,6 +170,8 @@ def test_a_model_that_cannot_think_answers_400_in_each_apis_shape(tokios_server,
     assert response.status_code == 400 and response.json()["type"] == "error"
     assert response.json()["error"]["type"] == "invalid_request_error"
     assert "no reasoning format" in response.json()["error"]["message"]
+    plain_ollama = ollama.Client(host=tokios_server.base_url)
     with pytest.raises(ollama.ResponseError) as error:
-        ollama.Client(host=tokios_server.base_url).chat(model=model, messages=MESSAGES, think=True)
+        plain_ollama.chat(model=model, messages=MESSAGES, think=True)
     assert error.value.status_code == 400 and "think" in error.value.error
+    assert "thinking" not in plain_ollama.show(model).capabilities

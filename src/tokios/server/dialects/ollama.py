@@ -34,7 +34,7 @@ from starlette.responses import JSONResponse, Response
 from tokios import __version__
 from tokios.config import parse_duration
 from tokios.errors import InvalidRequestError, TokiosError
-from tokios.reasoning import ThinkingRequest
+from tokios.reasoning import ThinkingRequest, detect_reasoning_format
 from tokios.server.body import MAX_TOP_LOGPROBS, JsonBool, JsonFloat, RequestBody, ResponseBody, parse_body
 from tokios.server.dialects.dialect import JSON_LINES, NDJSON, Dialect, Route, guarded_stream
 from tokios.server.generation import ChatRun, ChatTurn
@@ -589,6 +589,14 @@ async def _show_route(request: Request) -> Response:
     metadata = facts["metadata"]
     template = metadata.get("tokenizer.chat_template") or ""
     capabilities = ["completion", "embedding"] + (["tools"] if template else [])
+    # "thinking" (Ollama's word for a model that reasons): the loaded model's format (its chat
+    # template may be another file's, its format set by a flag), or the one its file implies.
+    if entry.serving is not None:
+        thinks = entry.serving.reasoning_format is not None
+    else:
+        thinks = detect_reasoning_format(template, frozenset()) is not None
+    if thinks:
+        capabilities.append("thinking")
     return JSONResponse({"license": str(metadata.get("general.license", "")), "modelfile": "",
                          "parameters": "", "template": template, "details": facts["details"],
                          "model_info": _model_info(metadata, body.verbose), "capabilities": capabilities,

@@ -3,9 +3,10 @@
 `serve(*flags)` starts `python -m tokios.cli serve --host 127.0.0.1 --port 0 ...`, reads the
 port from the server's "listening on" line, waits for `/health` to answer 200 (the model loads in
 a few seconds), yields a ServerProcess, and stops it with SIGTERM (then SIGKILL if it hangs).
-The output goes to a log file that failing tests print. `tokios_server` (default flags) and
-`small_keyed_server` are shared by the session, as are `client` (its openai client) and `model`;
-tests needing other flags call `serve`.
+The output goes to a log file that failing tests print. `tokios_server` (default flags),
+`small_keyed_server` and `thinking_server` (a chat template that opens a reasoning block) are
+shared by the session, as are `client` (its openai client) and `model`; tests needing other flags
+call `serve`.
 """
 
 from __future__ import annotations
@@ -155,4 +156,17 @@ def small_keyed_server(tmp_path_factory) -> Iterator[ServerProcess]:
                "--max-body-size", str(SMALL_SERVER_MAX_BODY_SIZE),
                "--max-model-len", str(SMALL_SERVER_MAX_MODEL_LEN), "--max-num-seqs", "1",
                "--max-queued-requests", "1", api_key=SMALL_SERVER_FLAG_KEY) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def thinking_server() -> Iterator[ServerProcess]:
+    """SmolLM2 served with llama.cpp's copy of QwQ-32B's chat template, whose generation prompt
+    opens `<think>`: the output starts inside the thinking, and since SmolLM2 never writes
+    `</think>` itself, a thinking budget (or max_tokens) is what ends it. bfloat16 weights load
+    fastest."""
+    from tokios.model_files import llama_cpp_sources
+
+    template = llama_cpp_sources() / "models" / "templates" / "Qwen-QwQ-32B.jinja"
+    with serve("--dtype", "bfloat16", "--chat-template", str(template)) as server:
         yield server

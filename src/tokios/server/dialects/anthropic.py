@@ -1,15 +1,21 @@
 """Anthropic's Messages API: POST /v1/messages and /v1/messages/count_tokens.
 
 A thin translation onto the shared chat path (server/generation.py): `system`, content blocks
-(text, tool_use, tool_result) and Anthropic's tools and tool_choice become OpenAI-shaped messages
-and a ToolSet; the answer is a `message` with text and tool_use blocks, or the streamed event
-sequence (message_start, content_block_start, content_block_delta with text_delta or
-input_json_delta, content_block_stop, message_delta with stop_reason and usage, message_stop).
-Errors are Anthropic's `{"type": "error", "error": {...}}`, in a stream as an `error` event
-(the `ANTHROPIC` record at the end); `x-api-key` is accepted as the key by the guard middleware. `output_config.format` (a JSON schema) runs through
-the structured-output engine. Images, documents, extended thinking and `output_config.effort`
-are refused with a 400 naming the field. temperature, top_p and top_k are read when sent (older
-SDKs send them; newer ones through extra_body).
+(text, thinking, tool_use, tool_result) and Anthropic's tools and tool_choice become
+OpenAI-shaped messages and a ToolSet, `thinking` and `output_config.effort` a ThinkingRequest;
+the answer is a `message` with thinking, text and tool_use blocks, or the streamed event
+sequence (message_start, content_block_start, content_block_delta with thinking_delta,
+signature_delta, text_delta or input_json_delta, content_block_stop, message_delta with
+stop_reason and usage, message_stop). Errors are Anthropic's `{"type": "error", "error": {...}}`,
+in a stream as an `error` event (the `ANTHROPIC` record at the end); `x-api-key` is accepted as
+the key by the guard middleware. `output_config.format` (a JSON schema) runs through the
+structured-output engine. Images and documents are refused with a 400 naming the field.
+temperature, top_p and top_k are read when sent (older SDKs send them; newer ones through
+extra_body).
+
+A thinking block's `signature` is empty: Anthropic signs its own models' thinking so that its
+API can check what comes back; a local model's thinking has nothing to check, and the blocks a
+client sends back are read for their text only (llama.cpp's server does the same).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tokios.errors import InvalidRequestError, TokiosError
+from tokios.reasoning import ThinkingRequest
 from tokios.server.body import JsonBool, RequestBody, ResponseBody
 from tokios.server.dialects.dialect import (NAMED, SSE, Dialect, Route, guarded_stream, join_text_parts,
                                            model_route)
@@ -40,20 +47,29 @@ _TEXT_BLOCK = {"type": "object", "required": ["type", "text"],
                "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
 _TOOL_USE_BLOCK = {"type": "object", "required": ["type", "name"], "properties": {
     "type": {"const": "tool_use"}, "id": {"type": "string"}, "name": {"type": "string"}, "input": {"type": "object"}}}
+_THINKING_BLOCK = {"type": "object", "required": ["type", "thinking"], "properties": {
+    "type": {"const": "thinking"}, "thinking": {"type": "string"}, "signature": {"type": "string"}}}
+_REDACTED_THINKING_BLOCK = {"type": "object", "required": ["type"], "properties": {
+    "type": {"const": "redacted_thinking"}, "data": {"type": "string"}}}
 _TOOL_RESULT_BLOCK = {"type": "object", "required": ["type"], "properties": {
     "type": {"const": "tool_result"}, "tool_use_id": {"type": "string"}, "is_error": {"type": "boolean"},
     "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_BLOCK}, {"type": "null"}]}}}
 
 
-def _turn_schema(role: str, block: dict[str, Any]) -> dict[str, Any]:
-    blocks = {"type": "array", "items": {"anyOf": [_TEXT_BLOCK, block]}}
+def _turn_schema(role: str, *blocks_of_role: dict[str, Any]) -> dict[str, Any]:
+    blocks = {"type": "array", "items": {"anyOf": [_TEXT_BLOCK, *blocks_of_role]}}
     return {"type": "object", "required": ["role", "content"],
             "properties": {"role": {"const": role}, "content": {"anyOf": [{"type": "string"}, blocks]}}}
 
 
+# The efforts Anthropic names that a thinking budget stands for (reasoning/request.py's table).
+_EFFORTS = ("low", "medium", "high")
+
+
 class AnthropicMessage(RequestBody):
     model_config = ConfigDict(extra="ignore", json_schema_extra=lambda schema: schema.update(
-        {"anyOf": [_turn_schema("user", _TOOL_RESULT_BLOCK), _turn_schema("assistant", _TOOL_USE_BLOCK)]}))
+        {"anyOf": [_turn_schema("user", _TOOL_RESULT_BLOCK), _turn_schema("assistant", _TOOL_USE_BLOCK, _THINKING_BLOCK,
+                                                                          _REDACTED_THINKING_BLOCK)]}))
 
     role: str
     content: str | list[dict[str, Any]]
@@ -87,13 +103,18 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = Field(default=None, json_schema_extra={"minimum": 0})
     stream: JsonBool = False
     metadata: dict[str, Any] | None = None
-    # Only "disabled": this server runs no extended-thinking mode (a 400 otherwise).
+    # A reasoning model's thinking (docs/apis.md, "Reasoning"): enabled with a budget in tokens
+    # (less than max_tokens), adaptive (no budget but the effort's), or disabled.
     thinking: dict[str, Any] | None = Field(default=None, json_schema_extra={"anyOf": [
-        {"type": "object", "properties": {"type": {"enum": ["disabled", None]}}}, {"type": "null"}]})
-    # {"format": {"type": "json_schema", "schema": {...}}}: structured output; no effort.
+        {"type": "object", "required": ["type"], "properties": {
+            "type": {"enum": ["enabled", "adaptive", "disabled"]}, "budget_tokens": {"type": "integer", "minimum": 1},
+            "display": {"enum": ["summarized", "omitted", None]}}},
+        {"type": "null"}]})
+    # {"format": {"type": "json_schema", "schema": {...}}}: structured output; `effort`: the
+    # thinking's effort (its budget unless budget_tokens says).
     output_config: dict[str, Any] | None = Field(default=None, json_schema_extra={"anyOf": [
         {"type": "object", "properties": {
-            "effort": {"type": "null"},
+            "effort": {"enum": [*_EFFORTS, None]},
             "format": {"anyOf": [{"type": "object", "required": ["type"], "properties": {
                 "type": {"const": "json_schema"}, "schema": {"type": "object"}}}, {"type": "null"}]}}},
         {"type": "null"}]})
@@ -121,12 +142,18 @@ def to_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
             messages.append({"role": message.role, "content": message.content})
             continue
         texts: list[str] = []
+        thoughts: list[str] = []
         calls: list[dict[str, Any]] = []
         for block_index, block in enumerate(message.content):
             block_where = f"{where}.content.{block_index}"
             kind = block.get("type") if isinstance(block, dict) else None
             if kind == "text" and isinstance(block.get("text"), str):
                 texts.append(block["text"])
+            elif kind == "thinking" and message.role == "assistant":
+                _check_types(block, block_where, thinking=str, signature=str)
+                thoughts.append(block.get("thinking", ""))
+            elif kind == "redacted_thinking" and message.role == "assistant":
+                pass  # another server's encrypted thinking: nothing here can read it
             elif kind == "tool_use" and message.role == "assistant":
                 _check_types(block, block_where, id=str)
                 if not isinstance(block.get("name"), str) or not isinstance(block.get("input", {}), dict):
@@ -144,10 +171,13 @@ def to_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
             else:
                 raise InvalidRequestError(f"{block_where}: blocks of type {kind!r} are not supported in a "
                                           f"{message.role} message", param=block_where)
+        entry: dict[str, Any] = {"role": message.role, "content": "\n".join(texts)}
         if calls:
-            messages.append({"role": "assistant", "content": "\n".join(texts), "tool_calls": calls})
-        elif texts:
-            messages.append({"role": message.role, "content": "\n".join(texts)})
+            entry["tool_calls"] = calls
+        if any(thoughts):  # the chat template keeps or drops a prior turn's thinking as its model expects
+            entry["reasoning_content"] = "\n".join(thought for thought in thoughts if thought)
+        if texts or len(entry) > 2:
+            messages.append(entry)
     return messages
 
 
@@ -177,9 +207,46 @@ def to_toolset(body: CountTokensRequest) -> ToolSet | None:
     return ToolSet.from_request(tools, openai_choice, not choice.get("disable_parallel_tool_use", False))
 
 
+def to_thinking(body: MessagesRequest) -> ThinkingRequest:
+    """`thinking` and `output_config.effort` -> a ThinkingRequest. budget_tokens must be less than
+    max_tokens, as Anthropic requires (the thinking's tokens count toward max_tokens); Anthropic's
+    minimum of 1024 is not required: a small local model may be given a smaller budget."""
+    thinking = body.thinking if body.thinking is not None else {}
+    effort = (body.output_config or {}).get("effort")
+    if effort is not None and effort not in _EFFORTS:
+        raise InvalidRequestError(f"output_config.effort must be one of {list(_EFFORTS)}, got {effort!r}",
+                                  param="output_config.effort")
+    kind = thinking.get("type")
+    if kind not in (None, "enabled", "adaptive", "disabled"):
+        raise InvalidRequestError(f"thinking.type must be enabled, adaptive or disabled, got {kind!r}",
+                                  param="thinking.type")
+    if body.thinking is not None and kind is None:
+        raise InvalidRequestError("thinking.type is required", param="thinking.type")
+    if thinking.get("display") not in (None, "summarized", "omitted"):
+        raise InvalidRequestError("thinking.display must be summarized or omitted", param="thinking.display")
+    budget = thinking.get("budget_tokens")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+        raise InvalidRequestError("thinking.budget_tokens must be an integer >= 1", param="thinking.budget_tokens")
+    if kind == "disabled":
+        if effort is not None:
+            raise InvalidRequestError("output_config.effort sets the thinking's effort, and thinking is disabled",
+                                      param="output_config.effort")
+        return ThinkingRequest(False, param="thinking")
+    if kind == "enabled":
+        if budget is None:
+            raise InvalidRequestError("thinking.budget_tokens is required when thinking is enabled",
+                                      param="thinking.budget_tokens")
+        if budget >= body.max_tokens:
+            raise InvalidRequestError(f"thinking.budget_tokens ({budget}) must be less than max_tokens "
+                                      f"({body.max_tokens}): the thinking counts toward max_tokens",
+                                      param="thinking.budget_tokens")
+    if kind is None and effort is None:
+        return ThinkingRequest(param="thinking")
+    return ThinkingRequest(True, effort, budget if kind == "enabled" else None,
+                           "thinking" if kind is not None else "output_config.effort")
+
+
 def _sampling(body: MessagesRequest) -> dict[str, Any]:
-    if body.thinking and body.thinking.get("type") not in (None, "disabled"):
-        raise InvalidRequestError("thinking: this server runs no extended-thinking mode", param="thinking")
     kwargs: dict[str, Any] = {"ignore_eos": body.ignore_eos}
     for name in ("temperature", "top_p", "top_k"):
         value = getattr(body, name)
@@ -188,9 +255,6 @@ def _sampling(body: MessagesRequest) -> dict[str, Any]:
     if body.top_k == 0:
         kwargs.pop("top_k")
     output_config = body.output_config or {}
-    if output_config.get("effort") is not None:
-        raise InvalidRequestError("output_config.effort: this server runs no reasoning mode whose effort could be "
-                                  "set", param="output_config.effort")
     output_format = output_config.get("format")
     if output_format is not None:
         if not isinstance(output_format, dict) or output_format.get("type") != "json_schema":
@@ -229,12 +293,21 @@ def _tool_use_id(call_id: str) -> str:
     return call_id if call_id.startswith("toolu_") else f"toolu_{call_id.removeprefix('call_')}"
 
 
-def _usage(run: ChatRun, num_output_tokens: int) -> dict[str, int]:
+def _usage(run: ChatRun, num_output_tokens: int) -> dict[str, Any]:
     """Anthropic counts prompt tokens read from the cache apart from input_tokens; nothing is
-    written to a cache on request here (every computed block is cached anyway), so creation is 0."""
+    written to a cache on request here (every computed block is cached anyway), so creation is 0.
+    A reasoning model's usage also says how many output tokens were thinking."""
     num_cached = run.num_cached_prompt_tokens
-    return {"input_tokens": run.num_prompt_tokens - num_cached, "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": num_cached, "output_tokens": num_output_tokens}
+    usage: dict[str, Any] = {"input_tokens": run.num_prompt_tokens - num_cached, "cache_creation_input_tokens": 0,
+                             "cache_read_input_tokens": num_cached, "output_tokens": num_output_tokens}
+    if run.reasoning.reasoning_format is not None and num_output_tokens:
+        usage["output_tokens_details"] = {"thinking_tokens": run.num_reasoning_tokens}
+    return usage
+
+
+def _shows_thinking(body: MessagesRequest) -> bool:
+    """thinking.display "omitted": the thinking blocks come, with their text left out."""
+    return (body.thinking or {}).get("display") != "omitted"
 
 
 async def _stream(run: ChatRun, body: MessagesRequest, message_id: str, model: str
@@ -244,17 +317,34 @@ async def _stream(run: ChatRun, body: MessagesRequest, message_id: str, model: s
         "stop_reason": None, "stop_sequence": None,
         "usage": _usage(run, num_output_tokens=0)}}
     block_index = -1
-    open_kind: str | None = None  # "text" or "tool_use": the block being written
+    open_kind: str | None = None  # "thinking", "text" or "tool_use": the block being written
     finish_reason = stop_reason = None
+    shows_thinking = _shows_thinking(body)
 
-    def close_block() -> dict[str, Any]:
-        return {"type": "content_block_stop", "index": block_index}
+    def close_block() -> list[dict[str, Any]]:
+        # Anthropic sends a thinking block's signature last, just before the block's stop.
+        signature = ([{"type": "content_block_delta", "index": block_index,
+                       "delta": {"type": "signature_delta", "signature": ""}}] if open_kind == "thinking" else [])
+        return [*signature, {"type": "content_block_stop", "index": block_index}]
 
     async for delta in run.deltas():
+        if delta.reasoning:
+            if open_kind != "thinking":
+                if open_kind is not None:
+                    for event in close_block():
+                        yield event
+                block_index += 1
+                open_kind = "thinking"
+                yield {"type": "content_block_start", "index": block_index,
+                       "content_block": {"type": "thinking", "thinking": "", "signature": ""}}
+            if shows_thinking:
+                yield {"type": "content_block_delta", "index": block_index,
+                       "delta": {"type": "thinking_delta", "thinking": delta.reasoning}}
         if delta.content:
             if open_kind != "text":
                 if open_kind is not None:
-                    yield close_block()
+                    for event in close_block():
+                        yield event
                 block_index += 1
                 open_kind = "text"
                 yield {"type": "content_block_start", "index": block_index,
@@ -264,7 +354,8 @@ async def _stream(run: ChatRun, body: MessagesRequest, message_id: str, model: s
         for call in delta.tool_calls:
             if call.id is not None:  # a new call: its own block
                 if open_kind is not None:
-                    yield close_block()
+                    for event in close_block():
+                        yield event
                 block_index += 1
                 open_kind = "tool_use"
                 yield {"type": "content_block_start", "index": block_index,
@@ -276,7 +367,8 @@ async def _stream(run: ChatRun, body: MessagesRequest, message_id: str, model: s
         if delta.finish_reason:
             finish_reason, stop_reason = delta.finish_reason, delta.stop_reason
     if open_kind is not None:
-        yield close_block()
+        for event in close_block():
+            yield event
     reason, sequence = _stop_reason(finish_reason, stop_reason, body.stop_sequences)
     yield {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
            "usage": _usage(run, run.num_completion_tokens)}
@@ -285,7 +377,8 @@ async def _stream(run: ChatRun, body: MessagesRequest, message_id: str, model: s
 
 async def _messages(request: Request, body: MessagesRequest, lease: ModelLease) -> Response:
     serving = lease.serving
-    turn = ChatTurn(to_messages(body), _sampling(body), body.max_tokens, to_toolset(body))
+    turn = ChatTurn(to_messages(body), _sampling(body), body.max_tokens, to_toolset(body),
+                    thinking=to_thinking(body))
     message_id = f"msg_{uuid.uuid4().hex}"
     model = body.model
     chat_run = await serving.start_chat(request, turn, lease, stream=body.stream, response_id=message_id)
@@ -294,6 +387,9 @@ async def _messages(request: Request, body: MessagesRequest, lease: ModelLease) 
                                 chat_run.job)
     result = (await chat_run.results())[0]
     content: list[dict[str, Any]] = []
+    if result.reasoning:  # as streamed: a block once there is thinking to show
+        content.append({"type": "thinking", "thinking": result.reasoning if _shows_thinking(body) else "",
+                        "signature": ""})
     if result.content:
         content.append({"type": "text", "text": result.content})
     content.extend(_tool_use_block(call) for call in result.tool_calls)
@@ -326,7 +422,7 @@ class Message(ResponseBody):
     content: list[dict[str, Any]]
     stop_reason: str | None
     stop_sequence: str | None
-    usage: dict[str, int]
+    usage: dict[str, Any]
 
 
 class MessageEvent(ResponseBody):

@@ -2,11 +2,12 @@
 
 A thin translation onto the shared chat path (server/generation.py): `options` become
 SamplingParams keyword arguments (`options_to_sampling`), `format` a structured output (its
-objects closed as tool parameters are), `tools` a ToolSet, `keep_alive` the model's idle
-lifetime in the registry. Answers are Ollama's: NDJSON streams (`stream` defaults to true)
-whose last line has `done: true`, the done reason and the counts and nanosecond durations Ollama
-reports; errors are `{"error": "..."}`, in a stream as its last line (the `OLLAMA` record at the
-end).
+objects closed as tool parameters are), `tools` a ToolSet, `think` a ThinkingRequest (a
+reasoning model's thinking comes back as `thinking`, and prior assistant messages' `thinking`
+goes to the template), `keep_alive` the model's idle lifetime in the registry. Answers are
+Ollama's: NDJSON streams (`stream` defaults to true) whose last line has `done: true`, the done
+reason and the counts and nanosecond durations Ollama reports; errors are `{"error": "..."}`, in
+a stream as its last line (the `OLLAMA` record at the end).
 
 Options that would change the output and that Tokios cannot honour (mirostat, tfs_z,
 typical_p, repeat_last_n other than -1, per-request hardware settings) are a 400 naming the
@@ -33,6 +34,7 @@ from starlette.responses import JSONResponse, Response
 from tokios import __version__
 from tokios.config import parse_duration
 from tokios.errors import InvalidRequestError, TokiosError
+from tokios.reasoning import ThinkingRequest, detect_reasoning_format
 from tokios.server.body import MAX_TOP_LOGPROBS, JsonBool, JsonFloat, RequestBody, ResponseBody, parse_body
 from tokios.server.dialects.dialect import JSON_LINES, NDJSON, Dialect, Route, guarded_stream
 from tokios.server.generation import ChatRun, ChatTurn
@@ -65,12 +67,14 @@ _FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9
 
 
 # What the handlers refuse, published in the schema as well (their own messages name the field):
-# a value that must be empty or absent, the message roles, the keep-alive forms, and `think`.
+# a value that must be empty or absent, the message roles and the keep-alive forms.
 _EMPTY_ONLY = {"maxLength": 0, "maxItems": 0, "description": "not supported: a non-empty value is a 400"}
 _DURATION = {"anyOf": [{"type": "string", "pattern": r"^\s*[+-]*( *[0-9]*\.?[0-9]+ *(ms|h|m|s)?)+ *\s*$"},
                        {"type": "number"}, {"type": "null"}],
              "description": "a duration like 5m, 1h30m or 250ms, or a number of seconds; negative: forever"}
-_OFF_ONLY = {"enum": [False, "", "none", None], "description": "this server runs no reasoning mode"}
+_THINK_EFFORTS = ("low", "medium", "high")
+_THINK = {"anyOf": [{"type": "boolean"}, {"enum": list(_THINK_EFFORTS)}, {"type": "null"}],
+          "description": "a reasoning model's thinking: on, off, or on with an effort (its thinking budget)"}
 
 
 def _options_schema() -> dict[str, Any]:
@@ -111,7 +115,7 @@ class _OllamaBody(RequestBody):
     options: dict[str, Any] | None = Field(default=None, json_schema_extra=_options_schema())
     stream: JsonBool = True
     keep_alive: str | JsonFloat | None = Field(default=None, json_schema_extra=_DURATION)
-    think: bool | str | None = Field(default=None, json_schema_extra=_OFF_ONLY)
+    think: JsonBool | str | None = Field(default=None, json_schema_extra=_THINK)
     logprobs: JsonBool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
@@ -251,9 +255,21 @@ def _keep_alive(value: str | float | None) -> float | None:
     return None if value is None else parse_duration(value, field_name="keep_alive")
 
 
+def _thinking(body: _OllamaBody) -> ThinkingRequest:
+    """`think`: true or false, or an effort (Ollama's levels, for models such as gpt-oss)."""
+    think = body.think
+    if think is None:
+        return ThinkingRequest(param="think")
+    if isinstance(think, bool):
+        return ThinkingRequest(think, param="think")
+    if think not in _THINK_EFFORTS:
+        raise InvalidRequestError(f"think must be true, false or one of {list(_THINK_EFFORTS)}, got {think!r}",
+                                  param="think")
+    return ThinkingRequest(True, think, param="think")
+
+
 def _common_sampling(body: _OllamaBody, max_model_len: int) -> tuple[dict[str, Any], int | None, int | None]:
-    if body.think not in (None, False, "", "none"):
-        raise InvalidRequestError("think: this server runs no reasoning mode", param="think")
+    _thinking(body)
     if body.top_logprobs and not body.logprobs:
         raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
     kwargs, num_predict, num_ctx = options_to_sampling(body.options, max_model_len)
@@ -276,6 +292,8 @@ def _messages(messages: list[OllamaMessage]) -> list[dict[str, Any]]:
         if message.images:
             raise InvalidRequestError(f"{where}.images: this model takes no images", param=f"{where}.images")
         entry: dict[str, Any] = {"role": message.role, "content": message.content or ""}
+        if message.thinking and message.role == "assistant":  # the template keeps or drops it
+            entry["reasoning_content"] = message.thinking
         if message.tool_calls:
             calls = []
             for call_index, call in enumerate(message.tool_calls):
@@ -336,17 +354,20 @@ async def _respond(http_request: Request, lease: ModelLease, turn: ChatTurn, bod
     run = await serving.start_chat(http_request, turn, lease, stream=body.stream,
                                    response_id=f"ollama-{uuid.uuid4().hex}")
 
-    def piece(text: str, calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    def piece(text: str, calls: list[dict[str, Any]] | None = None, thinking: str = "") -> dict[str, Any]:
         if is_chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
+            if thinking:
+                message["thinking"] = thinking
             if calls:
                 message["tool_calls"] = calls
             return {"message": message}
-        return {"response": text}
+        return {"response": text, "thinking": thinking} if thinking else {"response": text}
 
     if not body.stream:
         result = (await run.results())[0]
-        payload = {"model": model, "created_at": _now(), **piece(result.content or "", _ollama_calls(result.tool_calls)),
+        payload = {"model": model, "created_at": _now(),
+                   **piece(result.content or "", _ollama_calls(result.tool_calls), result.reasoning or ""),
                    **_done_fields(run, _done_reason(result.finish_reason))}
         if body.logprobs:
             payload["logprobs"] = _logprobs(run, result.token_ids, result.logprobs, num_top)
@@ -359,11 +380,12 @@ async def _respond(http_request: Request, lease: ModelLease, turn: ChatTurn, bod
             for call in delta.tool_calls:  # Ollama sends each call whole: collect the fragments
                 entry = calls.setdefault(call.index, {"function": {"name": call.name, "arguments": ""}})
                 entry["function"]["arguments"] += call.arguments
-            if delta.content or delta.token_ids:
-                line = {"model": model, "created_at": _now(), **piece(delta.content), "done": False}
+            if delta.content or delta.reasoning or delta.token_ids:
+                line = {"model": model, "created_at": _now(), **piece(delta.content, thinking=delta.reasoning),
+                        "done": False}
                 if body.logprobs and delta.logprobs:
                     line["logprobs"] = _logprobs(run, delta.token_ids, delta.logprobs, num_top)
-                if delta.content or body.logprobs:
+                if delta.content or delta.reasoning or body.logprobs:
                     yield line
             finish_reason = delta.finish_reason or finish_reason
         if calls:
@@ -452,7 +474,7 @@ async def _chat_route(request: Request) -> Response:
         serving = lease.serving
         sampling, num_predict, num_ctx = _common_sampling(body, serving.max_model_len)
         tools = ToolSet.from_request(body.tools, "auto" if body.tools else None, True)
-        turn = ChatTurn(_messages(body.messages), sampling, None, tools)
+        turn = ChatTurn(_messages(body.messages), sampling, None, tools, thinking=_thinking(body))
         make_sampling_params({**sampling, "max_tokens": 1})  # bad values are a 400 before the prompt is built
         return await _respond(request, lease, turn, body, is_chat=True, num_predict=num_predict, num_ctx=num_ctx)
     return await state.respond(body.model, run, keep_alive_s)
@@ -477,12 +499,15 @@ async def _generate_route(request: Request) -> Response:
         # Without raw, the prompt goes through the model's template as a user turn (Ollama);
         # a model without a template (a pretrained one) continues the text as it is.
         if body.raw or not serving.tokenizer.chat_template:
+            if body.think not in (None, False):
+                raise InvalidRequestError("think: a raw prompt (or a model without a chat template) bypasses the "
+                                          "template, so nothing would turn the thinking on", param="think")
             text = body.prompt if not body.system else f"{body.system}\n\n{body.prompt}"
             turn = ChatTurn([], sampling, raw_prompt=text)
         else:
             messages = ([{"role": "system", "content": body.system}] if body.system else []) + [
                 {"role": "user", "content": body.prompt}]
-            turn = ChatTurn(messages, sampling)
+            turn = ChatTurn(messages, sampling, thinking=_thinking(body))
         return await _respond(request, lease, turn, body, is_chat=False, num_predict=num_predict, num_ctx=num_ctx)
     return await state.respond(body.model, run, keep_alive_s)
 
@@ -566,6 +591,14 @@ async def _show_route(request: Request) -> Response:
     metadata = facts["metadata"]
     template = metadata.get("tokenizer.chat_template") or ""
     capabilities = ["completion", "embedding"] + (["tools"] if template else [])
+    # "thinking" (Ollama's word for a model that reasons): the loaded model's format (its chat
+    # template may be another file's, its format set by a flag), or the one its file implies.
+    if entry.serving is not None:
+        thinks = entry.serving.reasoning_format is not None
+    else:
+        thinks = detect_reasoning_format(template, frozenset()) is not None
+    if thinks:
+        capabilities.append("thinking")
     return JSONResponse({"license": str(metadata.get("general.license", "")), "modelfile": "",
                          "parameters": "", "template": template, "details": facts["details"],
                          "model_info": _model_info(metadata, body.verbose), "capabilities": capabilities,
@@ -611,6 +644,7 @@ class GenerateLine(ResponseBody):
     model: str
     created_at: str
     response: str
+    thinking: str | None = None
     done: bool
     done_reason: str | None = None
 

@@ -1,12 +1,13 @@
 """OpenAI's Responses API: POST /v1/responses, GET /v1/responses/{id}, and the response store.
 
 A thin translation onto the shared chat path (server/generation.py): `input` (a string, or
-message, function_call and function_call_output items), `instructions`, function tools and
-`text.format` become a ChatTurn; the answer is a `response` object whose `output` holds a message
-item and function_call items, or the typed event stream (response.created, .in_progress,
-.output_item.added, .content_part.added, .output_text.delta, .output_text.done,
-.content_part.done, .function_call_arguments.delta/.done, .output_item.done, .completed), every
-event with its `sequence_number`.
+message, reasoning, function_call and function_call_output items), `instructions`, function
+tools, `text.format` and `reasoning.effort` become a ChatTurn; the answer is a `response` object
+whose `output` holds a reasoning item (a reasoning model's thinking, as `reasoning_text` content),
+a message item and function_call items, or the typed event stream (response.created,
+.in_progress, .output_item.added, .content_part.added, .reasoning_text.delta/.done,
+.output_text.delta, .output_text.done, .content_part.done, .function_call_arguments.delta/.done,
+.output_item.done, .completed), every event with its `sequence_number`.
 
 `ResponseStore` keeps the last `--responses-store-size` responses (default 1000) for
 `--responses-store-ttl` (default 1 h), in memory: each with its conversation, so that
@@ -29,7 +30,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tokios.errors import InvalidRequestError, NotFoundError, TokiosError
-from tokios.server.body import JsonBool, RequestBody, ResponseBody, parse_body
+from tokios.reasoning import ThinkingRequest
+from tokios.server.body import JsonBool, JsonInt, RequestBody, ResponseBody, parse_body
 from tokios.server.dialects.dialect import SEQUENCED, SSE, Dialect, Route, guarded_stream, join_text_parts
 from tokios.server.errors import openai_error_body
 from tokios.server.generation import ChatRun, ChatTurn, ChoiceResult
@@ -58,7 +60,11 @@ class ResponsesRequest(RequestBody):
     store: JsonBool = True
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
+    # {"effort": "none" | "minimal" | "low" | "medium" | "high", "summary": ...}: a reasoning
+    # model's thinking (docs/apis.md, "Reasoning"); its summary is left empty (no summarizer
+    # runs here: the thinking itself is the reasoning item's content).
     reasoning: dict[str, Any] | None = None
+    max_thinking_tokens: JsonInt | None = Field(default=None, ge=0)  # an extension: the budget in tokens
     truncation: str | None = None
     user: str | None = None
     seed: int | None = None  # an extension (as vLLM): reproducible sampling
@@ -124,7 +130,18 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             if content is None:
                 raise InvalidRequestError(f"{where}.content must be a string or a list of text parts",
                                           param=f"{where}.content")
-            messages.append({"role": role, "content": join_text_parts(content, f"{where}.content", _TEXT_PART_TYPES)})
+            text = join_text_parts(content, f"{where}.content", _TEXT_PART_TYPES)
+            if role == "assistant" and _is_reasoning_only(messages):
+                messages[-1]["content"] = text
+            else:
+                messages.append({"role": role, "content": text})
+        elif kind == "reasoning":
+            # A prior turn's thinking: the assistant turn it opens carries it, and the chat
+            # template keeps or drops it as its model expects. Only its text can be read
+            # (encrypted_content is another server's).
+            reasoning = join_text_parts(item.get("content") or [], f"{where}.content", ("reasoning_text",))
+            if reasoning:
+                messages.append({"role": "assistant", "content": "", "reasoning_content": reasoning})
         elif kind == "function_call":
             if not isinstance(item.get("name"), str) or not isinstance(item.get("arguments", ""), str):
                 raise InvalidRequestError(f"{where}: a function_call item needs name and arguments (a JSON string)",
@@ -145,6 +162,20 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             raise InvalidRequestError(f"{where}.type {kind!r} is not supported; message, function_call and "
                                       "function_call_output are", param=f"{where}.type")
     return messages
+
+
+def _is_reasoning_only(messages: list[dict[str, Any]]) -> bool:
+    """Whether the last message is an assistant turn that has its reasoning and nothing else yet."""
+    if not messages:
+        return False
+    last = messages[-1]
+    return last["role"] == "assistant" and "reasoning_content" in last and not last["content"] and \
+        "tool_calls" not in last
+
+
+def _thinking(body: ResponsesRequest) -> ThinkingRequest:
+    reasoning = body.reasoning or {}
+    return ThinkingRequest.from_effort(reasoning.get("effort"), "reasoning.effort", body.max_thinking_tokens)
 
 
 def _toolset(body: ResponsesRequest) -> ToolSet | None:
@@ -175,8 +206,6 @@ def _text_format(body: ResponsesRequest) -> StructuredOutput | None:
 
 
 def _sampling(body: ResponsesRequest) -> dict[str, Any]:
-    if body.reasoning and body.reasoning.get("effort") not in (None, "none"):
-        raise InvalidRequestError("reasoning: this server runs no reasoning mode", param="reasoning")
     if body.truncation not in (None, "disabled"):
         raise InvalidRequestError("truncation: only 'disabled' is supported (a prompt over the context is a 400)",
                                   param="truncation")
@@ -198,6 +227,7 @@ class ResponseBuilder:
         self.run = run
         self.id = f"resp_{uuid.uuid4().hex}"
         self.message_id = f"msg_{uuid.uuid4().hex}"
+        self.reasoning_id = f"rs_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
 
     def envelope(self, status: str, output: list[dict[str, Any]], finish_reason: str | None = None) -> dict[str, Any]:
@@ -214,14 +244,21 @@ class ResponseBuilder:
             "tool_choice": body.tool_choice or "auto", "tools": body.tools or [],
             "text": body.text or {"format": {"type": "text"}}, "truncation": "disabled",
             "metadata": body.metadata or {}, "store": body.store, "usage": None,
+            "reasoning": body.reasoning or {"effort": None, "summary": None},
         }
         if status != "in_progress":
             response["usage"] = {"input_tokens": self.run.num_prompt_tokens,
                                  "input_tokens_details": {"cached_tokens": self.run.num_cached_prompt_tokens},
                                  "output_tokens": self.run.num_completion_tokens,
-                                 "output_tokens_details": {"reasoning_tokens": 0},
+                                 "output_tokens_details": {"reasoning_tokens": self.run.num_reasoning_tokens},
                                  "total_tokens": self.run.num_prompt_tokens + self.run.num_completion_tokens}
         return response
+
+    def reasoning_item(self, text: str, status: str = "completed") -> dict[str, Any]:
+        """A reasoning model's thinking, whole, as OpenAI's open-weight models return it: the text as
+        `reasoning_text` content, and no summary (none is made here)."""
+        content = [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []
+        return {"type": "reasoning", "id": self.reasoning_id, "summary": [], "content": content, "status": status}
 
     def message_item(self, text: str, status: str = "completed") -> dict[str, Any]:
         return {"type": "message", "id": self.message_id, "status": status, "role": "assistant",
@@ -234,6 +271,9 @@ class ResponseBuilder:
 
     def output_of(self, result: ChoiceResult) -> list[dict[str, Any]]:
         output = []
+        if result.reasoning:  # as streamed: an item once there is thinking to show
+            has_answer = bool(result.content or result.tool_calls)
+            output.append(self.reasoning_item(result.reasoning, _reasoning_status(result.finish_reason, has_answer)))
         if result.content or not result.tool_calls:
             output.append(self.message_item(result.content or ""))
         output.extend(self.call_item(call["id"], call["function"]["name"], call["function"]["arguments"])
@@ -241,13 +281,22 @@ class ResponseBuilder:
         return output
 
 
+def _reasoning_status(finish_reason: str | None, has_answer: bool) -> str:
+    """A thinking that the output limit cut short (no answer followed it) is incomplete."""
+    return "incomplete" if finish_reason == "length" and not has_answer else "completed"
+
+
 def _output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The assistant turn a response's output adds to its conversation."""
     text = "".join(part["text"] for item in output if item["type"] == "message" for part in item["content"])
+    reasoning = "".join(part["text"] for item in output if item["type"] == "reasoning"
+                        for part in item["content"])
     calls = [{"id": item["call_id"], "type": "function", "function": {"name": item["name"],
                                                                       "arguments": item["arguments"]}}
              for item in output if item["type"] == "function_call"]
     message: dict[str, Any] = {"role": "assistant", "content": text}
+    if reasoning:
+        message["reasoning_content"] = reasoning
     if calls:
         message["tool_calls"] = calls
     return [message]
@@ -263,6 +312,8 @@ async def _events(builder: ResponseBuilder, on_done) -> AsyncIterator[dict[str, 
     yield event("response.in_progress", response=builder.envelope("in_progress", []))
     output: list[dict[str, Any]] = []
     text = ""
+    reasoning = ""
+    reasoning_index: int | None = None  # output index of the reasoning item while it is open
     message_index: int | None = None
     call_index: int | None = None  # output index of the call being written
     finish_reason = None
@@ -277,6 +328,14 @@ async def _events(builder: ResponseBuilder, on_done) -> AsyncIterator[dict[str, 
                       content_index=0, part=part),
                 event("response.output_item.done", output_index=message_index, item=item)]
 
+    def close_reasoning(status: str = "completed") -> list[dict[str, Any]]:
+        item = builder.reasoning_item(reasoning, status)
+        output[reasoning_index] = item
+        ids = {"item_id": builder.reasoning_id, "output_index": reasoning_index, "content_index": 0}
+        return [event("response.reasoning_text.done", **ids, text=reasoning),
+                event("response.content_part.done", **ids, part=item["content"][0]),
+                event("response.output_item.done", output_index=reasoning_index, item=item)]
+
     def close_call() -> list[dict[str, Any]]:
         item = {**output[call_index], "status": "completed"}
         output[call_index] = item
@@ -285,6 +344,20 @@ async def _events(builder: ResponseBuilder, on_done) -> AsyncIterator[dict[str, 
                 event("response.output_item.done", output_index=call_index, item=item)]
 
     async for delta in builder.run.deltas():
+        if delta.reasoning:
+            if reasoning_index is None:
+                reasoning_index = len(output)
+                output.append(builder.reasoning_item("", status="in_progress"))
+                yield event("response.output_item.added", output_index=reasoning_index, item=output[reasoning_index])
+                yield event("response.content_part.added", item_id=builder.reasoning_id,
+                            output_index=reasoning_index, content_index=0, part={"type": "reasoning_text", "text": ""})
+            reasoning += delta.reasoning
+            yield event("response.reasoning_text.delta", item_id=builder.reasoning_id, output_index=reasoning_index,
+                        content_index=0, delta=delta.reasoning)
+        if reasoning_index is not None and (delta.content or delta.tool_calls):  # the thinking is over
+            for line in close_reasoning():
+                yield line
+            reasoning_index = None
         if delta.content:
             if message_index is None:
                 message_index = len(output)
@@ -309,12 +382,15 @@ async def _events(builder: ResponseBuilder, on_done) -> AsyncIterator[dict[str, 
                 yield event("response.function_call_arguments.delta", item_id=output[call_index]["id"],
                             output_index=call_index, delta=call.arguments)
         finish_reason = delta.finish_reason or finish_reason
+    if reasoning_index is not None:
+        for line in close_reasoning(_reasoning_status(finish_reason, bool(text) or call_index is not None)):
+            yield line
     if message_index is None and call_index is None:  # an empty answer is still one message
-        message_index = 0
+        message_index = len(output)
         output.append(builder.message_item("", status="in_progress"))
-        yield event("response.output_item.added", output_index=0, item=output[0])
-        yield event("response.content_part.added", item_id=builder.message_id, output_index=0, content_index=0,
-                    part={"type": "output_text", "text": "", "annotations": []})
+        yield event("response.output_item.added", output_index=message_index, item=output[message_index])
+        yield event("response.content_part.added", item_id=builder.message_id, output_index=message_index,
+                    content_index=0, part={"type": "output_text", "text": "", "annotations": []})
     if message_index is not None:
         for line in close_message():
             yield line
@@ -342,7 +418,8 @@ async def _create_route(request: Request) -> Response:
     async def run(lease: ModelLease) -> Response:
         serving = lease.serving
         instructions = [{"role": "system", "content": body.instructions}] if body.instructions else []
-        turn = ChatTurn(instructions + conversation, _sampling(body), body.max_output_tokens, _toolset(body))
+        turn = ChatTurn(instructions + conversation, _sampling(body), body.max_output_tokens, _toolset(body),
+                        thinking=_thinking(body))
         model = serving.response_model_name(body.model)
         chat_run = await serving.start_chat(request, turn, lease, stream=body.stream,
                                             response_id=f"resp-{uuid.uuid4().hex}")

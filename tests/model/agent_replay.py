@@ -1,7 +1,8 @@
 """Replays the scripted agent session (tokios/tools/bench/agent_session.py) on an engine: each
 turn's conversation rendered with the engine's chat template and the session's tools, generated
 greedily (its answer dropped, as the script replaces it), the interrupted turn aborted after a
-few tokens. Reports per turn what the prefix cache saved and the bound it is held to."""
+few tokens. Reports per turn what the prefix cache saved, the tokens after the longest common
+prefix with what the engine computed before, and the bound the benchmark holds it to."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from dataclasses import dataclass
 from tokios.sampling_params import SamplingParams
 from tokios.server.generation import ChatTurn
 from tokios.tool_calls import ToolSet
-from tokios.tools.bench.agent_session import INTERRUPTED, TOOLS, agent_session, recompute_bound
+from tokios.tools.bench.agent_session import (INTERRUPTED, TOOLS, agent_session, common_prefix_length,
+                                              recompute_bound)
 
 
 
@@ -21,6 +23,9 @@ class TurnCache:
     num_prompt_tokens: int
     num_cached_tokens: int  # the engine's own count (RequestOutput.metrics)
     max_recomputed_tokens: int  # agent_session.recompute_bound
+    # The tokens after the longest common prefix with what the engine computed before (at least
+    # one: the last prompt token is always computed, for its logits).
+    num_new_tokens: int
 
     @property
     def num_recomputed_tokens(self) -> int:
@@ -40,6 +45,7 @@ def replay_agent_session(llm, num_turns: int, num_answer_tokens: int, tokenizer=
     for turn in agent_session(num_turns):
         prompt_ids = ChatTurn(turn.messages, {}, tools=tools).prompt_ids(tokenizer)
         bound = recompute_bound(prompt_ids, computed, block_size)
+        longest = max((common_prefix_length(prompt_ids, ids) for ids in computed), default=0)
         if turn.kind == INTERRUPTED:
             num_cached, computed_ids = _interrupted(llm, f"agent-{turn.index}", prompt_ids, params)
         else:
@@ -47,7 +53,8 @@ def replay_agent_session(llm, num_turns: int, num_answer_tokens: int, tokenizer=
             num_cached = output.metrics.num_cached_prompt_tokens
             computed_ids = prompt_ids + output.outputs[0].token_ids[:-1]  # the last one was never run
         computed.append(computed_ids)
-        rows.append(TurnCache(turn.index, turn.kind, len(prompt_ids), num_cached, bound))
+        rows.append(TurnCache(turn.index, turn.kind, len(prompt_ids), num_cached, bound,
+                              max(1, len(prompt_ids) - longest)))
     llm.check_invariants()
     return rows
 

@@ -239,9 +239,9 @@ def test_long_request_frees_sliding_blocks_out_of_the_window(gemma_stored, long_
 
 
 def test_agent_turns_hit_the_cache_past_the_sliding_window(gemma_stored):
-    """Every turn of the agent session is past the 512-token window; each recomputes at most the
-    tokens after what the engine already computed, rounded up to a block, plus a block
-    (tests/model/test_agent_cache.py for the full-attention model)."""
+    """Every turn of the agent session is past the 512-token window; each recomputes exactly the
+    tokens after what the engine already computed (tests/model/test_agent_cache.py for the
+    full-attention model)."""
     from agent_replay import cache_table, replay_agent_session
     from test_agent_cache import NUM_TURNS
     from tokios.tokenizer.chat_template import resolve_chat_template
@@ -254,6 +254,7 @@ def test_agent_turns_hit_the_cache_past_the_sliding_window(gemma_stored):
     assert rows[0].num_prompt_tokens > 512
     for row in rows:
         assert row.num_recomputed_tokens <= row.max_recomputed_tokens, row
+        assert row.num_recomputed_tokens == row.num_new_tokens, row
     assert sum(row.num_cached_tokens for row in rows) > 0.8 * sum(row.num_prompt_tokens for row in rows[1:])
 
 

@@ -12,7 +12,13 @@ import pytest
 
 from tokios.kv_cache.disk_tier import SUFFIX, DiskPrefixCache, fingerprint, key_bytes
 from tokios.kv_cache.manager import KVCacheManager, chain_hash, salt_hash
-from tests.unit.test_kv_manager import BLOCK_SIZE, FakeRequest, admit
+from tests.unit.test_kv_manager import BLOCK_SIZE, FakeRequest
+from tests.unit.test_kv_manager import admit as admit_and_end_pass
+
+
+def admit(kv: KVCacheManager, request: FakeRequest) -> list[int]:
+    """Admitted; the pass ends when the runner below takes the transfers."""
+    return admit_and_end_pass(kv, request, end_pass=False)
 
 PAYLOAD = 64
 IDENTITY = fingerprint("model-a", "bfloat16", 16)

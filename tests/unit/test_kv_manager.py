@@ -18,16 +18,23 @@ class FakeRequest:
     request_id: str
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    copies: list[tuple[int, int]] = field(default_factory=list)  # what admitting it asked to copy
 
 
-def admit(kv: KVCacheManager, request: FakeRequest) -> list[int]:
-    """What the scheduler does for a new request: prefix lookup, then room for the rest.
-    Returns the hit in group 0 (the only group of these full-attention managers)."""
+def admit(kv: KVCacheManager, request: FakeRequest, end_pass: bool = True) -> list[int]:
+    """What the scheduler does for a new request: prefix lookup, then room for the rest, then
+    (end_pass) the end of its scheduling pass. Returns the hit in group 0 (the only group of
+    these full-attention managers); a hit that ends part way through a block copies that block,
+    one copy per group."""
     hit_tables, num_cached = kv.get_computed_blocks(request)
-    copies = kv.allocate_slots(request, len(request.all_token_ids) - num_cached, hit_tables)
-    assert copies == []
+    hit = list(hit_tables[0])
+    request.copies = kv.allocate_slots(request, len(request.all_token_ids) - num_cached, hit_tables,
+                                       num_hit_tokens=num_cached)
+    assert len(request.copies) == (len(kv.groups) if num_cached % kv.block_size else 0)
     request.num_computed_tokens = len(request.all_token_ids)
-    return hit_tables[0]
+    if end_pass:
+        kv.take_transfers()  # the scheduling pass ends; its step writes the new blocks
+    return hit
 
 
 def test_prefix_miss_allocates_fresh_blocks_in_order():
@@ -48,10 +55,47 @@ def test_prefix_hit_shares_full_blocks_and_never_the_last_token():
     assert kv.block_ids("b") == [0, 1, 3]
     assert kv.pool.ref_counts[:4] == [2, 2, 1, 1]
     assert kv.prefix_cache_hits == 8
-    # Exactly 8 tokens, all cached: the last block is recomputed so the step has logits to sample.
+    # Exactly 8 tokens, all cached: the last token is recomputed so the step has logits to
+    # sample; the 3 before it are copied from the cached block 1 into the request's own block 4.
     c = FakeRequest("c", list(range(8)))
-    assert admit(kv, c) == [0]
-    assert kv.block_ids("c") == [0, 4]
+    assert admit(kv, c) == [0, 1]
+    assert kv.block_ids("c") == [0, 4] and c.copies == [(1, 4)]
+    assert kv.prefix_cache_hits == 8 + 7
+    assert kv.pool.ref_counts[:5] == [3, 2, 1, 1, 1]  # block 1 lent its bytes, not a reference
+    kv.check_invariants()
+
+
+def test_a_block_that_differs_part_way_lends_the_tokens_before_the_difference():
+    kv = KVCacheManager(8, BLOCK_SIZE)
+    admit(kv, FakeRequest("a", list(range(12))))
+    kv.free(FakeRequest("a"))
+    # The next turn re-sends 9 of a's tokens then differs: its block 2 misses as a whole, and
+    # a's block 2 (tokens 8..11) lends token 8.
+    b = FakeRequest("b", list(range(9)) + [70, 71, 72, 73, 74, 75, 76])
+    assert admit(kv, b) == [0, 1, 2]
+    assert kv.block_ids("b")[:2] == [0, 1] and b.copies == [(2, kv.block_ids("b")[2])]
+    assert kv.prefix_cache_hits == 9
+    # The lender keeps its own tokens: a request that re-sends 10 of them still finds them.
+    c = FakeRequest("c", list(range(10)) + [5])
+    assert admit(kv, c) == [0, 1, 2] and c.copies == [(2, kv.block_ids("c")[2])]
+    assert kv.prefix_cache_hits == 9 + 10
+    # Nothing of the next block matches: a plain full-block hit, nothing copied.
+    d = FakeRequest("d", list(range(8)) + [90, 91])
+    assert admit(kv, d) == [0, 1] and d.copies == []
+    kv.check_invariants()
+
+
+def test_a_partial_hit_in_every_kv_group_of_a_sliding_window_model():
+    kv = KVCacheManager(24, BLOCK_SIZE, layout=KVCacheLayout.for_windows((None, 8)))
+    admit(kv, FakeRequest("a", list(range(16))))
+    kv.free(FakeRequest("a"))
+    b = FakeRequest("b", list(range(13)) + [99, 98])
+    tables, num_cached = kv.get_computed_blocks(b)
+    assert num_cached == 13
+    copies = kv.allocate_slots(b, 2, tables, num_hit_tokens=13)
+    assert [source for source, _ in copies] == [tables[0][3], tables[1][3]] and len(copies) == 2
+    assert [kv.block_tables("b")[g][3] for g in (0, 1)] == [destination for _, destination in copies]
+    assert kv.block_tables("b")[1][:1] == [NULL_BLOCK]  # the sliding group reads only its window
     kv.check_invariants()
 
 
@@ -344,3 +388,49 @@ def test_a_long_request_fits_in_far_fewer_blocks_with_sliding_groups():
     assert kv.pool.num_used_blocks == 10 + 3
     kv.free(a)
     kv.check_invariants(expect_idle=True)
+
+
+def test_a_finished_requests_partly_filled_last_block_is_lent_to_the_next_turn():
+    kv = KVCacheManager(16, BLOCK_SIZE)
+    a = FakeRequest("a", list(range(11)))
+    admit(kv, a)
+    a.all_token_ids.append(11)  # sampled, never computed: not part of what a's tail holds
+    kv.free(a)
+    # Two full blocks, and block 2's tail, which disk (cached_block_keys) never gets.
+    assert len(kv.pool.cached_blocks()) == 3 and kv.cached_block_keys() == kv.pool.cached_blocks()[:2]
+    # The next turn re-sends a's 11 computed tokens and more: all 11 hit, 3 copied from the tail.
+    b = FakeRequest("b", list(range(11)) + [40, 41])
+    assert admit(kv, b) == [0, 1, 2] and b.copies == [(2, kv.block_ids("b")[2])]
+    assert kv.prefix_cache_hits == 11
+    # The sampled token a never computed is not lent: 11 of these 12 match, the 12th is computed.
+    c = FakeRequest("c", list(range(12)) + [7])
+    admit(kv, c)
+    assert kv.prefix_cache_hits == 11 + 11
+    kv.check_invariants()
+
+
+def test_a_tail_held_by_another_request_is_not_cached():
+    kv = KVCacheManager(16, BLOCK_SIZE)
+    a = FakeRequest("a", list(range(6)))
+    admit(kv, a)
+    child = FakeRequest("child", list(range(6)))
+    kv.fork(a, child, 6)
+    kv.free(a)  # block 1 is still child's, which may write into it: not a's tail to lend
+    assert [key for _, key in kv.pool.cached_blocks()] == [kv.pool.block_hashes[0]]
+    kv.free(child)
+    kv.check_invariants()
+
+
+def test_a_block_this_pass_writes_is_shared_whole_but_never_copied_from():
+    # Copies run before the step, the step writes the pass's new blocks: a partial hit on a block
+    # registered in the same pass would copy bytes not written yet.
+    kv = KVCacheManager(16, BLOCK_SIZE)
+    a = FakeRequest("a", list(range(12)))
+    tables, num_cached = kv.get_computed_blocks(a)
+    kv.allocate_slots(a, 12, tables, num_hit_tokens=num_cached)
+    a.num_computed_tokens = 12
+    b = FakeRequest("b", list(range(10)) + [50, 51])  # same pass: blocks 0 and 1 whole, no part of 2
+    assert kv.get_computed_blocks(b) == ([[0, 1]], 8)
+    kv.take_transfers()
+    c = FakeRequest("c", list(range(10)) + [50, 51])  # the next pass: block 2 lends two tokens
+    assert kv.get_computed_blocks(c) == ([[0, 1, 2]], 10)

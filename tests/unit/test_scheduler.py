@@ -208,8 +208,11 @@ def test_prefix_hit_skips_the_cached_blocks():
     again = make_request("b", shared + [3, 4, 5], max_tokens=2)
     scheduler.add_request(again)
     output = run_step(scheduler)
-    assert again.num_cached_tokens == 32  # two full blocks of the shared 40 tokens
-    assert output.scheduled[0].num_new_tokens == 43 - 32
+    # All the shared 40 tokens: two full blocks, and 8 tokens of a's third block (a's last, never
+    # filled: cached as its tail when a finished), copied into b's own block.
+    assert again.num_cached_tokens == 40
+    assert output.scheduled[0].num_new_tokens == 43 - 40
+    assert len(output.block_copies) == 1
     run_to_completion(scheduler, [])
 
 

@@ -61,6 +61,17 @@ def cache_key(group: int, block_hash: int) -> int | tuple[int, int]:
     return block_hash if group == 0 else (group, block_hash)
 
 
+def tail_key(group: int, tail_hash: int) -> tuple[str, int, int]:
+    """The key a finished request's last, partly filled block is cached under: the chained hash
+    of the tokens it holds (fewer than a block's). Only a partial lookup finds it (a full block's
+    hash always covers a whole block); it never goes to disk or into the cache events."""
+    return ("tail", group, tail_hash)
+
+
+def is_tail_key(key: object) -> bool:
+    return type(key) is tuple and len(key) == 3
+
+
 def split_cache_key(key: int | tuple[int, int]) -> tuple[int, int]:
     """(group, block hash) of a cache key (the runner and the disk tier read keys with it)."""
     return (0, key) if isinstance(key, int) else key
@@ -80,6 +91,18 @@ class KVCacheManager:
         self.request_to_blocks: dict[str, list[list[int]]] = {}  # per request: one block table per group
         self.request_to_hashes: dict[str, list[int]] = {}
         self.request_to_num_cached_blocks: dict[str, int] = {}  # full blocks registered in the cache
+        # Every cached block of group 0 under its parent's hash: (parent hash, its key, its token
+        # ids), full blocks and finished requests' partly filled last blocks (tail_key) alike, so
+        # that a lookup whose next block differs part way, or ends in a block never filled, can
+        # reuse the tokens before the difference (_partial_block). Kept by block id: at most one
+        # entry a block.
+        self._block_to_entry: dict[int, tuple[int, object, tuple[int, ...]]] = {}
+        self._parent_to_blocks: dict[int, set[int]] = {}
+        # Blocks whose bytes this scheduling pass's step has yet to write (registered for tokens it
+        # computes, or the destination of a copy): shared whole they are fine (every layer writes
+        # before it attends), but copied they are not (copies run before the step). Cleared at
+        # the end of each pass (take_transfers).
+        self._unwritten_blocks: set[int] = set()
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found (in memory or on disk)
         self.disk = disk if enable_prefix_caching else None
@@ -129,9 +152,58 @@ class KVCacheManager:
         for g, group in enumerate(self.groups):
             first = self._first_needed_block(group, num_hit * self.block_size) if num_hit else 0
             tables.append([NULL_BLOCK] * first + cached[g][first:num_hit])
+        num_hit_tokens = num_hit * self.block_size
+        if num_hit_tokens < num_tokens - 1:  # the next block may still match in part
+            num_matching, partial_blocks = self._partial_block(request, hashes[:num_hit], num_tokens)
+            if num_matching:
+                for table, block_id in zip(tables, partial_blocks):
+                    table.append(block_id)
+                num_hit_tokens += num_matching
         self.prefix_cache_queries += num_tokens
-        self.prefix_cache_hits += num_hit * self.block_size
-        return tables, num_hit * self.block_size
+        self.prefix_cache_hits += num_hit_tokens
+        return tables, num_hit_tokens
+
+    def _partial_block(self, request: CacheRequest, hashes: list[int], num_tokens: int) -> tuple[int, list[int]]:
+        """After the full-block hit: a cached block, child of the hit's last block, whose first
+        tokens are the request's next ones: (how many match, its block in each group), or (0, []).
+        The request takes a copy of it (allocate_slots), so a conversation whose next turn
+        differs from what was computed part way through a block recomputes only from the first
+        differing token, not from the block's start. At least one token is left to compute."""
+        bs = self.block_size
+        start = len(hashes) * bs
+        token_ids = request.all_token_ids[start:min(start + bs - 1, num_tokens - 1)]
+        parent = hashes[-1] if hashes else self.root_hash
+        best, best_blocks = 0, []
+        for block_id in list(self._parent_to_blocks.get(parent, ())):
+            _, key, cached_ids = self._block_to_entry[block_id]
+            if self.pool.block_hashes[block_id] != key:
+                self._forget_block(block_id)  # evicted or re-used since
+                continue
+            num_matching = 0
+            for cached_id, token_id in zip(cached_ids, token_ids):
+                if cached_id != token_id:
+                    break
+                num_matching += 1
+            if num_matching <= best:
+                continue
+            blocks = [self.pool.get_cached_block(tail_key(g, key[2]) if is_tail_key(key) else cache_key(g, key))
+                      for g in range(len(self.groups))]
+            if all(block is not None and block not in self._unwritten_blocks for block in blocks):
+                best, best_blocks = num_matching, blocks
+        return best, best_blocks
+
+    def _remember_block(self, block_id: int, parent: int, key: object, token_ids: Sequence[int]) -> None:
+        self._forget_block(block_id)
+        self._block_to_entry[block_id] = (parent, key, tuple(token_ids))
+        self._parent_to_blocks.setdefault(parent, set()).add(block_id)
+
+    def _forget_block(self, block_id: int) -> None:
+        entry = self._block_to_entry.pop(block_id, None)
+        if entry is not None:
+            siblings = self._parent_to_blocks[entry[0]]
+            siblings.discard(block_id)
+            if not siblings:
+                del self._parent_to_blocks[entry[0]]
 
     def _servable_prefix(self, cached: list[list[int | None]], on_disk: list[list[bool]], max_blocks: int) -> int:
         """The most leading blocks every group can serve, from memory or from disk."""
@@ -171,15 +243,17 @@ class KVCacheManager:
         """Since the last call: (block id, cache key) of cached blocks evicted, whose bytes the
         runner writes to disk before the step, and (block id, cache key, payload) of blocks read
         from disk, which it writes into the cache after those. Drops the references the loaded
-        blocks held."""
-        spills = self.pool.take_evicted() if self.disk is not None else []
+        blocks held. The scheduler calls it once at the end of every pass."""
+        self._unwritten_blocks.clear()  # the pass is over: its step writes them before the next
+        spills = ([spill for spill in self.pool.take_evicted() if not is_tail_key(spill[1])]
+                  if self.disk is not None else [])
         loads, self._loads = self._loads, []
         self.pool.free_blocks([block_id for block_id, _, _ in loads])
         return spills, loads
 
     def cached_block_keys(self) -> list[tuple[int, object]]:
         """(block id, cache key) of every block in the memory cache (what shutdown writes to disk)."""
-        return self.pool.cached_blocks()
+        return [(block_id, key) for block_id, key in self.pool.cached_blocks() if not is_tail_key(key)]
 
     def uncache_uncomputed(self, request: CacheRequest) -> None:
         """Take out of the cache the request's blocks registered for tokens it has not computed
@@ -253,9 +327,11 @@ class KVCacheManager:
 
     def allocate_slots(self, request: CacheRequest, num_new_tokens: int,
                        computed_blocks: Sequence[Sequence[int]] = (),
-                       register_blocks: bool = True) -> list[tuple[int, int]] | None:
+                       register_blocks: bool = True, num_hit_tokens: int | None = None) -> list[tuple[int, int]] | None:
         """Make room for num_new_tokens after the request's computed tokens (plus computed_blocks,
-        the prefix-cache hit of a request being admitted: one block table per group). Returns
+        the prefix-cache hit of a request being admitted: one block table per group, holding
+        num_hit_tokens tokens, default all of its blocks; a hit that ends part way through its
+        last block gets a copy of that block, as the request writes the rest of it). Returns
         the copy-on-write pairs (source block, destination block) the runner must copy first, or
         None when the pool is short (then nothing changed but blocks no query reads any more).
         register_blocks=False: the step does not finish the new tokens (a layer slice that is
@@ -265,10 +341,14 @@ class KVCacheManager:
         num_groups = len(self.groups)
         tables = self.request_to_blocks.get(request.request_id) or [[] for _ in self.groups]
         computed_blocks = [list(c) for c in computed_blocks] or [[] for _ in self.groups]
-        num_computed = request.num_computed_tokens + len(computed_blocks[0]) * bs
+        if num_hit_tokens is None:
+            num_hit_tokens = len(computed_blocks[0]) * bs
+        num_computed = request.num_computed_tokens + num_hit_tokens
         total_tokens = num_computed + num_new_tokens
         if request.request_id in self.request_to_blocks:
             self._free_out_of_window(tables, num_computed)
+        # A hit ending part way through a block: that block is someone else's cached block.
+        partial = [hit.pop() if num_hit_tokens % bs else None for hit in computed_blocks]
         needed = 0
         shared: list[list[int]] = []
         for g in range(num_groups):
@@ -278,16 +358,29 @@ class KVCacheManager:
             shared.append([i for i in range(num_computed // bs, len(table))
                            if table[i] != NULL_BLOCK and self.pool.ref_counts[table[i]] > 1])
             needed += len(shared[-1]) + sum(1 for b in hit if b != NULL_BLOCK and self.pool.ref_counts[b] == 0)
+            needed += partial[g] is not None and self.pool.ref_counts[partial[g]] == 0
         if needed > self.pool.num_free_blocks:
+            for hit, block_id in zip(computed_blocks, partial):
+                if block_id is not None:
+                    hit.append(block_id)
             return None
-        if any(computed_blocks):
-            self.request_to_num_cached_blocks[request.request_id] = len(computed_blocks[0])
+        if any(computed_blocks) or num_hit_tokens:
+            self.request_to_num_cached_blocks[request.request_id] = num_hit_tokens // bs
         copies = []
         for g in range(num_groups):
             hit = computed_blocks[g]
-            if hit:
+            if hit or partial[g] is not None:
                 self.pool.touch([b for b in hit if b != NULL_BLOCK])
                 tables[g] = hit + tables[g]
+            if partial[g] is not None:
+                # Held while a new block is taken (so that block cannot be this one), copied into
+                # it before the step, then let go: the cached block keeps its own tokens.
+                self.pool.touch([partial[g]])
+                (destination,) = self.pool.get_new_blocks(1)
+                copies.append((partial[g], destination))
+                self._unwritten_blocks.add(destination)
+                self.pool.free_blocks([partial[g]])
+                tables[g].insert(len(hit), destination)
             table = tables[g]
             for index in shared[g]:
                 (destination,) = self.pool.get_new_blocks(1)
@@ -309,10 +402,15 @@ class KVCacheManager:
         if num_full <= start:
             return
         hashes = self._block_hashes(request, num_full * self.block_size)
+        bs = self.block_size
         for g, table in enumerate(tables):
             for index in range(start, num_full):
                 if table[index] != NULL_BLOCK:
                     self.pool.cache_block(table[index], cache_key(g, hashes[index]))
+                    self._unwritten_blocks.add(table[index])
+                    if g == 0 and self.pool.block_hashes[table[index]] == hashes[index]:
+                        self._remember_block(table[index], hashes[index - 1] if index else self.root_hash,
+                                             hashes[index], request.all_token_ids[index * bs:(index + 1) * bs])
         self.request_to_num_cached_blocks[request.request_id] = num_full
 
     def fork(self, parent: CacheRequest, child: CacheRequest, num_tokens: int) -> None:
@@ -327,8 +425,33 @@ class KVCacheManager:
         self.request_to_num_cached_blocks[child.request_id] = min(
             num_full, self.request_to_num_cached_blocks.get(parent.request_id, 0))
 
+    def _cache_tail(self, request: CacheRequest, tables: list[list[int]]) -> None:
+        """Keep a leaving request's last, partly filled block findable (tail_key): the next turn of
+        a conversation re-sends these tokens and parts from them inside this block (the answer's
+        end), which no full block ever held. Only a block the request holds alone, and only the
+        tokens it computed."""
+        bs = self.block_size
+        num_full, num_in_tail = divmod(request.num_computed_tokens, bs)
+        if not num_in_tail or any(len(table) <= num_full for table in tables):
+            return
+        blocks = [table[num_full] for table in tables]
+        if any(block == NULL_BLOCK or self.pool.ref_counts[block] != 1 or self.pool.block_hashes[block] is not None
+               or block in self._unwritten_blocks for block in blocks):
+            return
+        hashes = self._block_hashes(request, num_full * bs)
+        parent = hashes[-1] if num_full else self.root_hash
+        token_ids = request.all_token_ids[num_full * bs:request.num_computed_tokens]
+        tail_hash = chain_hash(parent, token_ids)
+        for g, block in enumerate(blocks):
+            self.pool.cache_block(block, tail_key(g, tail_hash))
+        if self.pool.block_hashes[blocks[0]] == tail_key(0, tail_hash):
+            self._remember_block(blocks[0], parent, tail_key(0, tail_hash), token_ids)
+
     def free(self, request: CacheRequest) -> None:
-        tables = self.request_to_blocks.pop(request.request_id, [])
+        tables = self.request_to_blocks.get(request.request_id, [])
+        if self.enable_prefix_caching and tables:
+            self._cache_tail(request, tables)
+        self.request_to_blocks.pop(request.request_id, None)
         self.request_to_hashes.pop(request.request_id, None)
         self.request_to_num_cached_blocks.pop(request.request_id, None)
         for table in tables:

@@ -419,7 +419,7 @@ class Scheduler:
         if self.running and not self._whole_prompt_fits(request, computed_blocks):
             return None, 0
         num_new = allowance.chunk(min(request.num_tokens - num_cached, budget))
-        copies = self.kv.allocate_slots(request, num_new, computed_blocks)
+        copies = self.kv.allocate_slots(request, num_new, computed_blocks, num_hit_tokens=num_cached)
         if copies is not None:
             request.num_computed_tokens = num_cached
             if request.num_preemptions == 0:

@@ -21,7 +21,8 @@ from starlette.requests import Request
 from tokios.errors import ContextLengthExceededError, InvalidRequestError
 from tokios.outputs import Logprob, RequestOutput
 from tokios.server.admission import Admission
-from tokios.reasoning import HARMONY, THINK, ReasoningFormat, ThinkingBudget, plan_thinking, resolve_reasoning_format
+from tokios.reasoning import (HARMONY, THINK, ReasoningFormat, ThinkingBudget, ThinkingPlan, plan_thinking,
+                              resolve_reasoning_format)
 from tokios.reasoning.grammar import reasoning_rules
 from tokios.reasoning.harmony_grammar import MARKERS as HARMONY_MARKERS, harmony_tool_call_grammar
 from tokios.server.generation import ChatRun, ChatTurn, ReasoningSetup
@@ -159,11 +160,7 @@ class Serving:
                          response_id: str) -> ChatRun:
         """Prompt, limits, grammar and engine request for a turn; a streamed run has its first output."""
         reasoning_format = self.reasoning_format if turn.raw_prompt is None else None
-        plan = plan_thinking(turn.thinking.with_template_switch(turn.template_kwargs), reasoning_format,
-                             self.tokenizer.chat_template_variables)
-        turn.template_kwargs = {**turn.template_kwargs, **plan.template_kwargs}
-        prompt_text, add_special_tokens = turn.prompt_text(self.tokenizer)
-        prompt_ids = self.tokenizer.encode(prompt_text, add_special_tokens=add_special_tokens)
+        plan, prompt_text, prompt_ids = self.chat_prompt(turn)
         prompt_param = "prompt" if turn.raw_prompt is not None else "messages"
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty", param=prompt_param)
@@ -189,6 +186,16 @@ class Serving:
         if stream:
             await run.start_streaming()
         return run
+
+    def chat_prompt(self, turn: ChatTurn) -> tuple[ThinkingPlan, str, list[int]]:
+        """A turn's thinking plan (its template variables set on the turn), prompt text and ids:
+        what start_chat runs and what a token count (Anthropic's count_tokens) counts."""
+        reasoning_format = self.reasoning_format if turn.raw_prompt is None else None
+        plan = plan_thinking(turn.thinking.with_template_switch(turn.template_kwargs), reasoning_format,
+                             self.tokenizer.chat_template_variables)
+        turn.template_kwargs = {**turn.template_kwargs, **plan.template_kwargs}
+        prompt_text, add_special_tokens = turn.prompt_text(self.tokenizer)
+        return plan, prompt_text, self.tokenizer.encode(prompt_text, add_special_tokens=add_special_tokens)
 
     def _thinking_budget(self, reasoning: ReasoningSetup, max_thinking_tokens: int | None,
                          calls_required: bool) -> ThinkingBudget:

@@ -401,7 +401,9 @@ async def _messages(request: Request, body: MessagesRequest, lease: ModelLease) 
 
 async def _count_tokens(request: Request, body: CountTokensRequest, lease: ModelLease) -> Response:
     turn = ChatTurn(to_messages(body), {}, tools=to_toolset(body))
-    return JSONResponse({"input_tokens": len(turn.prompt_ids(lease.serving.tokenizer))})
+    # The prompt /v1/messages would run, its template's thinking switch set as there.
+    _, _, prompt_ids = lease.serving.chat_prompt(turn)
+    return JSONResponse({"input_tokens": len(prompt_ids)})
 
 
 _TYPE_BY_STATUS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",

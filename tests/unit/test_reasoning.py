@@ -9,13 +9,12 @@ import pytest
 import torch
 
 from tokios.errors import InvalidRequestError
-from tokios.model_files import default_model_path, llama_cpp_sources
+from tests.unit.test_structured import compiler, tokenizer  # noqa: F401 (fixtures: SmolLM2's vocabulary)
+from tokios.model_files import llama_cpp_sources
 from tokios.reasoning import (HARMONY, THINK, AnswerParser, BudgetMatcher, ThinkingBudget, ThinkingRequest,
                               detect_reasoning_format, plan_thinking, resolve_reasoning_format)
 from tokios.reasoning.grammar import reasoning_rules
 from tokios.reasoning.parser import ThinkParser
-from tokios.structured import GrammarCompiler
-from tokios.tokenizer import load_tokenizer
 from tokios.tool_calls import ToolSet
 from tokios.tool_calls.grammar import tool_call_grammar
 
@@ -231,15 +230,6 @@ def test_templates_that_open_the_thinking_in_the_prompt():
 
 
 # ---- the tool-call grammar with the thinking first ------------------------------------------------
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(default_model_path())
-
-
-@pytest.fixture(scope="module")
-def compiler(tokenizer):
-    return GrammarCompiler(tokenizer, 49152)
-
 
 TOOLS = ToolSet.from_request([{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}], None, None)

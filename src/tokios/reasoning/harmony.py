@@ -31,7 +31,7 @@ import re
 import uuid
 from typing import Any
 
-from tokios.tool_calls.parser import ParsedDelta, ToolCallDelta
+from tokios.tool_calls.parser import ParsedDelta, ToolCallDelta, held_back, openai_tool_calls
 
 START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
 CALL, RETURN, CONSTRAIN = "<|call|>", "<|return|>", "<|constrain|>"
@@ -49,16 +49,6 @@ _CHANNEL = re.compile(re.escape(CHANNEL) + r"\s*([^\s<]*)")
 HEADER, BODY, BETWEEN = range(3)
 REASONING, CONTENT, CALL_ARGUMENTS, DROPPED = range(4)  # what a body is
 
-
-def _held_back(text: str, markers: tuple[str, ...]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of one of `markers`."""
-    longest = 0
-    for marker in markers:
-        for length in range(min(len(text), len(marker) - 1), longest, -1):
-            if marker.startswith(text[-length:]):
-                longest = length
-                break
-    return longest
 
 
 def _first_of(text: str, markers: tuple[str, ...]) -> tuple[int, str | None]:
@@ -100,8 +90,7 @@ class HarmonyParser:
         return bool(self.calls)
 
     def tool_calls(self) -> list[dict[str, Any]]:
-        return [{"id": call["id"], "type": "function",
-                 "function": {"name": call["name"], "arguments": call["arguments"]}} for call in self.calls]
+        return openai_tool_calls(self.calls)
 
     def feed(self, text: str) -> ParsedDelta:
         self._buffer += text
@@ -177,7 +166,7 @@ class HarmonyParser:
             self._buffer = self._buffer[at + len(marker):]
             self._state = HEADER if marker == START else BETWEEN
             return True
-        keep = 0 if final else _held_back(self._buffer, _BODY_ENDS)
+        keep = 0 if final else held_back(self._buffer, *_BODY_ENDS)
         self._emit_body(delta, self._buffer[:len(self._buffer) - keep])
         self._buffer = self._buffer[len(self._buffer) - keep:]
         return False

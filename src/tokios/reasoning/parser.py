@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tokios.reasoning.formats import ReasoningFormat
+from tokios.tool_calls.parser import held_back
 
 OPENING, REASONING, ANSWER_START, CONTENT = range(4)
 
@@ -24,14 +25,6 @@ OPENING, REASONING, ANSWER_START, CONTENT = range(4)
 class ReasoningSplit:
     reasoning: str = ""
     content: str = ""
-
-
-def _held_back(text: str, marker: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
-    for length in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-length:]):
-            return length
-    return 0
 
 
 class ThinkParser:
@@ -93,7 +86,7 @@ class ThinkParser:
                     continue
                 # Hold back a possible start of the close, and trailing blank space (dropped if
                 # the close follows it).
-                keep = _held_back(self._buffer, end)
+                keep = held_back(self._buffer, end)
                 body = self._buffer[:len(self._buffer) - keep]
                 settled = body.rstrip()
                 self._emit_reasoning(split, settled)

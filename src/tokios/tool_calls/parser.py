@@ -57,12 +57,22 @@ class ParsedDelta:
     reasoning: str = ""  # what a reasoning model's thinking adds (reasoning/answer.py)
 
 
-def _held_back(text: str, marker: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
-    for length in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-length:]):
-            return length
-    return 0
+def held_back(text: str, *markers: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of one of `markers`: what a
+    streaming parser keeps until the next delta says whether a marker begins there."""
+    longest = 0
+    for marker in markers:
+        for length in range(min(len(text), len(marker) - 1), longest, -1):
+            if marker.startswith(text[-length:]):
+                longest = length
+                break
+    return longest
+
+
+def openai_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Parsed calls ({"id", "name", "arguments"}) in the shape of a chat message's `tool_calls`."""
+    return [{"id": call["id"], "type": "function",
+             "function": {"name": call["name"], "arguments": call["arguments"]}} for call in calls]
 
 
 class ToolCallParser:
@@ -90,8 +100,7 @@ class ToolCallParser:
 
     def tool_calls(self) -> list[dict[str, Any]]:
         """The calls so far in the shape of a chat message's `tool_calls`."""
-        return [{"id": call["id"], "type": "function",
-                 "function": {"name": call["name"], "arguments": call["arguments"]}} for call in self.calls]
+        return openai_tool_calls(self.calls)
 
     def feed(self, text: str) -> ParsedDelta:
         self._buffer += text
@@ -160,7 +169,7 @@ class ToolCallParser:
             return True
         if final:
             return False  # finish() emits the rest
-        keep = _held_back(rest, CALL_OPEN)
+        keep = held_back(rest, CALL_OPEN)
         ready = rest[:len(rest) - keep].rstrip()
         self._emit_content(delta, ready)
         self._cursor += len(ready)

@@ -327,40 +327,33 @@ async def _stream(run: ChatRun, body: MessagesRequest, message_id: str, model: s
                        "delta": {"type": "signature_delta", "signature": ""}}] if open_kind == "thinking" else [])
         return [*signature, {"type": "content_block_stop", "index": block_index}]
 
+    def open_block(content_block: dict[str, Any]) -> list[dict[str, Any]]:
+        """Close the block being written, if any, and start the next one."""
+        nonlocal block_index, open_kind
+        events = close_block() if open_kind is not None else []
+        block_index += 1
+        open_kind = content_block["type"]
+        return [*events, {"type": "content_block_start", "index": block_index, "content_block": content_block}]
+
     async for delta in run.deltas():
         if delta.reasoning:
             if open_kind != "thinking":
-                if open_kind is not None:
-                    for event in close_block():
-                        yield event
-                block_index += 1
-                open_kind = "thinking"
-                yield {"type": "content_block_start", "index": block_index,
-                       "content_block": {"type": "thinking", "thinking": "", "signature": ""}}
+                for event in open_block({"type": "thinking", "thinking": "", "signature": ""}):
+                    yield event
             if shows_thinking:
                 yield {"type": "content_block_delta", "index": block_index,
                        "delta": {"type": "thinking_delta", "thinking": delta.reasoning}}
         if delta.content:
             if open_kind != "text":
-                if open_kind is not None:
-                    for event in close_block():
-                        yield event
-                block_index += 1
-                open_kind = "text"
-                yield {"type": "content_block_start", "index": block_index,
-                       "content_block": {"type": "text", "text": ""}}
+                for event in open_block({"type": "text", "text": ""}):
+                    yield event
             yield {"type": "content_block_delta", "index": block_index,
                    "delta": {"type": "text_delta", "text": delta.content}}
         for call in delta.tool_calls:
             if call.id is not None:  # a new call: its own block
-                if open_kind is not None:
-                    for event in close_block():
-                        yield event
-                block_index += 1
-                open_kind = "tool_use"
-                yield {"type": "content_block_start", "index": block_index,
-                       "content_block": {"type": "tool_use", "id": _tool_use_id(call.id), "name": call.name,
-                                         "input": {}}}
+                for event in open_block({"type": "tool_use", "id": _tool_use_id(call.id), "name": call.name,
+                                         "input": {}}):
+                    yield event
             if call.arguments:
                 yield {"type": "content_block_delta", "index": block_index,
                        "delta": {"type": "input_json_delta", "partial_json": call.arguments}}

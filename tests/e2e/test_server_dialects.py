@@ -65,9 +65,11 @@ def test_each_api_reports_the_prompt_tokens_the_prefix_cache_served(client, mode
     messages = [{"role": "system", "content": CACHE_SYSTEM}, {"role": "user", "content": CACHE_QUESTION}]
     cold = client.chat.completions.create(model=model, messages=messages, max_tokens=1)
     num_prompt = cold.usage.prompt_tokens
-    assert cold.usage.prompt_tokens_details.cached_tokens == 0
-    # Every later request finds the full blocks before the last prompt token (16-token blocks).
-    num_cached = (num_prompt - 1) // 16 * 16
+    # At most the template's opening, which every chat request of this server shares.
+    assert cold.usage.prompt_tokens_details.cached_tokens < 16
+    # Every later request finds all of it but the last prompt token (whose logits it needs): the
+    # full blocks, and the tokens of the cold request's last block, never filled.
+    num_cached = num_prompt - 1
     assert num_cached >= 32
     warm = client.chat.completions.create(model=model, messages=messages, max_tokens=1)
     assert (warm.usage.prompt_tokens, warm.usage.prompt_tokens_details.cached_tokens) == (num_prompt, num_cached)

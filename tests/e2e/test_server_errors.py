@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from conftest import SMALL_SERVER_FILE_KEY as FILE_KEY
+from conftest import serve
 from conftest import SMALL_SERVER_FLAG_KEY as FLAG_KEY
 from conftest import SMALL_SERVER_MAX_BODY_SIZE as MAX_BODY_SIZE
 
@@ -161,7 +162,6 @@ def test_a_chat_template_that_refuses_the_conversation_is_a_400():
     the server serves the next conversation the template accepts."""
     import anthropic
 
-    from conftest import serve
     from tokios.model_files import llama_cpp_sources
 
     template = llama_cpp_sources() / "models" / "templates" / "google-gemma-2-2b-it.jinja"

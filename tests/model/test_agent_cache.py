@@ -22,10 +22,12 @@ def test_every_turn_recomputes_at_most_the_new_tokens_and_a_block(engine_float32
     print("\n" + cache_table(rows))
     for row in rows:
         assert row.num_recomputed_tokens <= row.max_recomputed_tokens, row
-        # Exactly the tokens after the first one that differs: full blocks, and the part of a
-        # block before the difference (a finished turn's unfilled last block included).
+        assert row.num_recomputed_tokens <= row.num_new_tokens, row
+    # After the first turn (which may find the start of earlier tests' prompts), exactly the
+    # tokens after the first one that differs from what the session computed: full blocks, and
+    # the part of a block before the difference (a finished turn's unfilled last block included).
+    for row in rows[1:]:
         assert row.num_recomputed_tokens == row.num_new_tokens, row
-    assert rows[0].num_cached_tokens == 0  # nothing to hit the first time
     # A regenerated turn was computed whole: only its last token is computed again.
     (regenerated,) = [row for row in rows if row.kind == REGENERATED]
     assert regenerated.num_recomputed_tokens == 1

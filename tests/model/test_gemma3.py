@@ -254,6 +254,10 @@ def test_agent_turns_hit_the_cache_past_the_sliding_window(gemma_stored):
     assert rows[0].num_prompt_tokens > 512
     for row in rows:
         assert row.num_recomputed_tokens <= row.max_recomputed_tokens, row
+        assert row.num_recomputed_tokens <= row.num_new_tokens, row
+    # The first turn may find a token or two of earlier tests' prompts; each later one, exactly
+    # what the session computed before.
+    for row in rows[1:]:
         assert row.num_recomputed_tokens == row.num_new_tokens, row
     assert sum(row.num_cached_tokens for row in rows) > 0.8 * sum(row.num_prompt_tokens for row in rows[1:])
 

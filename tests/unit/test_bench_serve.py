@@ -288,3 +288,9 @@ def test_tool_calling_requests_and_their_streamed_arguments():
     with pytest.raises(InvalidRequestError, match="--tools works with --endpoint chat"):
         request_body(ServeLoad(base_url="http://127.0.0.1:1", endpoint="completions", tools=load.tools), "m",
                      BenchRequest("hi", 8, 1))
+
+
+def test_a_system_prompt_goes_before_the_user_prompt():
+    load = ServeLoad(base_url="http://127.0.0.1:1", system_prompt="You can call functions.")
+    assert request_body(load, "m", BenchRequest("hi", 8, 1))["messages"] == [
+        {"role": "system", "content": "You can call functions."}, {"role": "user", "content": "hi"}]

@@ -54,6 +54,9 @@ class ServeLoad:
     # Tools every chat request must call (tool_choice "required", one call): the streamed
     # arguments are the output.
     tools: list[dict] | None = None
+    # A system message before each chat prompt (the tools' prompt, for a baseline that reads the
+    # same tokens as the tool-calling requests).
+    system_prompt: str | None = None
 
     def __post_init__(self) -> None:
         if self.endpoint not in ENDPOINT_TO_PATH:
@@ -94,6 +97,8 @@ def request_body(load: ServeLoad, model: str, request: BenchRequest) -> dict:
     Anthropic's or Ollama's APIs; vLLM, llama-server and tokios accept it: without it output
     lengths depend on when the model says EOS and runs are not comparable)."""
     messages = [{"role": "user", "content": request.prompt}]
+    if load.system_prompt is not None:
+        messages.insert(0, {"role": "system", "content": load.system_prompt})
     if load.endpoint == "ollama-chat":
         options = {"temperature": 0.0, "num_predict": request.max_tokens}
         if load.ignore_eos:
@@ -410,8 +415,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="time a model's cold load to its first token: unload it (Ollama keep_alive 0), "
                              "send one request, --repeats times; needs a tokios server")
     parser.add_argument("--compare-unconstrained", action="store_true",
-                        help="with --json-schema: run each level unconstrained, then constrained, and report "
-                             "the output throughput ratio and the server's grammar timings")
+                        help="with --json-schema or --tools: run each level unconstrained, then constrained, and "
+                             "report the output throughput ratio and the server's grammar timings")
+    parser.add_argument("--tools-baseline", choices=["same-prompt", "no-tools"], default="same-prompt",
+                        help="with --tools --compare-unconstrained: the baseline sends the tools' instructions as a "
+                             "system message, the same prompt tokens (same-prompt, default: the cost of the calls' "
+                             "grammar, parsing and streaming), or just the user prompt (no-tools: also the cost "
+                             "of the longer prompt)")
 
 
 def parse_concurrencies(text: str) -> list[int | None]:
@@ -594,6 +604,16 @@ def run_structured_comparison(args, load: ServeLoad, requests: list[BenchRequest
 
     plain_load = replace(load, json_schema=None, tools=None)
     constraint = "tools" if load.tools is not None else "JSON schema"
+    if load.tools is not None and getattr(args, "tools_baseline", "same-prompt") == "same-prompt":
+        # The baseline reads the same prompt: the tools' instructions as a system message (what
+        # the server writes for a template that does not take tools, tool_calls/prompt.py), so
+        # the ratio is the cost of the calls' grammar, parsing and streaming, not of a longer
+        # prompt.
+        from tokios.tool_calls import ToolSet
+        from tokios.tool_calls.prompt import tools_instructions
+
+        plain_load = replace(plain_load, system_prompt=tools_instructions(ToolSet.from_request(
+            load.tools, "required", False)))
     lines = ["| level | unconstrained out tok/s | constrained out tok/s | ratio | compiles | compile p50 / p99 "
              "| mask per step p50 / p99 |", "|---|---|---|---|---|---|---|"]
     results = []

@@ -525,3 +525,50 @@ def test_every_setting_reaches_the_request(web_server, browser):
     assert browser.evaluate("['temperature', 'seed', 'speculative'].map(id => document.getElementById(id).value)"
                             ".join()") == "0.8,,default"
     assert browser.evaluate("localStorage.getItem('tokios.api-key')") == API_KEY  # the key survives a reset
+
+
+def test_a_reasoning_models_thinking_shows_in_a_fold_above_its_answer(thinking_server, browser):
+    # SmolLM2 under QwQ's template thinks from the first token and never closes the thinking
+    # itself: with 12 tokens, the reply is all thinking, and the page shows it in the fold, the
+    # answer empty, the finish reason length.
+    open_page(browser, thinking_server, with_key=False)
+    set_setting(browser, "max-tokens", "12")
+    send_message(browser, "What is 2 + 2?")
+    wait_idle(browser)
+    shown = browser.evaluate("""(() => { const m = document.querySelectorAll('#messages .message')[1];
+        const fold = m.querySelector('.thinking');
+        return {hidden: fold.hidden, open: fold.open, summary: fold.querySelector('summary').textContent,
+                thinking: fold.querySelector('.thinking-text').textContent,
+                content: m.querySelector('.content').textContent,
+                stats: m.querySelector('.stats').textContent}; })()""")
+    assert not shown["hidden"] and shown["open"] and shown["summary"] == "Thinking"
+    assert shown["thinking"].strip() and shown["content"] == ""
+    assert "length" in shown["stats"]
+    # The conversation keeps the thinking: after a reload the fold shows it again, open (the
+    # reply has no answer to show instead).
+    browser.call("Page.reload")
+    browser.wait_for("document.querySelectorAll('#messages .message').length === 2", 60)
+    fold = browser.evaluate("""(() => { const f = document.querySelectorAll('#messages .message')[1]
+        .querySelector('.thinking'); return {hidden: f.hidden, open: f.open,
+        thinking: f.querySelector('.thinking-text').textContent}; })()""")
+    assert fold == {"hidden": False, "open": True, "thinking": shown["thinking"]}
+    # With a thinking budget an answer follows: the fold closes once it comes, and the next
+    # request sends the thinking back with its turn (the template keeps or drops it).
+    browser.evaluate("window.__bodies = []; const send = window.fetch; window.fetch = (url, options) => {"
+                     " if (options && options.body) window.__bodies.push(JSON.parse(options.body));"
+                     " return send(url, options); }")
+    set_setting(browser, "max-thinking-tokens", "4")
+    set_setting(browser, "max-tokens", "16")
+    send_message(browser, "And 3 + 3?")
+    wait_idle(browser)
+    answered = browser.evaluate("""(() => { const m = document.querySelectorAll('#messages .message')[3];
+        const fold = m.querySelector('.thinking');
+        return {hidden: fold.hidden, open: fold.open, thinking: fold.querySelector('.thinking-text').textContent,
+                content: m.querySelector('.content').textContent}; })()""")
+    assert not answered["hidden"] and not answered["open"] and answered["thinking"] and answered["content"]
+    assert browser.evaluate("window.__bodies[0].max_thinking_tokens") == 4
+    send_message(browser, "Thanks.")
+    wait_idle(browser)
+    history = browser.evaluate("window.__bodies[1].messages")
+    assert history[-2]["role"] == "assistant" and history[-2]["reasoning_content"] == answered["thinking"]
+    assert history[-2]["content"].strip() == answered["content"].strip()  # as rendered: markdown's line end

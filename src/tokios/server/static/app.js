@@ -111,13 +111,13 @@ function actionButton(label, className, onClick) {
 }
 
 // Fills an assistant or user bubble's content, error and footer from its message.
-// A reasoning model's thinking: plain text in a fold above the answer, open while it streams
-// and no answer has come yet.
+// A reasoning model's thinking: plain text in a fold above the answer, open while no answer
+// has come (as it streams, or when the reply ended in its thinking); the reader opens it else.
 function fillThinking(bubble, message) {
   const thinking = bubble.querySelector(".thinking");
   thinking.hidden = !message.reasoning;
   thinking.querySelector(".thinking-text").textContent = message.reasoning || "";
-  if (bubble.classList.contains("streaming") && !message.content) thinking.open = true;
+  if (!message.content) thinking.open = true;
 }
 
 function fillBubble(bubble, message, index) {

@@ -15,6 +15,7 @@ export const FIELDS = [
   { id: "top-k", kind: "integer", param: "top_k", value: "40" },
   { id: "min-p", kind: "number", param: "min_p", value: "0.05" },
   { id: "max-tokens", kind: "integer", param: "max_tokens", value: "512" },
+  { id: "max-thinking-tokens", kind: "integer", param: "max_thinking_tokens", value: "" },
   { id: "min-tokens", kind: "integer", param: "min_tokens", value: "0" },
   { id: "presence-penalty", kind: "number", param: "presence_penalty", value: "0" },
   { id: "frequency-penalty", kind: "number", param: "frequency_penalty", value: "0" },

@@ -178,3 +178,19 @@ def test_a_model_that_cannot_think_answers_400_in_each_apis_shape(tokios_server,
         plain_ollama.chat(model=model, messages=MESSAGES, think=True)
     assert error.value.status_code == 400 and "think" in error.value.error
     assert "thinking" not in plain_ollama.show(model).capabilities
+
+
+def test_a_response_format_shapes_the_answer_after_the_thinking(thinking_openai, thinking_model):
+    # QwQ's template opens the thinking in the prompt: the schema applies from the answer's first
+    # token, so the thinking is free text and the content is the schema's JSON.
+    import json
+
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
+              "additionalProperties": False}
+    whole = thinking_openai.chat.completions.create(
+        model=thinking_model, messages=[{"role": "user", "content": "What is 2 + 2? Answer in JSON."}],
+        max_tokens=40, temperature=0, extra_body={"max_thinking_tokens": BUDGET},
+        response_format={"type": "json_schema", "json_schema": {"name": "sum", "schema": schema}})
+    message = whole.choices[0].message
+    assert message.reasoning_content and whole.choices[0].finish_reason == "stop"
+    assert set(json.loads(message.content)) == {"answer"}

@@ -434,3 +434,29 @@ def test_a_block_this_pass_writes_is_shared_whole_but_never_copied_from():
     kv.take_transfers()
     c = FakeRequest("c", list(range(10)) + [50, 51])  # the next pass: block 2 lends two tokens
     assert kv.get_computed_blocks(c) == ([[0, 1, 2]], 10)
+
+
+def test_a_request_left_mid_prompt_lends_its_tail_below_its_own_last_full_block():
+    kv = KVCacheManager(16, BLOCK_SIZE)
+    a = FakeRequest("a", list(range(12)))
+    tables, num_cached = kv.get_computed_blocks(a)  # hashes the prompt's blocks, past what a computes
+    kv.allocate_slots(a, 6, tables, num_hit_tokens=num_cached)  # a first chunk of 6 tokens
+    a.num_computed_tokens = 6
+    kv.take_transfers()
+    kv.free(a)  # the client left: block 1 holds tokens 4 and 5, below block 0
+    b = FakeRequest("b", list(range(6)) + [90, 91])
+    tables, num_cached = kv.get_computed_blocks(b)
+    assert num_cached == 6 and tables == [[0, 1]]
+
+
+def test_a_lent_block_is_held_until_the_pass_ends():
+    kv = KVCacheManager(8, BLOCK_SIZE)
+    admit(kv, FakeRequest("a", list(range(12))))
+    kv.free(FakeRequest("a"))
+    b = FakeRequest("b", list(range(9)) + [70, 71, 72])
+    tables, num_cached = kv.get_computed_blocks(b)
+    (source, destination), = kv.allocate_slots(b, 3, tables, num_hit_tokens=num_cached)
+    assert kv.pool.ref_counts[source] == 1 and source not in kv.pool.free_queue  # no new block nor load takes it
+    kv.take_transfers()  # the runner copies it before the step; then it is let go, still cached
+    assert kv.pool.ref_counts[source] == 0 and kv.pool.block_hashes[source] is not None
+    kv.check_invariants()

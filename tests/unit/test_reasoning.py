@@ -254,3 +254,43 @@ def test_the_grammar_lets_the_thinking_through_before_the_answer(compiler, token
     grammar = tool_call_grammar(required, reasoning_rules(THINK, starts_inside, None, None))
     assert accepts(compiler, tokenizer, grammar, f"{opening}thinking</think>\n\n{call}")
     assert not accepts(compiler, tokenizer, grammar, f"{opening}thinking</think>\n\nIt is sunny.")
+
+
+def test_a_response_formats_grammar_starts_with_the_answer_behind_an_opened_thinking(compiler, tokenizer):
+    from tokios.structured import StructuredOutput
+
+    end_ids = tuple(tokenizer.encode(THINK.end, add_special_tokens=False))
+    forced_ids = tuple(tokenizer.encode(THINK.forced_end, add_special_tokens=False))
+    eos = tuple(sorted(tokenizer.eos_token_ids))
+    schema = StructuredOutput.json({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+
+    def matcher(max_thinking_tokens):
+        budget = ThinkingBudget(max_thinking_tokens, tuple(tokenizer.encode(THINK.start, add_special_tokens=False)),
+                                end_ids, forced_ids, True, eos, grammar_after_thinking=True)
+        return BudgetMatcher(budget, compiler.compile(schema).new_matcher())
+
+    vocab_size = 49152
+    thinking = tokenizer.encode("Not JSON at all: {{{ ]]", add_special_tokens=False)
+    answer = tokenizer.encode('{"a": 4}', add_special_tokens=False)
+    # The model closes its thinking itself: free text, then JSON only.
+    closing = matcher(None)
+    assert closing.valid_prefix(thinking + list(end_ids) + answer) == thinking + list(end_ids) + answer
+    bitmask = torch.zeros(len(thinking) + 1, (vocab_size + 31) // 32, dtype=torch.int32)
+    closing.fill_mask(bitmask, 0, thinking)
+    thinking_row = {t for t in range(vocab_size) if int(bitmask[0][t // 32]) >> (t % 32) & 1}
+    assert thinking_row == set(range(vocab_size)) - set(eos)  # thinking: anything but EOS
+    for token_id in thinking + list(end_ids):
+        assert closing.accept(token_id)
+    assert not closing.is_accepting
+    rows = torch.zeros(1, (vocab_size + 31) // 32, dtype=torch.int32)
+    closing.fill_mask(rows, 0)
+    allowed_ids = {t for t in range(vocab_size) if int(rows[0][t // 32]) >> (t % 32) & 1}
+    assert thinking[0] not in allowed_ids and answer[0] in allowed_ids  # the answer is the schema's
+    for token_id in answer:
+        assert closing.accept(token_id)
+    assert closing.is_accepting
+    # A spent budget forces the close, then the schema.
+    forced = matcher(len(thinking))
+    proposals = thinking + list(forced_ids) + answer
+    assert forced.valid_prefix(proposals) == proposals
+    assert forced.valid_prefix(thinking + answer) == thinking

@@ -97,12 +97,16 @@ class KVCacheManager:
         # reuse the tokens before the difference (_partial_block). Kept by block id: at most one
         # entry a block.
         self._block_to_entry: dict[int, tuple[int, object, tuple[int, ...]]] = {}
-        self._parent_to_blocks: dict[int, set[int]] = {}
+        # (parent hash, first token id) -> the blocks below that parent that start with it.
+        self._parent_to_blocks: dict[tuple[int, int], set[int]] = {}
         # Blocks whose bytes this scheduling pass's step has yet to write (registered for tokens it
         # computes, or the destination of a copy): shared whole they are fine (every layer writes
         # before it attends), but copied they are not (copies run before the step). Cleared at
         # the end of each pass (take_transfers).
         self._unwritten_blocks: set[int] = set()
+        # Cached blocks this pass copies part of into a request's own block: held until the pass
+        # ends, so that they keep their bytes until the runner has copied them.
+        self._lent_blocks: list[int] = []
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found (in memory or on disk)
         self.disk = disk if enable_prefix_caching else None
@@ -174,7 +178,9 @@ class KVCacheManager:
         token_ids = request.all_token_ids[start:min(start + bs - 1, num_tokens - 1)]
         parent = hashes[-1] if hashes else self.root_hash
         best, best_blocks = 0, []
-        for block_id in list(self._parent_to_blocks.get(parent, ())):
+        if not token_ids:
+            return best, best_blocks
+        for block_id in list(self._parent_to_blocks.get((parent, token_ids[0]), ())):
             _, key, cached_ids = self._block_to_entry[block_id]
             if self.pool.block_hashes[block_id] != key:
                 self._forget_block(block_id)  # evicted or re-used since
@@ -195,15 +201,16 @@ class KVCacheManager:
     def _remember_block(self, block_id: int, parent: int, key: object, token_ids: Sequence[int]) -> None:
         self._forget_block(block_id)
         self._block_to_entry[block_id] = (parent, key, tuple(token_ids))
-        self._parent_to_blocks.setdefault(parent, set()).add(block_id)
+        self._parent_to_blocks.setdefault((parent, token_ids[0]), set()).add(block_id)
 
     def _forget_block(self, block_id: int) -> None:
         entry = self._block_to_entry.pop(block_id, None)
         if entry is not None:
-            siblings = self._parent_to_blocks[entry[0]]
+            index_key = (entry[0], entry[2][0])
+            siblings = self._parent_to_blocks[index_key]
             siblings.discard(block_id)
             if not siblings:
-                del self._parent_to_blocks[entry[0]]
+                del self._parent_to_blocks[index_key]
 
     def _servable_prefix(self, cached: list[list[int | None]], on_disk: list[list[bool]], max_blocks: int) -> int:
         """The most leading blocks every group can serve, from memory or from disk."""
@@ -245,6 +252,8 @@ class KVCacheManager:
         from disk, which it writes into the cache after those. Drops the references the loaded
         blocks held. The scheduler calls it once at the end of every pass."""
         self._unwritten_blocks.clear()  # the pass is over: its step writes them before the next
+        self.pool.free_blocks(self._lent_blocks)  # its step copies them first
+        self._lent_blocks = []
         spills = ([spill for spill in self.pool.take_evicted() if not is_tail_key(spill[1])]
                   if self.disk is not None else [])
         loads, self._loads = self._loads, []
@@ -279,11 +288,15 @@ class KVCacheManager:
             needed += -(-held // bs)
         return needed
 
-    def free_blocks_to_hold(self, request: CacheRequest, computed_blocks: Sequence[Sequence[int]] = ()) -> int:
+    def free_blocks_to_hold(self, request: CacheRequest, computed_blocks: Sequence[Sequence[int]] = (),
+                            num_hit_tokens: int | None = None) -> int:
         """Free blocks the request's whole token list would take, starting from computed_blocks (a
-        prefix hit): a hit block another request holds costs nothing, an idle cached one leaves
-        the free pool like a new block."""
-        shared = sum(1 for table in computed_blocks for b in table if b != NULL_BLOCK and self.pool.ref_counts[b] > 0)
+        prefix hit of num_hit_tokens, default all its blocks): a hit block another request holds
+        costs nothing, an idle cached one leaves the free pool like a new block; a block the hit
+        ends part way through is copied, a new block like any other."""
+        num_lent = 1 if num_hit_tokens is not None and num_hit_tokens % self.block_size else 0
+        shared = sum(1 for table in computed_blocks for b in table[:len(table) - num_lent]
+                     if b != NULL_BLOCK and self.pool.ref_counts[b] > 0)
         return self.blocks_for_tokens(request.num_tokens) - self.num_held_blocks(request) - shared
 
     def num_held_blocks(self, request: CacheRequest) -> int:
@@ -366,21 +379,26 @@ class KVCacheManager:
             return None
         if any(computed_blocks) or num_hit_tokens:
             self.request_to_num_cached_blocks[request.request_id] = num_hit_tokens // bs
-        copies = []
+        # Every group's hit blocks and lent blocks are held before any group takes a new block:
+        # a cached block nobody holds is in the free queue, and a new block for one group must
+        # not be another group's hit (groups' blocks share the one pool and the same memory).
         for g in range(num_groups):
             hit = computed_blocks[g]
             if hit or partial[g] is not None:
                 self.pool.touch([b for b in hit if b != NULL_BLOCK])
                 tables[g] = hit + tables[g]
             if partial[g] is not None:
-                # Held while a new block is taken (so that block cannot be this one), copied into
-                # it before the step, then let go: the cached block keeps its own tokens.
+                # Held until the pass ends (take_transfers): the runner copies it before the step,
+                # and nothing this pass takes (a new block, a disk load) may be it.
                 self.pool.touch([partial[g]])
+                self._lent_blocks.append(partial[g])
+        copies = []
+        for g in range(num_groups):
+            if partial[g] is not None:
                 (destination,) = self.pool.get_new_blocks(1)
                 copies.append((partial[g], destination))
                 self._unwritten_blocks.add(destination)
-                self.pool.free_blocks([partial[g]])
-                tables[g].insert(len(hit), destination)
+                tables[g].insert(len(computed_blocks[g]), destination)
             table = tables[g]
             for index in shared[g]:
                 (destination,) = self.pool.get_new_blocks(1)
@@ -438,8 +456,9 @@ class KVCacheManager:
         if any(block == NULL_BLOCK or self.pool.ref_counts[block] != 1 or self.pool.block_hashes[block] is not None
                or block in self._unwritten_blocks for block in blocks):
             return
+        # The hash list may run past the computed tokens (the lookup hashed the whole prompt).
         hashes = self._block_hashes(request, num_full * bs)
-        parent = hashes[-1] if num_full else self.root_hash
+        parent = hashes[num_full - 1] if num_full else self.root_hash
         token_ids = request.all_token_ids[num_full * bs:request.num_computed_tokens]
         tail_hash = chain_hash(parent, token_ids)
         for g, block in enumerate(blocks):

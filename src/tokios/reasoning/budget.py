@@ -9,7 +9,9 @@ channel), and the budget. `BudgetMatcher` enforces it: it stands where a grammar
 the speculator for the proposals it accepts), wrapping the request's grammar when it has one, so
 a budget works under a tool-call grammar and with speculation. While the model thinks within its
 budget the mask is the grammar's (or every token) less the stop ids; after the thinking it is
-the grammar's; once the budget is spent, the mask admits only the next forced id.
+the grammar's; once the budget is spent, the mask admits only the next forced id. A response
+format's grammar is the answer's: behind a thinking the prompt opened it starts at the answer's
+first token.
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ class ThinkingBudget:
     # in its thinking and leave no answer (it thinks on until it closes the thinking, its budget
     # closes it, or max_tokens ends the request: a "length" finish).
     stop_ids: tuple[int, ...] = ()
+    # The request's grammar is its answer's (a response format): it applies from the end of a
+    # thinking the prompt opened, as the answer starts. (A tool-call grammar lets the thinking
+    # through itself, reasoning/grammar.py, and applies from the first token.)
+    grammar_after_thinking: bool = False
 
     def __post_init__(self) -> None:
         if self.max_thinking_tokens is not None and self.max_thinking_tokens < 0:
@@ -63,6 +69,8 @@ class BudgetMatcher:
         self._window = max(len(budget.start_ids), len(budget.end_ids))
         self._state = _State(THINKING if budget.starts_inside else OUTSIDE)
         self._check_forcing(self._state)
+        # The inner grammar sees only the tokens after the thinking (the answer's).
+        self._is_gated = inner is not None and budget.grammar_after_thinking and budget.starts_inside
 
     # ---- the state machine on ids ---------------------------------------------------------------
     def _check_forcing(self, state: _State) -> None:
@@ -100,22 +108,29 @@ class BudgetMatcher:
         return self._state.num_thinking_tokens
 
     # ---- what a GrammarMatcher offers ------------------------------------------------------------
+    def _inner_sees(self, state: _State) -> bool:
+        """Whether the token that follows `state` is the inner grammar's."""
+        return self.inner is not None and (not self._is_gated or state.phase == DONE)
+
     def accept(self, token_id: int) -> bool:
+        inner_sees = self._inner_sees(self._state)
         self._state = self._advance(self._state, token_id)
-        return self.inner.accept(token_id) if self.inner is not None else True
+        return self.inner.accept(token_id) if inner_sees else True
 
     @property
     def is_finished(self) -> bool:
-        return self.inner is not None and self.inner.is_finished
+        return self._inner_sees(self._state) and self.inner.is_finished
 
     @property
     def is_accepting(self) -> bool:
-        return self.inner is None or self.inner.is_accepting
+        return self.inner is None or (self._inner_sees(self._state) and self.inner.is_accepting)
 
     def valid_prefix(self, token_ids: list[int]) -> list[int]:
         """The longest prefix of proposals that both the budget and the grammar admit."""
-        state, num_valid = self._state, 0
+        state, num_valid, num_before_inner = self._state, 0, 0
         for token_id in token_ids:
+            if not self._inner_sees(state):
+                num_before_inner += 1
             forced = self._forced_id(state)
             if forced is not None and token_id != forced:
                 break
@@ -124,16 +139,24 @@ class BudgetMatcher:
             state = self._advance(state, token_id)
             num_valid += 1
         prefix = list(token_ids[:num_valid])
-        return self.inner.valid_prefix(prefix) if self.inner is not None else prefix
+        if self.inner is None:
+            return prefix
+        num_before_inner = min(num_before_inner, num_valid)
+        return prefix[:num_before_inner] + self.inner.valid_prefix(prefix[num_before_inner:])
 
     def fill_mask(self, bitmask: torch.Tensor, row: int, proposals: list[int] = ()) -> int:
         """Rows row .. row + len(proposals), as GrammarMatcher.fill_mask: the grammar's masks (every
         token without one), narrowed to the forced id on the rows where the budget is spent."""
         num_rows = len(proposals) + 1
-        if self.inner is not None:
-            self.inner.fill_mask(bitmask, row, proposals)
-        else:
-            bitmask[row:row + num_rows] = -1
+        # Rows before the inner grammar's first token are every token's; from there, its own.
+        num_before_inner, state = 0, self._state
+        while num_before_inner < num_rows and not self._inner_sees(state):
+            if num_before_inner < len(proposals):
+                state = self._advance(state, proposals[num_before_inner])
+            num_before_inner += 1
+        bitmask[row:row + num_before_inner] = -1
+        if num_before_inner < num_rows:
+            self.inner.fill_mask(bitmask, row + num_before_inner, list(proposals[num_before_inner:]))
         state = self._state
         for j in range(num_rows):
             forced = self._forced_id(state)

@@ -416,7 +416,7 @@ class Scheduler:
         params = request.sampling_params
         if params.prompt_logprobs is None and params.pooling is None:
             computed_blocks, num_cached = self.kv.get_computed_blocks(request)
-        if self.running and not self._whole_prompt_fits(request, computed_blocks):
+        if self.running and not self._whole_prompt_fits(request, computed_blocks, num_cached):
             return None, 0
         num_new = allowance.chunk(min(request.num_tokens - num_cached, budget))
         copies = self.kv.allocate_slots(request, num_new, computed_blocks, num_hit_tokens=num_cached)
@@ -426,7 +426,7 @@ class Scheduler:
                 request.num_cached_tokens = num_cached
         return copies, num_new
 
-    def _whole_prompt_fits(self, request: Request, computed_blocks: list[list[int]]) -> bool:
+    def _whole_prompt_fits(self, request: Request, computed_blocks: list[list[int]], num_cached: int) -> bool:
         """Admission by whole prompts: a request starts only when the free blocks hold the rest
         of its prompt as well as the rest of every running request's prompt. Admitting by first
         chunk alone let every waiting request in; their prompts then outgrew the pool and each
@@ -435,7 +435,7 @@ class Scheduler:
         starts (make_requests refused any that can never fit)."""
         reserved = sum(max(0, self.kv.free_blocks_to_hold(r))
                        for r in self.running if r.num_computed_tokens < r.num_tokens - 1)
-        return self.kv.free_blocks_to_hold(request, computed_blocks) + reserved <= self.kv.num_free_blocks
+        return self.kv.free_blocks_to_hold(request, computed_blocks, num_cached) + reserved <= self.kv.num_free_blocks
 
     def update(self, output: SchedulerOutput, sampled_token_ids: dict[str, list[int]]) -> list[FinishedRequest]:
         """Advance computed counts, append sampled tokens, finish requests that ended."""

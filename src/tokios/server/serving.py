@@ -173,8 +173,9 @@ class Serving:
         # and a tool-call grammar lets the thinking through first.
         thinks = reasoning_format is not None and (plan.is_enabled or plan.max_thinking_tokens is not None)
         if thinks:
-            kwargs["thinking_budget"] = self._thinking_budget(reasoning, plan.max_thinking_tokens,
-                                                              turn.calls_possible and turn.tools.calls_required)
+            kwargs["thinking_budget"] = self._thinking_budget(
+                reasoning, plan.max_thinking_tokens, turn.calls_possible and turn.tools.calls_required,
+                grammar_after_thinking=not turn.calls_possible and kwargs.get("structured_output") is not None)
         if turn.calls_possible:
             if kwargs.get("structured_output") is not None:
                 raise InvalidRequestError("a response format or structured output cannot be combined with tools "
@@ -198,7 +199,7 @@ class Serving:
         return plan, prompt_text, self.tokenizer.encode(prompt_text, add_special_tokens=add_special_tokens)
 
     def _thinking_budget(self, reasoning: ReasoningSetup, max_thinking_tokens: int | None,
-                         calls_required: bool) -> ThinkingBudget:
+                         calls_required: bool, grammar_after_thinking: bool) -> ThinkingBudget:
         reasoning_format = reasoning.reasoning_format
         forced_end = reasoning_format.forced_end
         if calls_required and reasoning_format.forced_end_before_call is not None:
@@ -207,9 +208,12 @@ class Serving:
         def ids(text: str) -> tuple[int, ...]:
             return tuple(self.tokenizer.encode(text, add_special_tokens=False))
 
-        return ThinkingBudget(max_thinking_tokens, ids(reasoning_format.start), ids(reasoning_format.end),
-                              ids(forced_end), reasoning.starts_inside,
-                              tuple(sorted(self.tokenizer.eos_token_ids)))
+        start_ids, end_ids, forced_ids = ids(reasoning_format.start), ids(reasoning_format.end), ids(forced_end)
+        # An end of sequence that is also the thinking's close (or part of what closes it) must
+        # stay possible while thinking.
+        stop_ids = tuple(sorted(set(self.tokenizer.eos_token_ids) - set(end_ids) - set(forced_ids)))
+        return ThinkingBudget(max_thinking_tokens, start_ids, end_ids, forced_ids, reasoning.starts_inside, stop_ids,
+                              grammar_after_thinking)
 
     def _tool_call_grammar(self, turn: ChatTurn, reasoning: ReasoningSetup, thinks: bool):
         """gpt-oss's calls in harmony's messages; any other model's in the `<tool_call>` format,

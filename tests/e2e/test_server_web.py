@@ -527,6 +527,16 @@ def test_every_setting_reaches_the_request(web_server, browser):
     assert browser.evaluate("localStorage.getItem('tokios.api-key')") == API_KEY  # the key survives a reset
 
 
+def reply_fold(browser: Browser, index: int) -> dict:
+    """The thinking fold of message `index` and the message's answer and stats, as shown."""
+    return browser.evaluate(f"""(() => {{ const m = document.querySelectorAll('#messages .message')[{index}];
+        const fold = m.querySelector('.thinking');
+        return {{hidden: fold.hidden, open: fold.open, summary: fold.querySelector('summary').textContent,
+                 thinking: fold.querySelector('.thinking-text').textContent,
+                 content: m.querySelector('.content').textContent,
+                 stats: m.querySelector('.stats').textContent}}; }})()""")
+
+
 def test_a_reasoning_models_thinking_shows_in_a_fold_above_its_answer(thinking_server, browser):
     # SmolLM2 under QwQ's template thinks from the first token and never closes the thinking
     # itself: with 12 tokens, the reply is all thinking, and the page shows it in the fold, the
@@ -535,12 +545,7 @@ def test_a_reasoning_models_thinking_shows_in_a_fold_above_its_answer(thinking_s
     set_setting(browser, "max-tokens", "12")
     send_message(browser, "What is 2 + 2?")
     wait_idle(browser)
-    shown = browser.evaluate("""(() => { const m = document.querySelectorAll('#messages .message')[1];
-        const fold = m.querySelector('.thinking');
-        return {hidden: fold.hidden, open: fold.open, summary: fold.querySelector('summary').textContent,
-                thinking: fold.querySelector('.thinking-text').textContent,
-                content: m.querySelector('.content').textContent,
-                stats: m.querySelector('.stats').textContent}; })()""")
+    shown = reply_fold(browser, 1)
     assert not shown["hidden"] and shown["open"] and shown["summary"] == "Thinking"
     assert shown["thinking"].strip() and shown["content"] == ""
     assert "length" in shown["stats"]
@@ -548,10 +553,8 @@ def test_a_reasoning_models_thinking_shows_in_a_fold_above_its_answer(thinking_s
     # reply has no answer to show instead).
     browser.call("Page.reload")
     browser.wait_for("document.querySelectorAll('#messages .message').length === 2", 60)
-    fold = browser.evaluate("""(() => { const f = document.querySelectorAll('#messages .message')[1]
-        .querySelector('.thinking'); return {hidden: f.hidden, open: f.open,
-        thinking: f.querySelector('.thinking-text').textContent}; })()""")
-    assert fold == {"hidden": False, "open": True, "thinking": shown["thinking"]}
+    reloaded = reply_fold(browser, 1)
+    assert (reloaded["hidden"], reloaded["open"], reloaded["thinking"]) == (False, True, shown["thinking"])
     # With a thinking budget an answer follows: the fold closes once it comes, and the next
     # request sends the thinking back with its turn (the template keeps or drops it).
     browser.evaluate("window.__bodies = []; const send = window.fetch; window.fetch = (url, options) => {"
@@ -561,10 +564,7 @@ def test_a_reasoning_models_thinking_shows_in_a_fold_above_its_answer(thinking_s
     set_setting(browser, "max-tokens", "16")
     send_message(browser, "And 3 + 3?")
     wait_idle(browser)
-    answered = browser.evaluate("""(() => { const m = document.querySelectorAll('#messages .message')[3];
-        const fold = m.querySelector('.thinking');
-        return {hidden: fold.hidden, open: fold.open, thinking: fold.querySelector('.thinking-text').textContent,
-                content: m.querySelector('.content').textContent}; })()""")
+    answered = reply_fold(browser, 3)
     assert not answered["hidden"] and not answered["open"] and answered["thinking"] and answered["content"]
     assert browser.evaluate("window.__bodies[0].max_thinking_tokens") == 4
     send_message(browser, "Thanks.")

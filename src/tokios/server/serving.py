@@ -159,7 +159,7 @@ class Serving:
     async def start_chat(self, http_request: Request, turn: ChatTurn, lease: ModelLease | None, *, stream: bool,
                          response_id: str) -> ChatRun:
         """Prompt, limits, grammar and engine request for a turn; a streamed run has its first output."""
-        reasoning_format = self.reasoning_format if turn.raw_prompt is None else None
+        reasoning_format = self._turn_reasoning_format(turn)
         plan, prompt_text, prompt_ids = self.chat_prompt(turn)
         prompt_param = "prompt" if turn.raw_prompt is not None else "messages"
         if not prompt_ids:
@@ -191,12 +191,23 @@ class Serving:
     def chat_prompt(self, turn: ChatTurn) -> tuple[ThinkingPlan, str, list[int]]:
         """A turn's thinking plan (its template variables set on the turn), prompt text and ids:
         what start_chat runs and what a token count (Anthropic's count_tokens) counts."""
-        reasoning_format = self.reasoning_format if turn.raw_prompt is None else None
-        plan = plan_thinking(turn.thinking.with_template_switch(turn.template_kwargs), reasoning_format,
-                             self.tokenizer.chat_template_variables)
+        plan = plan_thinking(turn.thinking.with_template_switch(turn.template_kwargs),
+                             self._turn_reasoning_format(turn), self.tokenizer.chat_template_variables)
         turn.template_kwargs = {**turn.template_kwargs, **plan.template_kwargs}
         prompt_text, add_special_tokens = turn.prompt_text(self.tokenizer)
         return plan, prompt_text, self.tokenizer.encode(prompt_text, add_special_tokens=add_special_tokens)
+
+    def _turn_reasoning_format(self, turn: ChatTurn) -> ReasoningFormat | None:
+        """The model's reasoning format, for a turn its chat template renders (a raw prompt's
+        output is read as it comes)."""
+        return self.reasoning_format if turn.raw_prompt is None else None
+
+    def _special_token_ids(self, texts) -> dict[str, int]:
+        """text -> id of those of `texts` that are one special token each (a grammar names them
+        as `<[id]>`: their text does not match the token)."""
+        special_ids = set(self.tokenizer.all_special_ids)
+        text_to_id = {text: self.tokenizer.single_token_id(text) for text in texts}
+        return {text: token_id for text, token_id in text_to_id.items() if token_id in special_ids}
 
     def _thinking_budget(self, reasoning: ReasoningSetup, max_thinking_tokens: int | None,
                          calls_required: bool, grammar_after_thinking: bool) -> ThinkingBudget:
@@ -218,28 +229,17 @@ class Serving:
     def _tool_call_grammar(self, turn: ChatTurn, reasoning: ReasoningSetup, thinks: bool):
         """gpt-oss's calls in harmony's messages; any other model's in the `<tool_call>` format,
         after its thinking when it thinks."""
-        special_ids = set(self.tokenizer.all_special_ids)
         if reasoning.reasoning_format == HARMONY:
-            marker_to_id = {marker: self.tokenizer.single_token_id(marker) for marker in HARMONY_MARKERS}
-            return harmony_tool_call_grammar(turn.tools, {marker: token_id for marker, token_id in marker_to_id.items()
-                                                          if token_id in special_ids})
-        tag_to_id = {tag: self.tokenizer.single_token_id(tag) for tag in (CALL_OPEN, CALL_CLOSE)}
+            return harmony_tool_call_grammar(turn.tools, self._special_token_ids(HARMONY_MARKERS))
         return tool_call_grammar(turn.tools, self._reasoning_grammar(reasoning) if thinks else None,
-                                 {tag: token_id for tag, token_id in tag_to_id.items() if token_id in special_ids})
+                                 self._special_token_ids((CALL_OPEN, CALL_CLOSE)))
 
-    def _reasoning_grammar(self, reasoning: ReasoningSetup) -> tuple[str, list[str]] | None:
+    def _reasoning_grammar(self, reasoning: ReasoningSetup) -> tuple[str, list[str]]:
         """The thinking a tool-call grammar lets through first (reasoning/grammar.py)."""
         reasoning_format = reasoning.reasoning_format
-        if reasoning_format is None:
-            return None
-        special_ids = set(self.tokenizer.all_special_ids)
-
-        def special_id(text: str) -> int | None:
-            token_id = self.tokenizer.single_token_id(text)
-            return token_id if token_id in special_ids else None
-
-        return reasoning_rules(reasoning_format, reasoning.starts_inside, special_id(reasoning_format.start),
-                               special_id(reasoning_format.end))
+        marker_to_id = self._special_token_ids((reasoning_format.start, reasoning_format.end))
+        return reasoning_rules(reasoning_format, reasoning.starts_inside, marker_to_id.get(reasoning_format.start),
+                               marker_to_id.get(reasoning_format.end))
 
     # ---- embeddings (OpenAI's /v1/embeddings and Ollama's /api/embed) --------------------
 

@@ -178,8 +178,7 @@ class KVCacheManager:
         token_ids = request.all_token_ids[start:min(start + bs - 1, num_tokens - 1)]
         parent = hashes[-1] if hashes else self.root_hash
         best, best_blocks = 0, []
-        if not token_ids:
-            return best, best_blocks
+        # The caller looks only when a token is left past the full blocks: token_ids is not empty.
         for block_id in list(self._parent_to_blocks.get((parent, token_ids[0]), ())):
             _, key, cached_ids = self._block_to_entry[block_id]
             if self.pool.block_hashes[block_id] != key:

@@ -31,6 +31,7 @@ from typing import AsyncIterator
 from tokios.config import EngineConfig
 from tokios.engine.commands import AbortRequest, AddRequest, CommandQueue, FailEngine, ResetCounters
 from tokios.engine.core import EngineCore, EngineStats
+from tokios.engine.cpu_turns import CPU_TURNS
 from tokios.engine.faults import FaultInjector
 from tokios.engine.output_processor import OutputProcessor, sequence_ids
 from tokios.errors import InvalidRequestError, TokiosError
@@ -231,7 +232,8 @@ class AsyncEngine:
                 self._activity = (f"in step {self.core.num_steps + 1} ({len(scheduler.running)} running, "
                                   f"{len(scheduler.waiting)} waiting)")
                 self._faults.before_step()
-                engine_outputs = self.core.step()
+                with CPU_TURNS.turn(foreground=True):
+                    engine_outputs = self.core.step()
                 outputs, stopped = self.output_processor.process(engine_outputs)
                 self.core.abort(stopped)
                 for request_id, error in self.output_processor.take_failures():

@@ -218,14 +218,8 @@ def weights_from_gguf(gguf: GGUFFile, config: ModelConfig,
             raise UnsupportedError(f"{gguf.path}: unexpected tensor {name}")
         if keep is not None and not keep(hf_name):
             continue
-        # A 3-D tensor (a mixture of experts' stacked experts) stays packed too.
-        if info.ggml_type in PACKABLE_TYPES and len(info.shape) in (2, 3):
-            weight = PackedWeight.from_file(gguf.raw_bytes(name), info.ggml_type, info.shape, name)
-            rows = weight.raw
-        else:
-            weight = rows = dequantize(gguf.raw_bytes(name), info.ggml_type, info.shape, name)
-            if info.ggml_type == GGMLQuantizationType.BF16:
-                weight = rows = rows.to(torch.bfloat16)  # exact; "stored" then multiplies in bfloat16
+        weight = read_gguf_tensor(gguf, name)
+        rows = weight.raw if isinstance(weight, PackedWeight) else weight
         # The permutation moves whole output rows, so it applies to packed block rows as well.
         if not unpermute:
             pass
@@ -237,6 +231,23 @@ def weights_from_gguf(gguf: GGUFFile, config: ModelConfig,
             weight = weight.with_rows(rows)
         weights[hf_name] = weight if isinstance(weight, PackedWeight) else rows
     return weights
+
+
+def read_gguf_tensor(gguf: GGUFFile, name: str) -> "torch.Tensor | PackedWeight":
+    """One tensor as the engine holds it: a matrix (or a mixture of experts' 3-D stack) of a
+    type the kernels run stays in its blocks; anything else is dequantized (bfloat16 kept)."""
+    info = gguf.tensors[name]
+    if info.ggml_type in PACKABLE_TYPES and len(info.shape) in (2, 3):
+        return PackedWeight.from_file(gguf.raw_bytes(name), info.ggml_type, info.shape, name)
+    rows = dequantize(gguf.raw_bytes(name), info.ggml_type, info.shape, name)
+    if info.ggml_type == GGMLQuantizationType.BF16:
+        rows = rows.to(torch.bfloat16)  # exact; "stored" then multiplies in bfloat16
+    return rows
+
+
+def read_gguf_tensors(gguf: GGUFFile) -> dict[str, "torch.Tensor | PackedWeight"]:
+    """Every tensor of the file under its GGUF name (an encoder's loader renames nothing)."""
+    return {name: read_gguf_tensor(gguf, name) for name in gguf.tensors}
 
 
 def model_config_from_hf(directory: str) -> ModelConfig:

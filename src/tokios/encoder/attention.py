@@ -1,0 +1,37 @@
+"""Attention over a packed EncoderBatch: each input attends only to itself.
+
+Every group of inputs (batch.py) is gathered into a padded [inputs, heads, max_len, head_dim]
+block for one scaled_dot_product_attention call and scattered back, so the padding costs only
+attention, never the matrix products. Bidirectional by default; `causal` for a decoder read as
+an encoder (last-token pooling), `window` for sliding-window layers (both directions when
+bidirectional).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tokios.encoder.batch import EncoderBatch
+
+
+def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: EncoderBatch, *,
+                     scale: float | None = None, causal: bool = False, window: int | None = None) -> torch.Tensor:
+    """query [num_tokens, num_heads, head_dim], key/value [num_tokens, num_kv_heads, head_dim]
+    -> [num_tokens, num_heads * head_dim]."""
+    num_tokens, num_heads, head_dim = query.shape
+    is_gqa = key.shape[1] != num_heads
+    padded = []
+    # One zero row past the end: padding slots gather it.
+    pad = lambda tensor: torch.cat([tensor, tensor.new_zeros((1, *tensor.shape[1:]))])  # noqa: E731
+    query, key, value = pad(query), pad(key), pad(value)
+    for group in batch.groups:
+        gather = group.gather_index
+        # [inputs, max_len, heads, head_dim] -> [inputs, heads, max_len, head_dim]
+        q, k, v = (tensor[gather].transpose(1, 2) for tensor in (query, key, value))
+        mask = group.mask(causal, window)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=is_gqa)
+        flat = out.transpose(1, 2).reshape(-1, num_heads * head_dim)  # [inputs * max_len, heads * head_dim]
+        padded.append(flat[group.valid_slots])
+    gathered = padded[0] if len(padded) == 1 else torch.cat(padded)
+    return gathered[batch.restore_order]

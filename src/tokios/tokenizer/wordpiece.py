@@ -41,6 +41,9 @@ def bert_spelling(token: str, token_type: int) -> str:
         return token
     if token.startswith(PHANTOM_SPACE):
         return token[len(PHANTOM_SPACE):]
+    # Older converters wrote BERT's "[unusedN]" pieces without the phantom space: they read as
+    # continuations here, which no text reaches ("[" is a word alone) and which decode glued to
+    # the word before, as llama.cpp prints them.
     return CONTINUATION_PREFIX + token
 
 

@@ -10,11 +10,13 @@ written by the original Hugging Face tokenizer (convert_hf_to_gguf_update.py). H
 vocabulary with vectors is loaded with Tokenizer.from_gguf_file and must give the same ids on
 every text, without BOS/EOS (add_special_tokens=False). parse_special=false is met because no
 text contains a control token's spelling, which is checked. llama.cpp's test only prints the
-detokenized ids; we also require that decoding gives the text back, which holds on every text.
+detokenized ids; we also require that decoding gives the text back, which holds on every text
+except for the WordPiece (`bert`) vocabulary: BERT's decoder gives the normalised text
+(lower-cased, accents stripped, punctuation spaced), which test_wordpiece.py compares with
+transformers' decoding.
 
 Vocabulary files not tested here:
 - ggml-vocab-qwen35.gguf: Qwen3.5's pre-tokenizer belongs with the hybrid models (a later issue);
-- ggml-vocab-bert-bge.gguf: a WordPiece (`bert`) vocabulary, for the embeddings issue;
 - ggml-vocab-aquila.gguf, -baichuan.gguf, -gpt-neox.gguf, -nomic-bert-moe.gguf: llama.cpp
   ships no test vectors for them.
 
@@ -32,8 +34,11 @@ from tokios.model_files import llama_cpp_sources
 from tokios.tokenizer import Tokenizer
 
 TEST_SEPARATOR = "\n__ggml_vocab_test__\n"
+# Vocabularies whose decoding gives the normalised text, not the text (see above).
+NORMALISING_VOCABULARIES = ("bert-bge",)
 
 VOCABULARIES = (
+    "bert-bge",
     "command-r",
     "deepseek-coder",
     "deepseek-llm",
@@ -50,7 +55,6 @@ VOCABULARIES = (
 )
 NOT_TESTED = {
     "qwen35": "the hybrid models' issue",
-    "bert-bge": "a WordPiece vocabulary, the embeddings issue",
 }
 
 
@@ -97,4 +101,5 @@ def test_ids_equal_llama_cpp_test_vectors(name):
     assert not mismatches, "\n".join(
         f"{text!r}: llama.cpp {expected}, ours {ids}" for text, expected, ids in mismatches
     )
-    assert [text for text, expected in vectors if tokenizer.decode(expected) != text] == []
+    if name not in NORMALISING_VOCABULARIES:
+        assert [text for text, expected in vectors if tokenizer.decode(expected) != text] == []

@@ -130,8 +130,18 @@ def test_unknown_pre_tokenizer_is_a_load_error_naming_it(metadata):
 
 
 def test_unknown_tokenizer_model_is_unsupported_naming_it(metadata):
-    with pytest.raises(UnsupportedError, match="'bert'"):
-        Tokenizer.from_gguf_metadata({**metadata, "tokenizer.ggml.model": "bert"})
+    with pytest.raises(UnsupportedError, match="'t5'"):
+        Tokenizer.from_gguf_metadata({**metadata, "tokenizer.ggml.model": "t5"})
+
+
+def test_wordpiece_without_its_special_tokens_is_a_load_error_naming_the_keys(metadata):
+    special_keys = {f"tokenizer.ggml.{name}_token_id" for name in ("unknown", "cls", "bos", "seperator", "eos")}
+    bert = {key: value for key, value in metadata.items() if key not in special_keys}
+    bert["tokenizer.ggml.model"] = "bert"
+    with pytest.raises(ModelLoadError, match="tokenizer.ggml.unknown_token_id"):
+        Tokenizer.from_gguf_metadata(bert)
+    with pytest.raises(ModelLoadError, match="tokenizer.ggml.cls_token_id, tokenizer.ggml.bos_token_id"):
+        Tokenizer.from_gguf_metadata({**bert, "tokenizer.ggml.unknown_token_id": 0})
 
 
 def test_sentencepiece_model_without_scores_is_a_load_error(metadata):

@@ -43,6 +43,11 @@ def read_hf_dir(directory: Path) -> tuple[tokenizers.Tokenizer, dict[str, Any]]:
         backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
     except Exception as exc:  # tokenizers raises plain Exception on a malformed file
         raise ModelLoadError(f"cannot load {tokenizer_file}: {exc}") from None
+    # A tokenizer.json may pad or truncate every encoding (sentence-transformers' MiniLM pads to
+    # 128); transformers ignores that unless a call asks for it, and so do we: lengths are the
+    # engine's business.
+    backend.no_padding()
+    backend.no_truncation()
 
     config_file = directory / "tokenizer_config.json"
     config = parse_json_file(config_file) if config_file.is_file() else {}

@@ -1,13 +1,14 @@
 """The Tokenizer: text <-> token ids, special tokens and the chat template of one model.
 
 Owns building a Hugging Face `tokenizers` pipeline from GGUF metadata (byte-level BPE with the
-pre-tokenizer llama.cpp would use, or SentencePiece-style BPE with byte fallback from
-sentencepiece.py for `llama` and `gemma4` vocabularies; control and user-defined tokens, BOS/EOS
-rules) or from a Hugging Face directory, and `load_tokenizer(path)` which picks between them.
-Talks to tokios/gguf_file.py (reads the file), hf_dir.py (reads a Hugging Face directory),
-bos_eos.py, pretokenizers.py, chat_template.py and byte_level.py, none of which imports this
-module. Used by the engine front end, the server (chat template, prompt tokens) and the
-detokenizer / stop matcher.
+pre-tokenizer llama.cpp would use, SentencePiece-style BPE with byte fallback from
+sentencepiece.py for `llama` and `gemma4` vocabularies, or BERT's WordPiece from wordpiece.py for
+`bert` ones; control and user-defined tokens, BOS/EOS rules) or from a Hugging Face directory,
+and `load_tokenizer(path)` which picks between them. Talks to tokios/gguf_file.py (reads the
+file), hf_dir.py (reads a Hugging Face directory), bos_eos.py, pretokenizers.py,
+chat_template.py and byte_level.py, none of which imports this module. Used by the engine front
+end, the server (chat template, prompt tokens, text pairs for a reranker) and the detokenizer /
+stop matcher.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from tokios.tokenizer.chat_template import ChatTemplate
 from tokios.tokenizer.hf_dir import read_hf_dir
 from tokios.tokenizer.pretokenizers import pre_tokenization
 from tokios.tokenizer.sentencepiece import build_sentencepiece_bpe
+from tokios.tokenizer.wordpiece import build_wordpiece
 
 # llama.cpp token types (tokenizer.ggml.token_type).
 TOKEN_TYPE_CONTROL = 3
@@ -111,10 +113,11 @@ class Tokenizer:
         tokenizer_model = metadata.get("tokenizer.ggml.model")
         if tokenizer_model is None:
             raise ModelLoadError(f"GGUF metadata has no tokenizer.ggml.model {_where(source)}")
-        if tokenizer_model not in ("gpt2", "llama", "gemma4"):
+        if tokenizer_model not in ("gpt2", "llama", "gemma4", "bert"):
             raise UnsupportedError(
                 f"tokenizer model {tokenizer_model!r} is not supported (supported: 'gpt2', byte-level BPE; "
-                f"'llama' and 'gemma4', SentencePiece-style BPE with byte fallback) {_where(source)}"
+                f"'llama' and 'gemma4', SentencePiece-style BPE with byte fallback; 'bert', WordPiece) "
+                f"{_where(source)}"
             )
         tokens = _require(metadata, "tokenizer.ggml.tokens", source)
         token_types = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
@@ -123,7 +126,9 @@ class Tokenizer:
                 f"tokenizer.ggml.token_type has {len(token_types)} entries but tokenizer.ggml.tokens has "
                 f"{len(tokens)} {_where(source)}"
             )
-        if tokenizer_model in ("llama", "gemma4"):
+        if tokenizer_model == "bert":
+            backend = build_wordpiece(metadata, _where(source))
+        elif tokenizer_model in ("llama", "gemma4"):
             backend = build_sentencepiece_bpe(metadata, metadata.get("general.architecture"), _where(source))
         else:
             merges = _require(metadata, "tokenizer.ggml.merges", source)
@@ -144,16 +149,18 @@ class Tokenizer:
 
         bos_token_id = token_id("tokenizer.ggml.bos_token_id")
         eos_token_id = token_id("tokenizer.ggml.eos_token_id")
-        backend.post_processor = bos_eos_processor(
-            backend,
-            # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise, and
-            # to a `gemma4` one whatever its file says.
-            bos_token_id
-            if tokenizer_model == "gemma4" or metadata.get("tokenizer.ggml.add_bos_token", tokenizer_model == "llama")
-            else None,
-            eos_token_id if metadata.get("tokenizer.ggml.add_eos_token", False) else None,
-            _where(source),
-        )
+        if tokenizer_model != "bert":  # WordPiece brings its own [CLS] ... [SEP]
+            backend.post_processor = bos_eos_processor(
+                backend,
+                # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise,
+                # and to a `gemma4` one whatever its file says.
+                bos_token_id
+                if tokenizer_model == "gemma4"
+                or metadata.get("tokenizer.ggml.add_bos_token", tokenizer_model == "llama")
+                else None,
+                eos_token_id if metadata.get("tokenizer.ggml.add_eos_token", False) else None,
+                _where(source),
+            )
         return cls(
             backend,
             bos_token_id=bos_token_id,
@@ -181,6 +188,24 @@ class Tokenizer:
         if not isinstance(text, str):
             raise InvalidRequestError(f"text to tokenize must be a string, got {type(text).__name__}", param="prompt")
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_pair(
+        self, text_a: str, text_b: str, add_special_tokens: bool = True
+    ) -> tuple[list[int], list[int]]:
+        """Token ids and token type ids (0 for `text_a`'s part, 1 for `text_b`'s) of a text pair, as
+        a cross-encoder reads it: "[CLS] a [SEP] b [SEP]" for BERT."""
+        for text, param in ((text_a, "query"), (text_b, "documents")):
+            if not isinstance(text, str):
+                raise InvalidRequestError(f"text to tokenize must be a string, got {type(text).__name__}", param=param)
+        processor = self.backend.post_processor
+        if add_special_tokens and (processor is None or processor.num_special_tokens_to_add(True) == 0):
+            # Without a separator the model cannot tell where the second text starts.
+            raise UnsupportedError(
+                f"the tokenizer of {self.source or 'this model'} has no template for text pairs (a "
+                "cross-encoder's, such as BERT's [CLS] a [SEP] b [SEP])"
+            )
+        encoding = self.backend.encode(text_a, text_b, add_special_tokens=add_special_tokens)
+        return encoding.ids, encoding.type_ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode(self._checked_ids(ids), skip_special_tokens=skip_special_tokens)

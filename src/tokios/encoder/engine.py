@@ -101,6 +101,7 @@ class EncoderEngine:
             raise self._load_error
         encoder = self.encoder
         self.tokenizer = encoder.tokenizer
+        self.vocab_size = encoder.config.vocab_size
         self.max_model_len = encoder.max_input_tokens
         self.model_name = encoder.config.name
 

@@ -179,3 +179,49 @@ def _directory_weights(directory: str, architecture: EncoderArchitecture, declar
         for name, tensor in load_file(os.path.join(directory, relative, "model.safetensors")).items():
             weights[f"dense.{index}.{name}"] = tensor.float()
     return weights
+
+
+GENERATE, EMBEDDING, RERANK = "generate", "embedding", "rerank"
+
+
+def decoder_declaration(path: str) -> EmbeddingDeclaration | None:
+    """A generative architecture's file made into an embedding model (Qwen3-Embedding: last-token
+    pooling, an instruction prompt before queries): the pooling its GGUF carries, or its
+    sentence-transformers modules; None for a chat or base model."""
+    from tokios.encoder.declared import LAST
+
+    if os.path.isdir(path):
+        if sentence_transformers_modules(path) is None:
+            return None
+        return declaration_from_directory(path, default_pooling=LAST)
+    from tokios.gguf_file import read_gguf_metadata
+
+    metadata = read_gguf_metadata(path)
+    architecture = metadata.get("general.architecture")
+    if metadata.get(f"{architecture}.pooling_type") is None:
+        return None
+    declaration = declaration_from_gguf(metadata, architecture, set(), default_pooling=LAST)
+    if declaration.is_rerank:
+        raise UnsupportedError(f"{path}: a generative model scoring pairs by its yes/no logits (pooling rank, "
+                               "Qwen3-Reranker) is not supported; rerank with a cross-encoder (BERT-family "
+                               "sequence classification)")
+    if declaration.pooling not in ("mean", LAST):
+        raise UnsupportedError(f"{path}: {declaration.pooling} pooling of a generative model is not supported "
+                               "(mean, last)")
+    return declaration
+
+
+def model_kind(path: str) -> str:
+    """GENERATE, EMBEDDING or RERANK, from the file's metadata (no weights read)."""
+    architecture = encoder_architecture(path)
+    if architecture is None:
+        return EMBEDDING if decoder_declaration(path) is not None else GENERATE
+    if os.path.isdir(path):
+        names = _hf_config(path).get("architectures") or []
+        return RERANK if any(HF_ARCHITECTURES.get(name, (None, False))[1] for name in names) else EMBEDDING
+    from tokios.gguf_file import GGUFFile
+
+    gguf = GGUFFile(path)
+    declaration = declaration_from_gguf(gguf.metadata, architecture, set(gguf.tensors),
+                                        default_pooling=ARCHITECTURES[architecture].default_pooling)
+    return RERANK if declaration.is_rerank else EMBEDDING

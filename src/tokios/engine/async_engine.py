@@ -84,6 +84,7 @@ class AsyncEngine:
             raise self._load_error
         self.tokenizer = self.core.tokenizer
         self.model_config = self.core.model_config
+        self.vocab_size = self.model_config.vocab_size
         self.max_model_len = self.core.max_model_len
         self.model_name = served_model_name(self.core.model_path)
 

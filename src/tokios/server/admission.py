@@ -69,3 +69,9 @@ class Ticket:
         if not self._is_released:
             self._is_released = True
             self._admission._release()
+
+    def __enter__(self) -> Ticket:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.release()

@@ -36,6 +36,7 @@ from tokios.server.auth import ApiKeyChecker
 from tokios.server.connection_limits import BodyDeadline
 from tokios.server.dialects import DIALECTS, dialect_of_path
 from tokios.server.dialects.openai_responses import ResponseStore
+from tokios.server.embeddings import require_kind
 from tokios.server.errors import RequestTooLargeError, error_response, retry_after_header
 from tokios.server.metrics import CONTENT_TYPE, ServerMetrics
 from tokios.server.registry import UNLOADED, ModelEntry, ModelLease, ModelRegistry, ModelSpec
@@ -88,9 +89,13 @@ class ServerState:
         return await self.registry.acquire(model, keep_alive_s)
 
     async def respond(self, model: str | None, run: Callable[[ModelLease], Any],
-                      keep_alive_s: float | None = None) -> Response:
+                      keep_alive_s: float | None = None, needs: str | None = None) -> Response:
         """Runs one request against its model. A streamed answer's job releases the lease when the
-        stream ends; anything else releases it here."""
+        stream ends; anything else releases it here. `needs`: the kind of model the route serves
+        (encoder/loader.py), checked before the model loads."""
+        if needs is not None:
+            entry = self.registry.entry(model)
+            require_kind(entry.spec.kind, needs, entry.name)
         lease = await self.acquire(model, keep_alive_s)
         try:
             response = await run(lease)

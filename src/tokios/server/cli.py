@@ -159,8 +159,9 @@ def build_registry(args: argparse.Namespace):
                                           "name them with --model PATH=NAME", param="model")
             name_to_path[each] = path
         config = engine_config_from_args(args, model=path)
-        specs.append(ModelSpec(names=names, path=path, load=_engine_loader(config),
-                               estimated_bytes=_estimated_bytes(path, kv_cache_bytes)))
+        kind, is_encoder = _kind_of(path)
+        specs.append(ModelSpec(names=names, path=path, load=_engine_loader(config, is_encoder=is_encoder),
+                               estimated_bytes=_estimated_bytes(path, kv_cache_bytes), kind=kind))
     if args.max_loaded_models is not None and args.max_loaded_models < 1:
         raise InvalidRequestError("max_loaded_models must be >= 1", param="max_loaded_models")
     keep_alive_s = None if args.keep_alive is None else parse_duration(args.keep_alive, field_name="keep_alive")
@@ -170,8 +171,24 @@ def build_registry(args: argparse.Namespace):
                          max_memory_bytes=max_memory)
 
 
-def _engine_loader(config):
+def _kind_of(path: str) -> tuple[str, bool]:
+    """(what the model serves, whether it runs on the encoder engine), from its metadata. A file
+    that cannot be read counts as a generative model: its load reports what is wrong with it,
+    as for any other model, without keeping the server from starting."""
+    from tokios.encoder.loader import GENERATE, encoder_architecture, model_kind
+
+    try:
+        return model_kind(path), encoder_architecture(path) is not None
+    except Exception:
+        return GENERATE, False
+
+
+def _engine_loader(config, *, is_encoder: bool):
     def load():
+        if is_encoder:
+            from tokios.encoder.engine import EncoderEngine
+
+            return EncoderEngine(config)
         from tokios.engine import AsyncEngine
 
         return AsyncEngine(config)

@@ -56,6 +56,8 @@ class ModelSpec:
     load: Callable[[], Any]
     # Weights + KV cache, for the memory budget; None when the file cannot be measured.
     estimated_bytes: int | None = None
+    # What the model serves (encoder/loader.py model_kind): "generate", "embedding" or "rerank".
+    kind: str = "generate"
 
     @property
     def name(self) -> str:
@@ -162,10 +164,14 @@ async def _warm_up(engine: Any) -> None:
     the other model's streams right after the load)."""
     from tokios.sampling_params import SamplingParams
 
+    prompt_ids = engine.tokenizer.encode("Hello, world", add_special_tokens=True) if hasattr(engine, "tokenizer") else []
+    if getattr(engine, "is_encoder", False):
+        await engine.encode([prompt_ids])
+        engine.forget_warm_up()
+        return
     generate = getattr(engine, "generate", None)
     if generate is None:  # stand-in engines in the unit tests
         return
-    prompt_ids = engine.tokenizer.encode("Hello, world", add_special_tokens=True)
     async for _ in generate(None, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
                             "tokios-warm-up", prompt_token_ids=prompt_ids):
         pass
@@ -296,6 +302,8 @@ class ModelRegistry:
                 engine.start()
                 entry.engine = engine
                 entry.serving = self.make_serving(engine, entry.spec)
+                if entry.serving is not None:  # what the loaded model serves, now read from it
+                    entry.spec.kind = entry.serving.kind
                 entry.load_seconds = time.monotonic() - started
                 entry.last_error = None
                 entry.last_used = time.monotonic()
@@ -390,6 +398,9 @@ class ModelRegistry:
                                         "state": entry.state}
                 if entry.serving is not None:
                     card["max_model_len"] = entry.serving.max_model_len
+                    card.update(entry.serving.embedding.card())
+                else:
+                    card["kind"] = entry.spec.kind
                 cards.append(card)
         return cards
 

@@ -10,9 +10,7 @@ engine streams (server/streams.py) with disconnect watching, and pooled embeddin
 
 from __future__ import annotations
 
-import math
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +19,8 @@ from starlette.requests import Request
 from tokios.errors import ContextLengthExceededError, InvalidRequestError
 from tokios.outputs import Logprob, RequestOutput
 from tokios.server.admission import Admission
+from tokios.server.embeddings import EmbeddingService
+from tokios.encoder.loader import GENERATE
 from tokios.reasoning import (HARMONY, THINK, ReasoningFormat, ThinkingBudget, ThinkingPlan, plan_thinking,
                               resolve_reasoning_format)
 from tokios.reasoning.grammar import reasoning_rules
@@ -82,12 +82,15 @@ class Serving:
         self.metrics = metrics
         self.admission = admission
         self.tokenizer = engine.tokenizer
-        self.vocab_size = engine.model_config.vocab_size
+        self.vocab_size = engine.vocab_size
         self.max_model_len = engine.max_model_len
         self.served_model_names = list(names)
         self.model_name = self.served_model_names[0]
         self.created = int(time.time())
-        self.reasoning_format = self._reasoning_format(settings.reasoning_format)
+        self.embedding = EmbeddingService.of(engine, self.model_name, settings.pooling)
+        self.kind = self.embedding.kind
+        self.reasoning_format = (self._reasoning_format(settings.reasoning_format) if self.kind == GENERATE
+                                 else None)
         metrics.add_model(self.model_name)
 
     def _reasoning_format(self, choice: str) -> ReasoningFormat | None:
@@ -136,6 +139,8 @@ class Serving:
 
     def new_job(self, response_id: str, prompt_ids_list: list[list[int]], sampling_params: Any,
                 params_summary: dict[str, Any], lease: ModelLease | None = None) -> Job:
+        if sampling_params.pooling is None:  # a pooling request is an embedding, not a generation
+            self.embedding.require(GENERATE)
         ticket = self.admission.admit()
         streams = [EngineStream(self, f"{response_id}-{index}", prompt_ids, sampling_params, params_summary)
                    for index, prompt_ids in enumerate(prompt_ids_list)]
@@ -240,25 +245,3 @@ class Serving:
         marker_to_id = self._special_token_ids((reasoning_format.start, reasoning_format.end))
         return reasoning_rules(reasoning_format, reasoning.starts_inside, marker_to_id.get(reasoning_format.start),
                                marker_to_id.get(reasoning_format.end))
-
-    # ---- embeddings (OpenAI's /v1/embeddings and Ollama's /api/embed) --------------------
-
-    async def embed(self, http_request: Request, prompt_ids_list: list[list[int]], lease: ModelLease | None,
-                    param: str = "input") -> list[list[float]]:
-        """One L2-normalized vector per prompt: its final hidden states pooled (--pooling). A
-        generative model's pooled states are not a trained sentence embedding: they serve
-        similarity search roughly, retrieval-tuned embedding models do it better (docs/apis.md)."""
-        for prompt_ids in prompt_ids_list:
-            if not prompt_ids:
-                raise InvalidRequestError(f"{param} must not be empty", param=param)
-            self.resolve_max_tokens(len(prompt_ids), 1, param)
-        kwargs = {"max_tokens": 1, "temperature": 0.0, "ignore_eos": True, "pooling": self.settings.pooling}
-        job = self.new_job(f"embd-{uuid.uuid4().hex}", prompt_ids_list, make_sampling_params(kwargs), kwargs, lease)
-        outputs = await self.finish(http_request, job)
-        vectors = []
-        for output in outputs:
-            if output is None or output.embedding is None:
-                raise InvalidRequestError("the engine returned no embedding for an input", param=param)
-            norm = math.sqrt(sum(value * value for value in output.embedding)) or 1.0
-            vectors.append([value / norm for value in output.embedding])
-        return vectors

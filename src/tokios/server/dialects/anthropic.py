@@ -29,6 +29,7 @@ from pydantic import ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from tokios.encoder.loader import GENERATE
 from tokios.errors import InvalidRequestError, TokiosError
 from tokios.reasoning import ThinkingRequest
 from tokios.server.body import JsonBool, RequestBody, ResponseBody
@@ -433,10 +434,10 @@ class TokenCount(ResponseBody):
 ANTHROPIC = Dialect(
     name="anthropic",
     routes=(
-        Route("post", "/v1/messages", model_route(MessagesRequest, _messages),
+        Route("post", "/v1/messages", model_route(MessagesRequest, _messages, GENERATE),
               "Create a message (Anthropic Messages API); SSE events when stream is true", MessagesRequest, Message,
               SSE, MessageEvent, generates=True),
-        Route("post", "/v1/messages/count_tokens", model_route(CountTokensRequest, _count_tokens),
+        Route("post", "/v1/messages/count_tokens", model_route(CountTokensRequest, _count_tokens, GENERATE),
               "Count a message request's input tokens (Anthropic)", CountTokensRequest, TokenCount),
     ),
     path_prefixes=("/v1/messages",),

@@ -33,9 +33,11 @@ from starlette.responses import JSONResponse, Response
 
 from tokios import __version__
 from tokios.config import parse_duration
+from tokios.encoder.loader import EMBEDDING, GENERATE
 from tokios.errors import InvalidRequestError, TokiosError
 from tokios.reasoning import ThinkingRequest, detect_reasoning_format
 from tokios.server.body import MAX_TOP_LOGPROBS, JsonBool, JsonFloat, RequestBody, ResponseBody, parse_body
+from tokios.server.embeddings import embed, token_inputs
 from tokios.server.dialects.dialect import JSON_LINES, NDJSON, Dialect, Route, guarded_stream
 from tokios.server.generation import ChatRun, ChatTurn
 from tokios.server.logprobs import MIN_LOGPROB, finite_logprob, top_ranked
@@ -477,7 +479,7 @@ async def _chat_route(request: Request) -> Response:
         turn = ChatTurn(_messages(body.messages), sampling, None, tools, thinking=_thinking(body))
         make_sampling_params({**sampling, "max_tokens": 1})  # bad values are a 400 before the prompt is built
         return await _respond(request, lease, turn, body, is_chat=True, num_predict=num_predict, num_ctx=num_ctx)
-    return await state.respond(body.model, run, keep_alive_s)
+    return await state.respond(body.model, run, keep_alive_s, needs=GENERATE)
 
 
 async def _generate_route(request: Request) -> Response:
@@ -509,7 +511,7 @@ async def _generate_route(request: Request) -> Response:
                 {"role": "user", "content": body.prompt}]
             turn = ChatTurn(messages, sampling, thinking=_thinking(body))
         return await _respond(request, lease, turn, body, is_chat=False, num_predict=num_predict, num_ctx=num_ctx)
-    return await state.respond(body.model, run, keep_alive_s)
+    return await state.respond(body.model, run, keep_alive_s, needs=GENERATE)
 
 
 async def _load_or_unload(state, model: str, keep_alive_s: float | None, piece: dict[str, Any]) -> Response:
@@ -524,22 +526,16 @@ async def _load_or_unload(state, model: str, keep_alive_s: float | None, piece: 
 
 
 async def _embed_texts(request: Request, lease: ModelLease, texts: list[str], truncate: bool,
-                      options: dict[str, Any] | None) -> tuple[list[list[float]], int]:
+                       options: dict[str, Any] | None, dimensions: int | None = None) -> tuple[list[list[float]], int]:
     serving = lease.serving
     if options:
         sampling, _, _ = options_to_sampling(options, serving.max_model_len)
         if sampling:
             raise InvalidRequestError(f"options: {sorted(sampling)} do not apply to embeddings", param="options")
-    prompt_ids_list = []
-    for index, text in enumerate(texts):
-        ids = serving.tokenizer.encode(text, add_special_tokens=True)
-        if len(ids) >= serving.max_model_len:
-            if not truncate:
-                raise InvalidRequestError(f"input[{index}] has {len(ids)} tokens, over the context of "
-                                          f"{serving.max_model_len} (truncate is false)", param="input")
-            ids = ids[:serving.max_model_len - 1]
-        prompt_ids_list.append(ids)
-    return await serving.embed(request, prompt_ids_list, lease), sum(len(ids) for ids in prompt_ids_list)
+    serving.embedding.check_dimensions(dimensions)
+    prompt_ids_list = token_inputs(serving, texts, prompt_name=None, truncate=truncate)
+    vectors = await embed(serving, request, prompt_ids_list, lease, dimensions=dimensions)
+    return vectors, sum(len(ids) for ids in prompt_ids_list)
 
 
 async def _embed_route(request: Request) -> Response:
@@ -552,15 +548,11 @@ async def _embed_route(request: Request) -> Response:
 
     async def run(lease: ModelLease) -> Response:
         started = time.monotonic()
-        hidden_size = lease.serving.engine.model_config.hidden_size
-        if body.dimensions is not None and body.dimensions != hidden_size:
-            raise InvalidRequestError(f"dimensions: this model's embeddings have {hidden_size} dimensions",
-                                      param="dimensions")
-        vectors, num_tokens = await _embed_texts(request, lease, texts, body.truncate, body.options)
+        vectors, num_tokens = await _embed_texts(request, lease, texts, body.truncate, body.options, body.dimensions)
         return JSONResponse({"model": body.model, "embeddings": vectors,
                              "total_duration": int((time.monotonic() - started + lease.load_seconds) * 1e9),
                              "load_duration": int(lease.load_seconds * 1e9), "prompt_eval_count": num_tokens})
-    return await state.respond(body.model, run, _keep_alive(body.keep_alive))
+    return await state.respond(body.model, run, _keep_alive(body.keep_alive), needs=EMBEDDING)
 
 
 async def _embeddings_route(request: Request) -> Response:
@@ -571,7 +563,7 @@ async def _embeddings_route(request: Request) -> Response:
     async def run(lease: ModelLease) -> Response:
         vectors, _ = await _embed_texts(request, lease, [body.prompt], True, body.options)
         return JSONResponse({"embedding": vectors[0]})
-    return await state.respond(body.model, run, _keep_alive(body.keep_alive))
+    return await state.respond(body.model, run, _keep_alive(body.keep_alive), needs=EMBEDDING)
 
 
 async def _tags_route(request: Request) -> Response:
@@ -590,15 +582,18 @@ async def _show_route(request: Request) -> Response:
     facts = _file_facts(entry.spec.path)
     metadata = facts["metadata"]
     template = metadata.get("tokenizer.chat_template") or ""
-    capabilities = ["completion", "embedding"] + (["tools"] if template else [])
-    # "thinking" (Ollama's word for a model that reasons): the loaded model's format (its chat
-    # template may be another file's, its format set by a flag), or the one its file implies.
-    if entry.serving is not None:
-        thinks = entry.serving.reasoning_format is not None
+    if entry.spec.kind != GENERATE:  # an embedding model or a cross-encoder generates nothing
+        capabilities = ["embedding"] if entry.spec.kind == EMBEDDING else []
     else:
-        thinks = detect_reasoning_format(template, frozenset()) is not None
-    if thinks:
-        capabilities.append("thinking")
+        capabilities = ["completion", "embedding"] + (["tools"] if template else [])
+        # "thinking" (Ollama's word for a model that reasons): the loaded model's format (its chat
+        # template may be another file's, its format set by a flag), or the one its file implies.
+        if entry.serving is not None:
+            thinks = entry.serving.reasoning_format is not None
+        else:
+            thinks = detect_reasoning_format(template, frozenset()) is not None
+        if thinks:
+            capabilities.append("thinking")
     return JSONResponse({"license": str(metadata.get("general.license", "")), "modelfile": "",
                          "parameters": "", "template": template, "details": facts["details"],
                          "model_info": _model_info(metadata, body.verbose), "capabilities": capabilities,

@@ -29,6 +29,7 @@ from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from tokios.encoder.loader import GENERATE
 from tokios.errors import InvalidRequestError, NotFoundError, TokiosError
 from tokios.reasoning import ThinkingRequest
 from tokios.server.body import JsonBool, JsonInt, RequestBody, ResponseBody, parse_body
@@ -435,7 +436,7 @@ async def _create_route(request: Request) -> Response:
         response = builder.envelope("completed", builder.output_of(result), result.finish_reason)
         keep(response)
         return JSONResponse(response)
-    return await state.respond(body.model, run)
+    return await state.respond(body.model, run, needs=GENERATE)
 
 
 async def _retrieve_route(request: Request) -> Response:

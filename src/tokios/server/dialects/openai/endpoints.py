@@ -24,10 +24,12 @@ from starlette.responses import JSONResponse, Response
 
 from tokios.errors import InvalidRequestError
 from tokios.outputs import RequestOutput
+from tokios.encoder.loader import EMBEDDING, GENERATE
 from tokios.server.dialects.dialect import DATA_ONLY, SSE, Dialect, Route, guarded_stream, model_route
 from tokios.server.dialects.openai import shapes
 from tokios.server.dialects.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                     EmbeddingRequest, TokenizeRequest, sampling_kwargs)
+from tokios.server.embeddings import embed, token_inputs
 from tokios.server.errors import openai_error_body
 from tokios.server.generation import ChatRun, ChatTurn
 from tokios.server.registry import ModelLease
@@ -225,18 +227,9 @@ async def embeddings(http_request: Request, body: EmbeddingRequest, lease: Model
     """OpenAI's /v1/embeddings: texts or token id lists in, one vector each (float or base64)."""
     serving = lease.serving
     model = serving.response_model_name(body.model)
-    hidden_size = serving.engine.model_config.hidden_size
-    if body.dimensions is not None and body.dimensions != hidden_size:
-        raise InvalidRequestError(f"dimensions: this model's embeddings have {hidden_size} dimensions and cannot "
-                                  f"be shortened, got {body.dimensions}", param="dimensions")
-    prompt_ids_list = []
-    for item in body.inputs():
-        if isinstance(item, str):
-            prompt_ids_list.append(serving.tokenizer.encode(item, add_special_tokens=True))
-        else:
-            serving.check_token_ids(item, "input")
-            prompt_ids_list.append(list(item))
-    vectors = await serving.embed(http_request, prompt_ids_list, lease)
+    serving.embedding.check_dimensions(body.dimensions)
+    prompt_ids_list = token_inputs(serving, body.inputs(), prompt_name=body.chosen_prompt_name(), truncate=body.truncate)
+    vectors = await embed(serving, http_request, prompt_ids_list, lease, dimensions=body.dimensions)
     data = []
     for index, vector in enumerate(vectors):
         encoded: Any = vector
@@ -309,11 +302,11 @@ _MODEL_QUERY = {"name": "model", "in": "query", "required": False, "schema": {"t
 OPENAI = Dialect(
     name="openai",
     routes=(
-        Route("post", "/v1/chat/completions", model_route(ChatCompletionRequest, chat), "Chat completion (OpenAI)",
+        Route("post", "/v1/chat/completions", model_route(ChatCompletionRequest, chat, GENERATE), "Chat completion (OpenAI)",
               ChatCompletionRequest, shapes.ChatCompletion, SSE, shapes.ChatCompletionChunk, generates=True),
-        Route("post", "/v1/completions", model_route(CompletionRequest, completions), "Text completion (OpenAI)",
+        Route("post", "/v1/completions", model_route(CompletionRequest, completions, GENERATE), "Text completion (OpenAI)",
               CompletionRequest, shapes.TextCompletion, SSE, shapes.TextCompletion, generates=True),
-        Route("post", "/v1/embeddings", model_route(EmbeddingRequest, embeddings),
+        Route("post", "/v1/embeddings", model_route(EmbeddingRequest, embeddings, EMBEDDING),
               "Embeddings (OpenAI): pooled, normalized final hidden states", EmbeddingRequest, shapes.EmbeddingList,
               generates=True),
         Route("get", "/v1/models", _models_route, "Served models", answer=shapes.ModelList),

@@ -269,9 +269,22 @@ class EmbeddingRequest(RequestBody):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: JsonInt | None = Field(default=None, ge=1)
     user: str | None = None
+    # Extensions: the model's declared prompt to put before each text ("query", "document"; its
+    # sentence-transformers prompts), or Cohere's / NVIDIA's input_type naming the same; and
+    # whether an input past the model's limit is cut (default: a 400).
+    prompt_name: str | None = None
+    input_type: Literal["query", "document", "search_query", "search_document"] | None = None
+    truncate: JsonBool = False
 
     def inputs(self) -> list[str | list[int]]:
         return prompt_list(self.input, "input")
+
+    def chosen_prompt_name(self) -> str | None:
+        if self.prompt_name is not None and self.input_type is not None:
+            raise InvalidRequestError("give prompt_name or input_type, not both", param="input_type")
+        if self.input_type is not None:
+            return self.input_type.removeprefix("search_")
+        return self.prompt_name
 
 
 class DetokenizeRequest(RequestBody):

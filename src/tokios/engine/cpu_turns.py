@@ -23,7 +23,7 @@ from contextlib import contextmanager
 
 # A background slice takes at most this fraction of the foreground step's typical duration.
 BACKGROUND_SLICE_FRACTION = 0.4
-# A foreground engine that stepped within this long counts as busy.
+# A foreground engine counts as busy while it steps or waits for a turn, and for this long after.
 FOREGROUND_BUSY_S = 0.25
 # Smoothing of the foreground step duration (exponential moving average weight of a new step).
 STEP_EMA_WEIGHT = 0.2
@@ -36,16 +36,21 @@ class CpuTurns:
         self._holder: object | None = None
         self._foreground_step_s: float | None = None
         self._foreground_last_end = float("-inf")
+        self._num_foreground_waiting = 0
+        self._is_foreground_holding = False
 
     @contextmanager
     def turn(self, foreground: bool):
         ticket = object()
         with self._condition:
             self._queue.append(ticket)
+            self._num_foreground_waiting += foreground
             while self._holder is not None or self._queue[0] is not ticket:
                 self._condition.wait()
+            self._num_foreground_waiting -= foreground
             self._queue.popleft()
             self._holder = ticket
+            self._is_foreground_holding = foreground
         started = time.monotonic()
         try:
             yield
@@ -53,6 +58,7 @@ class CpuTurns:
             ended = time.monotonic()
             with self._condition:
                 self._holder = None
+                self._is_foreground_holding = False
                 if foreground:
                     step_s = ended - started
                     previous = self._foreground_step_s
@@ -64,7 +70,9 @@ class CpuTurns:
     def background_slice_s(self) -> float | None:
         """How long a background forward may take now; None: no limit (no foreground engine busy)."""
         with self._condition:
-            if self._foreground_step_s is None or time.monotonic() - self._foreground_last_end > FOREGROUND_BUSY_S:
+            is_busy = (self._num_foreground_waiting > 0 or self._is_foreground_holding
+                       or time.monotonic() - self._foreground_last_end <= FOREGROUND_BUSY_S)
+            if self._foreground_step_s is None or not is_busy:
                 return None
             return BACKGROUND_SLICE_FRACTION * self._foreground_step_s
 

@@ -1,4 +1,4 @@
-"""`tokios bench offline|serve|compare|prefix|fairness|restart|capacity|routing|agree|agent|random-model`: wires the benchmark sub-commands to their modules.
+"""`tokios bench offline|serve|compare|prefix|fairness|restart|capacity|routing|agree|embed|agent|random-model`: wires the benchmark sub-commands to their modules.
 
 Each module exposes `add_arguments(parser)` and `run(args) -> int`, like the top-level commands.
 The modules keep torch, transformers and llama_cpp imports inside functions, so building this
@@ -28,6 +28,8 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
                 "prefix-aware against least-busy routing through real gateways, on shared system prompts"),
     "agree": ("tokios.tools.bench.agree",
               "llama-server's greedy text on the same GGUF against tokios's: identical, or where they part"),
+    "embed": ("tokios.tools.bench.embed",
+              "embeddings/s against llama-server --embedding, and chat streams' inter-token p99 beside an embedding load"),
     "agent": ("tokios.tools.bench.agent",
               "a scripted 20-turn agent session: prompt tokens recomputed per turn, tokios vs llama-server"),
     "random-model": ("tokios.tools.bench.random_model",

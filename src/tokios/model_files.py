@@ -141,8 +141,6 @@ def minilm_directory() -> Path:
 def minilm_gguf_path(outtype: str = "f32") -> Path:
     """all-MiniLM-L6-v2 as llama.cpp's convert_hf_to_gguf.py writes it (`outtype` f32, f16 or
     q8_0), converted once into the models directory."""
-    from tokios.tools.bench.peers import convert_hf_directory
-
     path = models_directory() / f"{MINILM_DIRECTORY_NAME}.{outtype.upper()}.gguf"
     if not path.is_file():
         partial = path.with_name(path.name + ".partial.gguf")
@@ -190,6 +188,23 @@ def unpack_llama_cpp_sources(archive: str | os.PathLike) -> Path:
         with tarfile.open(archive) as tar:
             tar.extractall(root.parent, filter="data")
     return llama_cpp_sources()
+
+
+def convert_hf_directory(hf_directory: str | os.PathLike, gguf_path: str | os.PathLike, outtype: str = "f16",
+                         sources: Path | None = None) -> Path:
+    """llama.cpp's convert_hf_to_gguf.py (the pinned sources) on a Hugging Face directory, as a
+    user runs it (its own gguf-py first on the path, as the script arranges); a failure shows the
+    script's last output."""
+    import subprocess
+    import sys
+
+    script = (sources or llama_cpp_sources()) / "convert_hf_to_gguf.py"
+    result = subprocess.run([sys.executable, str(script), str(hf_directory), "--outfile", str(gguf_path),
+                             "--outtype", outtype], capture_output=True, text=True)
+    if result.returncode != 0 or not Path(gguf_path).is_file():
+        raise ModelLoadError(f"convert_hf_to_gguf.py failed ({result.returncode}) on {hf_directory}:\n"
+                             f"{result.stderr[-3000:]}")
+    return Path(gguf_path)
 
 
 def installed_model_names() -> str:

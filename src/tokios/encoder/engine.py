@@ -160,6 +160,14 @@ class EncoderEngine:
         cross-encoder), float32 on the CPU. Cancelling the caller drops its inputs not yet run."""
         if not inputs:
             raise InvalidRequestError("no input to encode", param="input")
+        for index, ids in enumerate(inputs):
+            # Checked here, not in the step: a bad id or length in a step would fail every request.
+            if not 0 < len(ids) <= self.max_model_len:
+                raise InvalidRequestError(f"input[{index}] has {len(ids)} tokens; this model takes 1 to "
+                                          f"{self.max_model_len}", param="input")
+            if min(ids) < 0 or max(ids) >= self.vocab_size:
+                raise InvalidRequestError(f"input[{index}] has a token id outside the vocabulary [0, "
+                                          f"{self.vocab_size})", param="input")
         self.start()
         loop = asyncio.get_running_loop()
         request = _EncodeRequest(loop, loop.create_future(), [None] * len(inputs), len(inputs),

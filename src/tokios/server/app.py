@@ -64,6 +64,7 @@ class ServerState:
         self.responses_store = ResponseStore(settings.responses_store_size, settings.responses_store_ttl_s)
         registry.make_serving = lambda engine, spec: Serving(engine, self.settings, self.metrics, self.admission,
                                                              spec.names)
+        registry.describe_serving = lambda serving: serving.embedding.card()
         registry.on_loaded = self._watch_engine
         # Tasks that run beside the server once the model is ready (e.g. the gateway connector of
         # `tokios serve --connect`), and what each wants done when draining starts.

@@ -219,6 +219,8 @@ class ModelRegistry:
         self.max_memory_bytes = max_memory_bytes
         # Builds the Serving of a freshly loaded engine (server/app.py supplies it).
         self.make_serving: Callable[[Any, ModelSpec], Any] = lambda engine, spec: None
+        # What a loaded model's /v1/models card adds (server/app.py supplies it: its vectors).
+        self.describe_serving: Callable[[Any], dict[str, Any]] = lambda serving: {}
         # Called with every engine once it is loaded (the app hooks engine failure here).
         self.on_loaded: Callable[[ModelEntry], None] = lambda entry: None
         self._room_lock = asyncio.Lock()
@@ -302,8 +304,6 @@ class ModelRegistry:
                 engine.start()
                 entry.engine = engine
                 entry.serving = self.make_serving(engine, entry.spec)
-                if entry.serving is not None:  # what the loaded model serves, now read from it
-                    entry.spec.kind = entry.serving.kind
                 entry.load_seconds = time.monotonic() - started
                 entry.last_error = None
                 entry.last_used = time.monotonic()
@@ -396,11 +396,10 @@ class ModelRegistry:
             for name in entry.spec.names:
                 card: dict[str, Any] = {"id": name, "object": "model", "created": created, "owned_by": "tokios",
                                         "state": entry.state}
+                card["kind"] = entry.spec.kind
                 if entry.serving is not None:
                     card["max_model_len"] = entry.serving.max_model_len
-                    card.update(entry.serving.embedding.card())
-                else:
-                    card["kind"] = entry.spec.kind
+                    card.update(self.describe_serving(entry.serving))
                 cards.append(card)
         return cards
 

@@ -17,7 +17,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tokios.encoder.loader import RERANK
-from tokios.errors import InvalidRequestError
 from tokios.server.body import JsonBool, JsonInt, RequestBody, ResponseBody
 from tokios.server.dialects.dialect import DATA_ONLY, Dialect, Route, model_route
 from tokios.server.embeddings import rerank
@@ -59,9 +58,8 @@ class RerankResponse(ResponseBody):
 async def _rerank(http_request: Request, body: RerankRequest, lease: ModelLease) -> Response:
     serving = lease.serving
     texts = body.texts()
-    if body.top_n is not None and body.top_n > len(texts):
-        raise InvalidRequestError(f"top_n is {body.top_n}, more than the {len(texts)} documents", param="top_n")
     scores, num_tokens = await rerank(serving, http_request, body.query, texts, truncate=body.truncation)
+    # top_n past the number of documents returns them all, as Cohere's and Jina's do.
     order = sorted(range(len(texts)), key=lambda index: -scores[index])[:body.top_n]
     results: list[dict[str, Any]] = []
     for index in order:

@@ -109,16 +109,10 @@ def fetch_llama_cpp_sources() -> Path:
 
 
 def convert_hf_directory(hf_directory, gguf_path, outtype: str = "f16") -> Path:
-    """llama.cpp's convert_hf_to_gguf.py (the pinned sources) on a Hugging Face directory, as a
-    user runs it (its own gguf-py first on the path, as the script arranges); a failure shows the
-    script's last output."""
-    script = fetch_llama_cpp_sources() / "convert_hf_to_gguf.py"
-    result = subprocess.run([sys.executable, str(script), str(hf_directory), "--outfile", str(gguf_path),
-                             "--outtype", outtype], capture_output=True, text=True)
-    if result.returncode != 0 or not Path(gguf_path).is_file():
-        raise TokiosError(f"convert_hf_to_gguf.py failed ({result.returncode}) on {hf_directory}:\n"
-                          f"{result.stderr[-3000:]}")
-    return Path(gguf_path)
+    """model_files.convert_hf_directory, the pinned sources downloaded first if need be."""
+    from tokios import model_files
+
+    return model_files.convert_hf_directory(hf_directory, gguf_path, outtype, fetch_llama_cpp_sources())
 
 
 def build_llama_server(*, num_jobs: int = 2) -> str:

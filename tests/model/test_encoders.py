@@ -219,3 +219,24 @@ def test_text_with_the_declared_query_prompt_equals_sentence_transformers_encode
         ids = [encoder.tokenizer.encode(prompt + text) for text in texts]
         cosine = torch.nn.functional.cosine_similarity(engine_vectors(encoder, ids), expected, dim=-1)
         assert cosine.min().item() >= COSINE_MIN, f"{name} {source}: cosines {cosine.tolist()}"
+
+
+def test_the_encoder_engine_serves_the_gguf(tiny, token_ids):
+    """The server's path: EncoderEngine loads the file by path and encodes the inputs."""
+    import asyncio
+
+    from tokios.config import EngineConfig, LoadConfig
+    from tokios.encoder.engine import EncoderEngine
+
+    name, model = tiny
+    engine = EncoderEngine(EngineConfig(load=LoadConfig(model=str(model.gguf_path))))
+
+    async def encode() -> torch.Tensor:
+        try:
+            return await engine.encode(token_ids)
+        finally:
+            await engine.shutdown()
+
+    assert engine.vocab_size == model.vocab_size
+    cosine = torch.nn.functional.cosine_similarity(asyncio.run(encode()), reference_vectors(model, token_ids), dim=-1)
+    assert cosine.min().item() >= COSINE_MIN, f"{name}: cosines {cosine.tolist()}"

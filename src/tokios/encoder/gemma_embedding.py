@@ -54,6 +54,10 @@ class GemmaEmbeddingConfig:
     def max_positions(self) -> int:
         return self.layers.max_model_len
 
+    @property
+    def vocab_size(self) -> int:
+        return self.layers.vocab_size
+
 
 def config_from_gguf(metadata: Mapping[str, Any], architecture: str, name: str) -> GemmaEmbeddingConfig:
     def key(suffix: str, default: Any = None) -> Any:

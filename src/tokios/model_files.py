@@ -191,16 +191,16 @@ def unpack_llama_cpp_sources(archive: str | os.PathLike) -> Path:
 
 
 def convert_hf_directory(hf_directory: str | os.PathLike, gguf_path: str | os.PathLike, outtype: str = "f16",
-                         sources: Path | None = None) -> Path:
+                         sources: Path | None = None, options: tuple[str, ...] = ()) -> Path:
     """llama.cpp's convert_hf_to_gguf.py (the pinned sources) on a Hugging Face directory, as a
-    user runs it (its own gguf-py first on the path, as the script arranges); a failure shows the
-    script's last output."""
+    user runs it (its own gguf-py first on the path, as the script arranges), with the script's
+    own `options` (--sentence-transformers-dense-modules); a failure shows its last output."""
     import subprocess
     import sys
 
     script = (sources or llama_cpp_sources()) / "convert_hf_to_gguf.py"
     result = subprocess.run([sys.executable, str(script), str(hf_directory), "--outfile", str(gguf_path),
-                             "--outtype", outtype], capture_output=True, text=True)
+                             "--outtype", outtype, *options], capture_output=True, text=True)
     if result.returncode != 0 or not Path(gguf_path).is_file():
         raise ModelLoadError(f"convert_hf_to_gguf.py failed ({result.returncode}) on {hf_directory}:\n"
                              f"{result.stderr[-3000:]}")

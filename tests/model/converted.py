@@ -155,12 +155,12 @@ def _proto_field(number: int, value, wire: int = 2) -> bytes:
     return key + (varint(len(value)) + value if wire == 2 else value)
 
 
-def convert_to_gguf(hf_directory: Path, gguf_path: Path, outtype: str = "f32") -> Path:
+def convert_to_gguf(hf_directory: Path, gguf_path: Path, outtype: str = "f32", options: tuple[str, ...] = ()) -> Path:
     """llama.cpp's convert_hf_to_gguf.py on `hf_directory`, as a user runs it (the same call
-    `tokios bench random-model` makes)."""
+    `tokios bench random-model` makes), with the script's own `options`."""
     from tokios.tools.bench.peers import convert_hf_directory
 
-    return convert_hf_directory(hf_directory, gguf_path, outtype)
+    return convert_hf_directory(hf_directory, gguf_path, outtype, options)
 
 
 @dataclass

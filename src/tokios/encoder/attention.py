@@ -4,7 +4,7 @@ Every group of inputs (batch.py) is gathered into a padded [inputs, heads, max_l
 block for one scaled_dot_product_attention call and scattered back, so the padding costs only
 attention, never the matrix products. Bidirectional by default; `causal` for a decoder read as
 an encoder (last-token pooling), `window` for sliding-window layers (both directions when
-bidirectional).
+bidirectional). `rotary_embedding` makes the RoPE tables of an encoder with rotary positions.
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tokios.config import ModelConfig
 from tokios.encoder.batch import EncoderBatch
+from tokios.model.rope import RotaryEmbedding
 
 
 def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: EncoderBatch, *,
@@ -35,3 +37,11 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         padded.append(flat[group.valid_slots])
     gathered = padded[0] if len(padded) == 1 else torch.cat(padded)
     return gathered[batch.restore_order]
+
+
+def rotary_embedding(head_dim: int, theta: float, max_positions: int, device: torch.device) -> RotaryEmbedding:
+    """Unscaled RoPE over whole heads, in model/rope.py's "rotate half" layout (the one llama.cpp's
+    NEOX rotation and transformers use; the encoders' converters leave Q/K unpermuted)."""
+    shape = ModelConfig(architecture="", num_layers=0, hidden_size=head_dim, intermediate_size=0, num_heads=1,
+                        num_kv_heads=1, head_dim=head_dim, vocab_size=0, max_model_len=max_positions, rope_theta=theta)
+    return RotaryEmbedding(shape, max_positions, device, torch.float32)

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from tokios.encoder import bert
-from tokios.encoder.declared import (CLS, RANK, EmbeddingDeclaration, declaration_from_directory,
+from tokios.encoder import bert, gemma_embedding, nomic_bert
+from tokios.encoder.declared import (CLS, MEAN, RANK, EmbeddingDeclaration, declaration_from_directory,
                                      declaration_from_gguf, sentence_transformers_modules)
 from tokios.encoder.heads import ClassifierHead, EmbeddingHead
 from tokios.errors import ModelLoadError, UnsupportedError
@@ -33,9 +33,14 @@ class EncoderArchitecture:
 
 ARCHITECTURES: dict[str, EncoderArchitecture] = {
     "bert": EncoderArchitecture("bert", bert, CLS),
+    "nomic-bert": EncoderArchitecture("nomic-bert", nomic_bert, MEAN),
+    "gemma-embedding": EncoderArchitecture("gemma-embedding", gemma_embedding, MEAN),
 }
 # Hugging Face config.json `architectures` -> (llama.cpp architecture, is a cross-encoder).
-HF_ARCHITECTURES = {"BertModel": ("bert", False), "BertForSequenceClassification": ("bert", True)}
+HF_ARCHITECTURES = {"BertModel": ("bert", False), "BertForSequenceClassification": ("bert", True),
+                    "NomicBertModel": ("nomic-bert", False),
+                    # A bidirectional one (use_bidirectional_attention); gemma_embedding refuses a causal one.
+                    "Gemma3TextModel": ("gemma-embedding", False)}
 
 
 def register_architecture(architecture: EncoderArchitecture, hf_names: dict[str, bool]) -> None:

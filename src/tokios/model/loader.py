@@ -70,7 +70,7 @@ _GGUF_SHARED_EXPERT_NAMES = {
 }
 # Gemma's four norms per layer: attn_norm and ffn_norm are the pre-norms; llama.cpp's converter
 # stores every Gemma norm weight as (1 + w), so they multiply as stored.
-_GGUF_LAYER_NAMES_BY_ARCHITECTURE = {
+GGUF_LAYER_NAMES_BY_ARCHITECTURE = {
     "gemma3": {**_GGUF_LAYER_NAMES, **_GGUF_HEAD_NORM_NAMES,
                "ffn_norm.weight": "pre_feedforward_layernorm.weight",
                "post_attention_norm.weight": "post_attention_layernorm.weight",
@@ -88,8 +88,8 @@ _GGUF_LAYER_NAMES_BY_ARCHITECTURE = {
 }
 # Gemma 4 (converter: conversion/gemma.py Gemma4Model) adds the per-layer input embedding's
 # gate, projection and norm, and a scalar on each layer's output; its norms are stored as is.
-_GGUF_LAYER_NAMES_BY_ARCHITECTURE["gemma4"] = {
-    **_GGUF_LAYER_NAMES_BY_ARCHITECTURE["gemma3"],
+GGUF_LAYER_NAMES_BY_ARCHITECTURE["gemma4"] = {
+    **GGUF_LAYER_NAMES_BY_ARCHITECTURE["gemma3"],
     "inp_gate.weight": "per_layer_input_gate.weight",
     "proj.weight": "per_layer_projection.weight",
     "post_norm.weight": "post_per_layer_input_norm.weight",
@@ -102,7 +102,7 @@ _GGUF_LAYER_NAMES_BY_ARCHITECTURE["gemma4"] = {
     "post_ffw_norm_2.weight": "post_feedforward_layernorm_2.weight"}
 # gpt-oss (converter: conversion/gpt_oss.py): biases on the attention output, the sinks, the
 # norm before the experts (llama.cpp's attn_post_norm), the biased router and experts.
-_GGUF_LAYER_NAMES_BY_ARCHITECTURE["gpt-oss"] = {
+GGUF_LAYER_NAMES_BY_ARCHITECTURE["gpt-oss"] = {
     **_GGUF_LAYER_NAMES,
     "post_attention_norm.weight": "post_attention_layernorm.weight",
     "attn_output.bias": "self_attn.o_proj.bias",
@@ -201,7 +201,7 @@ def weights_from_gguf(gguf: GGUFFile, config: ModelConfig,
     """The file's tensors in Hugging Face names; with `keep`, only those whose name it accepts
     are read at all (a parallel rank reads its own layers, not the whole file)."""
     weights: dict[str, torch.Tensor | PackedWeight] = {}
-    layer_names = _GGUF_LAYER_NAMES_BY_ARCHITECTURE.get(config.architecture, _GGUF_LAYER_NAMES)
+    layer_names = GGUF_LAYER_NAMES_BY_ARCHITECTURE.get(config.architecture, _GGUF_LAYER_NAMES)
     unpermute = config.architecture not in _UNPERMUTED_ROPE_ARCHITECTURES
     for name, info in gguf.tensors.items():
         if name in _GGUF_TOP_NAMES:

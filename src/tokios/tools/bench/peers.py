@@ -108,11 +108,11 @@ def fetch_llama_cpp_sources() -> Path:
     return model_files.unpack_llama_cpp_sources(archive)
 
 
-def convert_hf_directory(hf_directory, gguf_path, outtype: str = "f16") -> Path:
+def convert_hf_directory(hf_directory, gguf_path, outtype: str = "f16", options: tuple[str, ...] = ()) -> Path:
     """model_files.convert_hf_directory, the pinned sources downloaded first if need be."""
     from tokios import model_files
 
-    return model_files.convert_hf_directory(hf_directory, gguf_path, outtype, fetch_llama_cpp_sources())
+    return model_files.convert_hf_directory(hf_directory, gguf_path, outtype, fetch_llama_cpp_sources(), options)
 
 
 def build_llama_server(*, num_jobs: int = 2) -> str:

@@ -23,20 +23,17 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     -> [num_tokens, num_heads * head_dim]."""
     num_tokens, num_heads, head_dim = query.shape
     is_gqa = key.shape[1] != num_heads
-    padded = []
-    # One zero row past the end: padding slots gather it.
-    pad = lambda tensor: torch.cat([tensor, tensor.new_zeros((1, *tensor.shape[1:]))])  # noqa: E731
-    query, key, value = pad(query), pad(key), pad(value)
+    out = query.new_empty((num_tokens, num_heads * head_dim))
     for group in batch.groups:
+        # Padding slots gather row 0: the mask hides them as keys, and their query rows are dropped.
         gather = group.gather_index
         # [inputs, max_len, heads, head_dim] -> [inputs, heads, max_len, head_dim]
         q, k, v = (tensor[gather].transpose(1, 2) for tensor in (query, key, value))
-        mask = group.mask(causal, window)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=is_gqa)
-        flat = out.transpose(1, 2).reshape(-1, num_heads * head_dim)  # [inputs * max_len, heads * head_dim]
-        padded.append(flat[group.valid_slots])
-    gathered = padded[0] if len(padded) == 1 else torch.cat(padded)
-    return gathered[batch.restore_order]
+        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask(causal, window), scale=scale,
+                                                  enable_gqa=is_gqa)
+        flat = attended.transpose(1, 2).reshape(-1, num_heads * head_dim)  # [inputs * max_len, heads * head_dim]
+        out.index_copy_(0, group.token_rows, flat.index_select(0, group.valid_slots))
+    return out
 
 
 def rotary_embedding(head_dim: int, theta: float, max_positions: int, device: torch.device) -> RotaryEmbedding:

@@ -22,10 +22,10 @@ MAX_PADDING_FACTOR = 1.5
 class AttentionGroup:
     """Inputs of similar length, attended as one padded [num_inputs, max_len] block."""
 
-    gather_index: torch.Tensor  # [num_inputs, max_len] long: packed row of each slot (num_tokens: padding)
+    gather_index: torch.Tensor  # [num_inputs, max_len] long: packed row of each slot (row 0 for padding)
     is_valid: torch.Tensor  # [num_inputs, max_len] bool
-    valid_slots: torch.Tensor  # [num_valid] long: flat slots that hold tokens, in packed order
-    lengths: torch.Tensor  # [num_inputs] long
+    valid_slots: torch.Tensor  # [num_valid] long: flat slots that hold tokens
+    token_rows: torch.Tensor  # [num_valid] long: the packed row of each of those slots
     _masks: dict = field(default_factory=dict)
 
     def mask(self, causal: bool, window: int | None) -> torch.Tensor | None:
@@ -58,8 +58,6 @@ class EncoderBatch:
     seq_lens: tuple[int, ...]
     starts: torch.Tensor  # [num_inputs] long: first packed row of each input
     groups: list[AttentionGroup]
-    # Packed rows in the order the groups' outputs come back; its inverse puts them in place.
-    restore_order: torch.Tensor  # [num_tokens] long
 
     @property
     def num_tokens(self) -> int:
@@ -89,20 +87,17 @@ class EncoderBatch:
             starts.append(offset)
             offset += length
         positions = [position for length in seq_lens for position in range(length)]
-        groups, order = _attention_groups(seq_lens, starts, len(flat_ids), device)
-        restore = torch.empty(len(flat_ids), dtype=torch.long)
-        restore[torch.tensor(order, dtype=torch.long)] = torch.arange(len(flat_ids))
+        groups = _attention_groups(seq_lens, starts, device)
         return cls(input_ids=torch.tensor(flat_ids, dtype=torch.long, device=device),
                    token_type_ids=torch.tensor(flat_types, dtype=torch.long, device=device),
                    positions=torch.tensor(positions, dtype=torch.long, device=device),
                    seq_lens=seq_lens, starts=torch.tensor(starts, dtype=torch.long, device=device),
-                   groups=groups, restore_order=restore.to(device))
+                   groups=groups)
 
 
-def _attention_groups(seq_lens: tuple[int, ...], starts: list[int], num_tokens: int,
-                      device) -> tuple[list[AttentionGroup], list[int]]:
+def _attention_groups(seq_lens: tuple[int, ...], starts: list[int], device) -> list[AttentionGroup]:
     """Inputs sorted by length, cut into groups whose padded area stays within
-    MAX_PADDING_FACTOR of their tokens; also the packed rows in the groups' output order."""
+    MAX_PADDING_FACTOR of their tokens."""
     by_length = sorted(range(len(seq_lens)), key=lambda index: seq_lens[index], reverse=True)
     members: list[list[int]] = []
     for index in by_length:
@@ -114,15 +109,16 @@ def _attention_groups(seq_lens: tuple[int, ...], starts: list[int], num_tokens: 
                 current.append(index)
                 continue
         members.append([index])
-    groups, order = [], []
+    groups = []
     for group in members:
         max_len = seq_lens[group[0]]
-        gather = torch.full((len(group), max_len), num_tokens, dtype=torch.long)
+        gather = torch.zeros((len(group), max_len), dtype=torch.long)
+        is_valid = torch.zeros((len(group), max_len), dtype=torch.bool)
         for row, index in enumerate(group):
             gather[row, :seq_lens[index]] = torch.arange(starts[index], starts[index] + seq_lens[index])
-            order.extend(range(starts[index], starts[index] + seq_lens[index]))
-        is_valid = gather < num_tokens
+            is_valid[row, :seq_lens[index]] = True
+        valid_slots = is_valid.reshape(-1).nonzero().squeeze(1)
         groups.append(AttentionGroup(gather_index=gather.to(device), is_valid=is_valid.to(device),
-                                     valid_slots=is_valid.reshape(-1).nonzero().squeeze(1).to(device),
-                                     lengths=torch.tensor([seq_lens[index] for index in group], device=device)))
-    return groups, order
+                                     valid_slots=valid_slots.to(device),
+                                     token_rows=gather.reshape(-1)[valid_slots].to(device)))
+    return groups

@@ -23,10 +23,12 @@ def pool(hidden: torch.Tensor, batch: EncoderBatch, pooling: str) -> torch.Tenso
     if pooling == LAST:
         return hidden[batch.ends]
     if pooling == MEAN:
-        lengths = torch.tensor(batch.seq_lens, device=hidden.device)
-        owner = torch.repeat_interleave(torch.arange(batch.num_inputs, device=hidden.device), lengths)
-        sums = hidden.new_zeros((batch.num_inputs, hidden.shape[1])).index_add_(0, owner, hidden)
-        return sums / lengths[:, None].to(hidden.dtype)
+        # Each input's sum as a difference of running sums (float64, so no input's sum loses digits
+        # to the ones before it): index_add_ over the packed rows ran serially, 60 ms for 2,400 rows.
+        running = F.pad(hidden.double().cumsum(0), (0, 0, 1, 0))
+        sums = running[batch.ends + 1] - running[batch.starts]
+        lengths = torch.tensor(batch.seq_lens, device=hidden.device, dtype=torch.float64)
+        return (sums / lengths[:, None]).to(hidden.dtype)
     raise ValueError(f"pooling must be mean, cls or last, got {pooling!r}")
 
 

@@ -7,7 +7,8 @@ appended token as EOS with add_eos_token; the prompts are not carried).
 
 The engine's last-token pooling requests (what server/embeddings.py sends for such a model),
 L2-normalised, equal sentence-transformers' encode on the directory, with and without the query
-prompt (both put the prompt's text before the input's and tokenize the whole).
+prompt (both put the prompt's text before the input's and tokenize the whole); and so do the
+server's /v1/embeddings vectors, its prompt_name read from the directory's declaration.
 
 Tolerance: cosine >= COSINE_MIN; the lowest measured was 1 - 1.2e-7 (float32); a vector pooled at
 the wrong token (the one before the appended <|endoftext|>) scored at most 0.39.
@@ -16,6 +17,7 @@ the wrong token (the one before the appended <|endoftext|>) scored at most 0.39.
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -139,3 +141,31 @@ def test_last_token_vectors_equal_sentence_transformers_with_and_without_the_pro
             assert cosines.min() >= COSINE_MIN, (prompt_name, cosines.tolist())
     finally:
         llm.close()
+
+
+def test_the_server_embeds_with_the_declared_prompt_on_the_generative_engine(qwen3_embedding, sentence_transformer):
+    """/v1/embeddings on the directory (server/embeddings.py: the declared prompt before each
+    text, last-token pooling requests, normalisation) against sentence-transformers."""
+    from starlette.testclient import TestClient
+
+    from tokios.config import EngineConfig
+    from tokios.engine.async_engine import AsyncEngine
+    from tokios.server.app import create_app
+    from tokios.server.registry import ModelRegistry, ModelSpec
+    from tokios.server.serving import ServerSettings
+
+    path = str(qwen3_embedding[0])
+    spec = ModelSpec(names=["embedder"], path=path, kind=model_kind(path), load=lambda: AsyncEngine(
+        EngineConfig.from_options(model=path, dtype="float32", kv_cache_memory="64MiB")))
+    with TestClient(create_app(ServerSettings(), registry=ModelRegistry([spec]))) as client:
+        while client.get("/health").json()["status"] == "loading":
+            time.sleep(0.05)
+        for prompt_name in (None, "query"):
+            body = {"model": "embedder", "input": TEXTS, **({"prompt_name": prompt_name} if prompt_name else {})}
+            response = client.post("/v1/embeddings", json=body)
+            assert response.status_code == 200, response.text
+            ours = torch.tensor([item["embedding"] for item in response.json()["data"]])
+            expected = sentence_transformer.encode(TEXTS, prompt_name=prompt_name, convert_to_tensor=True).float()
+            cosines = (ours * expected).sum(dim=-1)
+            assert cosines.min() >= COSINE_MIN, (prompt_name, cosines.tolist())
+            assert torch.allclose(ours.norm(dim=-1), torch.ones(len(TEXTS)), atol=1e-5)

@@ -9,6 +9,7 @@ this package serves (and which); the server picks its engine by it.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from tokios.encoder.declared import (CLS, MEAN, RANK, EmbeddingDeclaration, decl
 from tokios.encoder.heads import ClassifierHead, EmbeddingHead
 from tokios.errors import ModelLoadError, UnsupportedError
 
+logger = logging.getLogger("tokios.engine")
 
 @dataclass(frozen=True)
 class EncoderArchitecture:
@@ -135,7 +137,7 @@ def load_encoder(path: str, weight_format: str = "stored", device: torch.device 
                                             default_pooling=architecture.default_pooling)
         weights = read_gguf_tensors(gguf)
         tokenizer_source = gguf.metadata
-    head = _make_head(declaration, weights, device)
+    head = _make_head(declaration, weights, device, path)
     try:
         model = architecture.module.Model(config, weights, weight_format, device)
     except KeyError as exc:
@@ -148,7 +150,7 @@ def load_encoder(path: str, weight_format: str = "stored", device: torch.device 
                          time.perf_counter() - started)
 
 
-def _make_head(declaration: EmbeddingDeclaration, weights: dict, device: torch.device):
+def _make_head(declaration: EmbeddingDeclaration, weights: dict, device: torch.device, path: str):
     from tokios.model.quant import as_dense
 
     if declaration.pooling != RANK:
@@ -158,6 +160,13 @@ def _make_head(declaration: EmbeddingDeclaration, weights: dict, device: torch.d
         return EmbeddingHead(declaration, weights, device)
     if "cls.output.weight" not in weights:
         raise ModelLoadError("a cross-encoder without its classifier (cls.output.weight)")
+    if "cls.weight" not in weights:
+        # llama.cpp's converter drops BERT's pooler; llama.cpp then classifies the [CLS] state
+        # itself (llama-graph.cpp build_pooling), and so do we, to score the file as it does.
+        logger.warning("%s: this cross-encoder has no pooler layer (llama.cpp's converter drops BERT's "
+                       "pooler.dense): its scores are the classifier on the [CLS] hidden state, as llama.cpp "
+                       "computes them, not transformers' classifier(tanh(pooler([CLS]))) on the original "
+                       "model; serve the Hugging Face directory for those", path)
 
     def pair(stem: str):
         weight = weights.pop(f"{stem}.weight", None)

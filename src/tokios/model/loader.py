@@ -260,20 +260,40 @@ def model_config_from_hf(directory: str) -> ModelConfig:
     return model_config_from_shape(shape)
 
 
-def weights_from_hf(directory: str, keep: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
+def weights_from_hf(directory: str, keep: Callable[[str], bool] | None = None,
+                    prefix: str = "") -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors by name (`prefix` put before each name, `keep` asked with it)."""
     from safetensors import safe_open
 
+    weights: dict[str, torch.Tensor] = {}
+    for file_name in _safetensors_files(directory):
+        with safe_open(os.path.join(directory, file_name), framework="pt") as handle:
+            for name in handle.keys():
+                if keep is None or keep(prefix + name):
+                    # its own dtype: --dtype auto multiplies bfloat16 weights in bfloat16
+                    weights[prefix + name] = handle.get_tensor(name)
+    return weights
+
+
+def _safetensors_files(directory: str) -> list[str]:
     files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
     if not files:
         raise ModelLoadError(f"{directory}: no *.safetensors weight files")
-    weights: dict[str, torch.Tensor] = {}
-    for file_name in files:
+    return files
+
+
+def _base_model_prefix(directory: str) -> str:
+    """"model." when a causal LM's checkpoint holds its base model's tensors under their own
+    names (Qwen3-Embedding: config.json names Qwen3ForCausalLM over Qwen3Model's `embed_tokens`,
+    `layers.N...`, as sentence-transformers saves it), else ""."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for file_name in _safetensors_files(directory):
         with safe_open(os.path.join(directory, file_name), framework="pt") as handle:
-            for name in handle.keys():
-                if keep is None or keep(name):
-                    # its own dtype: --dtype auto multiplies bfloat16 weights in bfloat16
-                    weights[name] = handle.get_tensor(name)
-    return weights
+            names.update(handle.keys())
+    is_base_model = "embed_tokens.weight" in names and not any(name.startswith("model.") for name in names)
+    return "model." if is_base_model else ""
 
 
 def read_model_file(path: str, part_of: Callable[[ModelConfig], ModelPart] | None = None,
@@ -285,7 +305,7 @@ def read_model_file(path: str, part_of: Callable[[ModelConfig], ModelPart] | Non
     if os.path.isdir(path):
         config = model_config_from_hf(path)
         keep = _weights_to_read(part_of, config)
-        weights = weights_from_hf(path, keep)
+        weights = weights_from_hf(path, keep, _base_model_prefix(path))
         tokenizer_source: Any = path
     else:
         gguf = GGUFFile(path)

@@ -86,7 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="deadline in seconds of the one-token generation of GET /health?generate=1 "
                              "(default 10)")
     server.add_argument("--pooling", default="mean", choices=["mean", "last"],
-                        help="how /v1/embeddings and /api/embed pool the prompt's final hidden states (default mean)")
+                        help="how /v1/embeddings and /api/embed pool a chat model's final hidden states (default "
+                             "mean); an embedding model pools as its file declares")
     server.add_argument("--reasoning-format", default="auto", choices=list(FORMAT_CHOICES),
                         help="how a reasoning model's output splits into thinking and answer: think (<think> "
                              "blocks), harmony (gpt-oss channels), none; auto reads it from the chat template "

@@ -9,11 +9,17 @@ run of about a minute each, cached afterwards under ~/.cache/tokios/kernels). Th
 in the background as soon as the session has collected them, and the tests themselves run last,
 so the compiling overlaps the rest of the suite instead of holding up the unit tier. `--fast`
 leaves them out.
+
+all-MiniLM-L6-v2 (the embedding model the model and server tiers both use) is a session fixture
+here: its sentence-transformers directory, and the F32 GGUF llama.cpp's converter makes of it,
+both kept in the models directory by the set-up (tokios.model_files).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import pytest
 
 TESTS = Path(__file__).parent
 UNIT_TIER = TESTS / "unit"
@@ -67,3 +73,22 @@ def pytest_collection_finish(session):
             start = getattr(item.module, "start_older_builds", None)
             if start is not None:
                 start()
+
+
+@pytest.fixture(scope="session")
+def minilm_directory() -> Path:
+    """all-MiniLM-L6-v2's sentence-transformers directory, as the set-up unpacked it into the
+    models directory (unpacked there now if the set-up did not). Read only: a test that changes
+    a file works on a copy."""
+    from tokios.model_files import minilm_directory
+
+    return minilm_directory()
+
+
+@pytest.fixture(scope="session")
+def minilm_gguf() -> Path:
+    """all-MiniLM-L6-v2 as llama.cpp's convert_hf_to_gguf.py writes it in F32 (converted by the
+    set-up, or now, once)."""
+    from tokios.model_files import minilm_gguf_path
+
+    return minilm_gguf_path("f32")

@@ -151,6 +151,8 @@ def token_inputs(serving: Any, inputs: list[str | list[int]], *, prompt_name: st
     ids_list = []
     for index, item in enumerate(inputs):
         if isinstance(item, str):
+            if not item:
+                raise InvalidRequestError(f"{param}[{index}] is an empty string", param=param)
             ids = serving.tokenizer.encode(prompt + item, add_special_tokens=True)
         else:
             serving.check_token_ids(item, param)

@@ -11,9 +11,9 @@ models /openapi.json publishes) and dialects/openai/shapes.py shapes the answers
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from tokios.errors import InvalidRequestError
 from tokios.reasoning import ThinkingRequest
@@ -186,7 +186,16 @@ class ChatCompletionRequest(SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-PromptInput = str | list[str] | list[TokenId] | list[list[TokenId]]
+def _texts_or_token_ids(value: Any) -> Any:
+    # Checked first: for a list mixing the two, pydantic would report only why the list is not a
+    # string ("input.str: Input should be a valid string").
+    if isinstance(value, list) and any(isinstance(item, str) for item in value) \
+            and not all(isinstance(item, str) for item in value):
+        raise ValueError("a list mixes texts and token ids; send a list of texts or a list of token id lists")
+    return value
+
+
+PromptInput = Annotated[str | list[str] | list[TokenId] | list[list[TokenId]], BeforeValidator(_texts_or_token_ids)]
 
 
 def prompt_list(value: PromptInput, param: str) -> list[str | list[int]]:
@@ -265,7 +274,9 @@ class TokenizeRequest(RequestBody):
 
 class EmbeddingRequest(RequestBody):
     model: str | None = None
-    input: PromptInput
+    # Texts must not be empty, nor token id lists (a constraint on whichever shape is sent).
+    input: PromptInput = Field(json_schema_extra={"minLength": 1, "minItems": 1,
+                                                  "items": {"minLength": 1, "minItems": 1}})
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: JsonInt | None = Field(default=None, ge=1)
     user: str | None = None

@@ -154,11 +154,29 @@ def token_inputs(serving: Any, inputs: list[str | list[int]], *, prompt_name: st
             if not item:
                 raise InvalidRequestError(f"{param}[{index}] is an empty string", param=param)
             ids = serving.tokenizer.encode(prompt + item, add_special_tokens=True)
+            if truncate and len(ids) > service.max_input_tokens:
+                ids = _cut_text_keeping_special_tokens(serving.tokenizer, prompt + item, ids,
+                                                       service.max_input_tokens)
         else:
             serving.check_token_ids(item, param)
             ids = list(item)
         ids_list.append(service.fit(ids, index, truncate, param))
     return ids_list
+
+
+def _cut_text_keeping_special_tokens(tokenizer: Any, text: str, ids: list[int], limit: int) -> list[int]:
+    """A text's first tokens within `limit`, with the special tokens the tokenizer puts around it
+    ([CLS] ... [SEP]) still in place, as sentence-transformers' and Hugging Face's truncation
+    leave them: the model was trained on inputs that end in [SEP]."""
+    text_ids = tokenizer.encode(text, add_special_tokens=False)
+    num_text_tokens = len(text_ids)
+    for start in range(len(ids) - num_text_tokens + 1):
+        if ids[start:start + num_text_tokens] == text_ids:
+            head, tail = ids[:start], ids[start + num_text_tokens:]
+            if len(head) + len(tail) < limit:
+                return head + text_ids[:limit - len(head) - len(tail)] + tail
+            break
+    return ids[:limit]
 
 
 async def embed(serving: Any, http_request: Request, ids_list: list[list[int]], lease: Any, *,

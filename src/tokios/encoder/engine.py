@@ -277,6 +277,14 @@ class EncoderEngine:
                            num_prompt_tokens=self._num_prompt_tokens, num_generation_tokens=0,
                            num_steps=self._num_steps)
 
+    def check_invariants(self) -> None:
+        """With no request in flight, nothing may wait in the queue but inputs of cancelled
+        requests (dropped at the next step); /v1/engine/stats reports a breach."""
+        with self._lock:
+            num_live = sum(not item.request.is_cancelled for item in self._queue)
+            if self._num_in_flight == 0 and num_live:
+                raise AssertionError(f"{num_live} queued inputs belong to no request in flight")
+
     def stall_report(self, timeout_s: float) -> tuple[str, str] | None:
         if not self._num_in_flight:
             return None

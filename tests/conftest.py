@@ -92,3 +92,39 @@ def minilm_gguf() -> Path:
     from tokios.model_files import minilm_gguf_path
 
     return minilm_gguf_path("f32")
+
+
+@pytest.fixture(scope="session")
+def tiny_cross_encoder(minilm_directory, tmp_path_factory):
+    """(Hugging Face directory, the transformers model) of a tiny seeded random one-label
+    BertForSequenceClassification with all-MiniLM-L6-v2's WordPiece vocabulary and a position
+    table of 96, saved as users get such a directory; the model and server tiers both score it."""
+    import shutil
+
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(minilm_directory))
+    config = transformers.BertConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=96, type_vocab_size=2, num_labels=1, initializer_range=0.2,
+        architectures=["BertForSequenceClassification"])
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            # transformers makes norm weights ones and biases zeros: drawn here so that a
+            # misplaced one shows, and the document's token type row differs from the query's.
+            if "LayerNorm.weight" in name:
+                parameter.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                parameter.normal_(0.0, 0.2)
+        # The classifier reads a tanh-bounded pooler output: a larger weight spreads the scores
+        # over several units (the pairs' sigmoids then differ clearly).
+        model.classifier.weight.mul_(4.0)
+    directory = tmp_path_factory.mktemp("tiny-cross-encoder") / "hf"
+    model.save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(minilm_directory / name, directory / name)
+    return directory, model

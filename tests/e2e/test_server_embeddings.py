@@ -4,10 +4,10 @@ through the official clients (`openai`, LangChain's OpenAIEmbeddings, `ollama`) 
 One server for the module: SmolLM2 (the default, a chat model whose vectors are pooled hidden
 states), all-MiniLM-L6-v2 as its sentence-transformers directory, as llama.cpp's F32 GGUF and as
 a copy of the directory that declares Matryoshka sizes, and a tiny seeded cross-encoder
-(transformers' BertForSequenceClassification with MiniLM's tokenizer). Vectors are checked
-against sentence-transformers' `encode` on the same texts, relevance scores against transformers'
-own forward of the cross-encoder; each route refuses a model of another kind with a 400; bad
-inputs get 400s naming the field; concurrent requests get the vectors sequential ones get.
+(tests/conftest.py's `tiny_cross_encoder`). Vectors are checked against sentence-transformers'
+`encode` on the same texts, relevance scores against transformers' own forward of the
+cross-encoder; each route refuses a model of another kind with a 400; bad inputs get 400s naming
+the field; concurrent requests get the vectors sequential ones get.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ LONG_TEXT = " ".join(f"sentence {index} talks about retrieval, vectors and reran
 MIN_COSINE = 0.9999
 # A vector from 16 concurrent requests against the same from sequential ones: measured 1.5e-7 at most.
 BATCHING_TOLERANCE = 1e-5
-# Relevance scores against transformers' sigmoid(logit) on the same weights: measured 1.0e-6 at most.
+# Relevance scores against transformers' sigmoid(logit) on the same weights: measured 1.6e-6 at most.
 SCORE_TOLERANCE = 1e-5
 
 
@@ -69,29 +69,12 @@ def matryoshka_directory(minilm_directory, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cross_encoder_directory(minilm_directory, tmp_path_factory):
-    """A tiny seeded one-label cross-encoder saved as transformers saves it, with MiniLM's tokenizer.
-    Its initialisation is wide enough that the documents' scores differ (a sort has something to do)."""
-    import torch
-    from transformers import BertConfig, BertForSequenceClassification
-
-    directory = tmp_path_factory.mktemp("cross-encoder")
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=512, num_labels=1, initializer_range=0.3)
-    BertForSequenceClassification(config).eval().save_pretrained(directory)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(minilm_directory / name, directory / name)
-    return directory
-
-
-@pytest.fixture(scope="module")
-def server(minilm_directory, minilm_gguf, matryoshka_directory, cross_encoder_directory):
+def server(minilm_directory, minilm_gguf, matryoshka_directory, tiny_cross_encoder):
     from tokios.model_files import default_model_path
 
     with serve("--model", str(default_model_path()), "--model", f"{minilm_directory}={MINILM}",
                "--model", f"{minilm_gguf}={MINILM_GGUF}", "--model", f"{matryoshka_directory}={MATRYOSHKA}",
-               "--model", f"{cross_encoder_directory}={RERANKER}", "--kv-cache-memory", "128MiB") as process:
+               "--model", f"{tiny_cross_encoder[0]}={RERANKER}", "--kv-cache-memory", "128MiB") as process:
         yield process
 
 
@@ -201,15 +184,15 @@ def test_ollama_client_and_the_legacy_route(server, http, expected, sentence_tra
 
 # ---- rerank ----------------------------------------------------------------------------------------
 
-def test_rerank_scores_equal_transformers_sorted_and_cut(http, cross_encoder_directory):
+def test_rerank_scores_equal_transformers_sorted_and_cut(http, tiny_cross_encoder):
     import torch
-    from transformers import AutoTokenizer, BertForSequenceClassification
+    from transformers import AutoTokenizer
 
     query = "Where do cats like to sit?"
     documents = ["Cats sit on mats and warm laptops.", "The stock market fell today.", "Dogs chase cats.",
                  "A mat is a flat piece of fabric.", "Quarterly revenue grew by four percent."]
-    tokenizer = AutoTokenizer.from_pretrained(cross_encoder_directory)
-    model = BertForSequenceClassification.from_pretrained(cross_encoder_directory).eval()
+    directory, model = tiny_cross_encoder
+    tokenizer = AutoTokenizer.from_pretrained(directory)
     with torch.no_grad():
         batch = tokenizer([query] * len(documents), documents, padding=True, return_tensors="pt")
         reference = torch.sigmoid(model(**batch).logits[:, 0]).tolist()

@@ -1,6 +1,7 @@
 """A BERT cross-encoder (BertForSequenceClassification, one label) as users get it: a tiny seeded
-random model with all-MiniLM-L6-v2's WordPiece vocabulary, saved as a Hugging Face directory and
-converted by llama.cpp's convert_hf_to_gguf.py.
+random model with all-MiniLM-L6-v2's WordPiece vocabulary, saved as a Hugging Face directory
+(tests/conftest.py's `tiny_cross_encoder`, which the server tests serve too) and converted by
+llama.cpp's convert_hf_to_gguf.py.
 
 The two files do not hold the same model. The converter drops BERT's pooler (dense + tanh on the
 [CLS] state, which transformers applies before the classifier), and llama.cpp's graph then puts
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import time
 
 import pytest
@@ -29,8 +29,6 @@ from tokios.encoder.batch import EncoderBatch
 from tokios.encoder.loader import EMBEDDING, RERANK, load_encoder, model_kind
 
 SCORE_ATOL = 1e-4
-# Position table of the tiny model: the longest pair it reads (the over-length test crosses it).
-MAX_POSITIONS = 96
 QUERY = "how do lighthouses warn ships at night?"
 DOCUMENTS = [
     "A lighthouse sends a beam of light from its lamp, turning so that ships see it flash.",
@@ -47,34 +45,12 @@ def _transformers():
 
 
 @pytest.fixture(scope="module")
-def cross_encoder(minilm_directory, tmp_path_factory):
-    """(HF directory, converted F32 GGUF, the transformers model) of a tiny seeded random
-    BertForSequenceClassification with one label."""
+def cross_encoder(tiny_cross_encoder):
+    """(HF directory, converted F32 GGUF, the transformers model) of the tiny seeded cross-encoder
+    (tests/conftest.py)."""
     from tokios.tools.bench.peers import convert_hf_directory
 
-    transformers = _transformers()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(minilm_directory))
-    config = transformers.BertConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        max_position_embeddings=MAX_POSITIONS, type_vocab_size=2, num_labels=1, initializer_range=0.2,
-        architectures=["BertForSequenceClassification"])
-    torch.manual_seed(0)
-    model = transformers.BertForSequenceClassification(config).eval()
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            # transformers makes norm weights ones and biases zeros: drawn here so that a
-            # misplaced one shows, and the document's token type row differs from the query's.
-            if "LayerNorm.weight" in name:
-                parameter.uniform_(0.5, 1.5)
-            elif name.endswith(".bias"):
-                parameter.normal_(0.0, 0.2)
-        # The classifier reads a tanh-bounded pooler output: a larger weight spreads the scores
-        # over several units (the pairs' sigmoids then differ clearly).
-        model.classifier.weight.mul_(4.0)
-    directory = tmp_path_factory.mktemp("tiny-cross-encoder") / "hf"
-    model.save_pretrained(directory)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(minilm_directory / name, directory / name)
+    directory, model = tiny_cross_encoder
     gguf = convert_hf_directory(directory, directory.parent / "cross-encoder-f32.gguf", "f32")
     return directory, gguf, model
 
@@ -162,12 +138,13 @@ def test_rerank_orders_by_sentence_transformers_scores_and_truncates_a_long_docu
     from sentence_transformers import CrossEncoder
 
     documents = [*DOCUMENTS, LONG_DOCUMENT]
+    max_positions = cross_encoder[2].config.max_position_embeddings  # LONG_DOCUMENT crosses it
     response = rerank_client.post("/v1/rerank", json={"model": "reranker", "query": QUERY, "documents": documents})
     assert response.status_code == 200, response.text
     results = response.json()["results"]
     # The long document loses its end, its closing [SEP] kept: sentence-transformers' truncation
     # to the same length (longest first, which cuts the document).
-    expected = CrossEncoder(str(cross_encoder[0]), device="cpu", max_length=MAX_POSITIONS).predict(
+    expected = CrossEncoder(str(cross_encoder[0]), device="cpu", max_length=max_positions).predict(
         [(QUERY, document) for document in documents], convert_to_tensor=True).float()
     assert [result["index"] for result in results] == torch.argsort(expected, descending=True).tolist()
     scores = torch.tensor([result["relevance_score"] for result in sorted(results, key=lambda r: r["index"])])
@@ -176,4 +153,4 @@ def test_rerank_orders_by_sentence_transformers_scores_and_truncates_a_long_docu
     refused = rerank_client.post("/v1/rerank", json={"model": "reranker", "query": QUERY, "documents": documents,
                                                      "truncation": False})
     assert refused.status_code == 400
-    assert json.dumps(refused.json()).count(f"limit of {MAX_POSITIONS}") == 1
+    assert json.dumps(refused.json()).count(f"limit of {max_positions}") == 1

@@ -93,21 +93,19 @@ def hf_name_to_gguf(name: str) -> str | None:
 
 class NomicBertLayer:
     def __init__(self, weights: dict, prefix: str, weight_format: str, device: torch.device):
-        precise = bert.PRECISE_ACTIVATIONS
-
-        def linear(*names: str):
+        def linear(*names: str, role: str):
             return make_linear(concat_rows([weights.pop(f"{prefix}.{name}.weight") for name in names]), None,
-                               weight_format, device, precise)
+                               weight_format, device, role in bert.PRECISE_PROJECTIONS)
 
         def norm(name: str) -> tuple[torch.Tensor, torch.Tensor]:
             return tuple(as_dense(weights.pop(f"{prefix}.{name}.{kind}")).float().to(device)
                          for kind in ("weight", "bias"))
 
-        self.qkv = linear("attn_qkv")  # nomic's Wqkv, as llama.cpp's converter writes it
-        self.out = linear("attn_output")
+        self.qkv = linear("attn_qkv", role="qkv")  # nomic's Wqkv, as llama.cpp's converter writes it
+        self.out = linear("attn_output", role="out")
         self.attention_norm = norm("attn_output_norm")
-        self.gate_up = linear("ffn_gate", "ffn_up")
-        self.down = linear("ffn_down")
+        self.gate_up = linear("ffn_gate", "ffn_up", role="up")
+        self.down = linear("ffn_down", role="down")
         self.output_norm = norm("layer_output_norm")
 
 

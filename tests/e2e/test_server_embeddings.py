@@ -124,8 +124,10 @@ def test_openai_client_vectors_equal_sentence_transformers(client, expected, sen
         assert np.asarray(vectors).shape == (len(TEXTS), 384)
         assert min_cosine(vectors, expected) >= MIN_COSINE
         assert np.allclose(np.linalg.norm(vectors, axis=-1), 1.0, atol=1e-5)
-    assert np.array_equal(np.asarray(by_default, dtype=np.float32), np.asarray(decoded))
-    assert np.array_equal(np.asarray(floats, dtype=np.float32), np.asarray(decoded))
+    # Three requests, each packed with whatever else was queued: float32 products over differently
+    # composed batches may differ in the last bits, never more.
+    assert np.allclose(np.asarray(by_default, dtype=np.float32), np.asarray(decoded), atol=1e-6)
+    assert np.allclose(np.asarray(floats, dtype=np.float32), np.asarray(decoded), atol=1e-6)
     assert [item.index for item in as_floats.data] == list(range(len(TEXTS)))
     num_tokens = sum(len(sentence_transformer.tokenizer(text)["input_ids"]) for text in TEXTS)
     assert as_floats.usage.prompt_tokens == num_tokens

@@ -154,3 +154,23 @@ def test_rerank_orders_by_sentence_transformers_scores_and_truncates_a_long_docu
                                                      "truncation": False})
     assert refused.status_code == 400
     assert json.dumps(refused.json()).count(f"limit of {max_positions}") == 1
+
+
+@pytest.mark.parametrize("declared, expected", [(None, "sigmoid"), ("torch.nn.modules.linear.Identity", "identity"),
+                                                ("torch.nn.modules.activation.Tanh", "tanh")])
+def test_the_score_activation_is_the_one_the_directory_declares(cross_encoder, tmp_path, declared, expected):
+    """sentence-transformers' CrossEncoder keeps its activation in config.json (ms-marco-MiniLM
+    declares Identity: raw logits); without one, its default for one label, the sigmoid."""
+    import json
+    import shutil
+
+    from tokios.encoder.declared import declaration_from_directory
+
+    directory = tmp_path / "cross-encoder"
+    shutil.copytree(cross_encoder[0], directory)
+    if declared is not None:
+        config = json.loads((directory / "config.json").read_text())
+        config["sentence_transformers"] = {"activation_fn": declared}
+        (directory / "config.json").write_text(json.dumps(config))
+    declaration = declaration_from_directory(str(directory), default_pooling="cls", is_cross_encoder=True)
+    assert declaration.is_rerank and declaration.score_activation == expected

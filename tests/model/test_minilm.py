@@ -142,3 +142,41 @@ def test_the_engine_packs_concurrent_requests_to_the_same_vectors(minilm_gguf):
         assert torch.allclose(together[1], asyncio.run(alone(second)), atol=1e-5)
     finally:
         asyncio.run(engine.shutdown())
+
+
+def test_cancelled_requests_leave_nothing_queued_and_an_unloaded_engine_refuses_work(minilm_gguf):
+    """A caller that gives up (its task cancelled: a client gone) takes its queued inputs with it;
+    shutdown fails what is still queued, and the engine does not start again afterwards."""
+    from tokios.config import EngineConfig
+    from tokios.encoder.engine import EncoderEngine
+    from tokios.engine.async_engine import EngineDeadError
+
+    engine = EncoderEngine(EngineConfig.from_options(model=str(minilm_gguf)), max_batch_tokens=64)
+    ids = [engine.tokenizer.encode(text) for text in DOCUMENTS * 20]
+
+    async def cancel_one_and_finish_another() -> torch.Tensor:
+        doomed = asyncio.ensure_future(engine.encode(ids))
+        await asyncio.sleep(0.05)  # some of its forwards have run, most of its inputs still wait
+        doomed.cancel()
+        survivor = await engine.encode(ids[:3])
+        await asyncio.gather(doomed, return_exceptions=True)
+        return survivor
+
+    async def shut_down_with_work_queued() -> BaseException | None:
+        pending = asyncio.ensure_future(engine.encode(ids))
+        await asyncio.sleep(0.02)
+        await engine.shutdown()
+        results = await asyncio.gather(pending, return_exceptions=True)
+        return results[0] if isinstance(results[0], BaseException) else None
+
+    try:
+        survivor = asyncio.run(cancel_one_and_finish_another())
+        assert survivor.shape == (3, 384)
+        assert engine.stats().num_waiting == 0 and engine.num_unfinished_requests == 0
+        engine.check_invariants()
+        error = asyncio.run(shut_down_with_work_queued())
+        assert isinstance(error, EngineDeadError), error
+        with pytest.raises(EngineDeadError):
+            asyncio.run(engine.encode(ids[:1]))
+    finally:
+        asyncio.run(engine.shutdown())

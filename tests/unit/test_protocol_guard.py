@@ -138,3 +138,26 @@ def test_protect_metrics_requires_a_key_for_health_and_metrics():
         assert client.get("/health").status_code == 401
         assert client.get("/metrics", headers={"Authorization": "Bearer sk-test"}).status_code == 200
         release_loader.set()
+
+
+def test_every_api_route_asks_for_the_key():
+    """Each dialect's every route (the rerank API's /rerank and /v2/rerank among them) answers 401
+    without the key; only the page, its files and the health routes are open."""
+    from tokios.server.dialects import DIALECTS
+
+    release_loader = threading.Event()
+
+    def blocked_loader():
+        release_loader.wait(10)
+        raise ModelLoadError("released")
+
+    app = create_app(ServerSettings(), engine_loader=blocked_loader, api_keys=ApiKeyChecker(["sk-test"]))
+    with TestClient(app) as client:
+        try:
+            for dialect in DIALECTS:
+                for route in dialect.routes:
+                    path = route.path.replace("{", "").replace("}", "")
+                    response = client.request(route.method.upper(), path, json={})
+                    assert response.status_code == 401, (route.method, route.path, response.status_code)
+        finally:
+            release_loader.set()

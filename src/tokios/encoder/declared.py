@@ -51,6 +51,9 @@ class EmbeddingDeclaration:
     matryoshka_dimensions: tuple[int, ...] = ()
     # A cross-encoder's class labels (llama.cpp's classifier.output_labels), when it has several.
     labels: tuple[str, ...] = ()
+    # What a cross-encoder's one logit goes through to become its score: sentence-transformers'
+    # CrossEncoder activation as the directory declares it, else its default for one label.
+    score_activation: str = "sigmoid"
 
     @property
     def is_rerank(self) -> bool:
@@ -60,6 +63,7 @@ class EmbeddingDeclaration:
 _ST_POOLING_MODES = (("pooling_mode_cls_token", CLS), ("pooling_mode_mean_tokens", MEAN),
                      ("pooling_mode_lasttoken", LAST))
 _ST_ACTIVATIONS = {"torch.nn.modules.linear.Identity": "identity", "torch.nn.modules.activation.Tanh": "tanh"}
+_ST_SCORE_ACTIVATIONS = {**_ST_ACTIVATIONS, "torch.nn.modules.activation.Sigmoid": "sigmoid"}
 
 
 def _read_json(path: str) -> Any:
@@ -80,7 +84,13 @@ def declaration_from_directory(directory: str, *, default_pooling: str,
     matryoshka = tuple(int(size) for size in config.get("matryoshka_dimensions") or ())
     if is_cross_encoder:
         labels = config.get("id2label") or {}
-        return EmbeddingDeclaration(pooling=RANK, normalize=False,
+        # sentence-transformers' CrossEncoder keeps its activation here (older versions: the second key).
+        activation = ((config.get("sentence_transformers") or {}).get("activation_fn")
+                      or config.get("sbert_ce_default_activation_function") or "torch.nn.modules.activation.Sigmoid")
+        if activation not in _ST_SCORE_ACTIVATIONS:
+            raise UnsupportedError(f"{directory}/config.json: cross-encoder activation {activation!r} is not supported "
+                                   f"(supported: {', '.join(_ST_SCORE_ACTIVATIONS)})")
+        return EmbeddingDeclaration(pooling=RANK, normalize=False, score_activation=_ST_SCORE_ACTIVATIONS[activation],
                                     labels=tuple(labels[key] for key in sorted(labels, key=int)) if len(labels) > 1 else ())
     modules = sentence_transformers_modules(directory)
     if modules is None:
@@ -112,6 +122,8 @@ def declaration_from_directory(directory: str, *, default_pooling: str,
 
 
 def _st_pooling(config: Mapping[str, Any], path: str) -> str:
+    if config.get("include_prompt") is False:
+        raise UnsupportedError(f"{path}/config.json: include_prompt false (pooling that skips the prompt) is not supported")
     if config.get("pooling_mode") in (MEAN, CLS, "lasttoken"):
         return LAST if config["pooling_mode"] == "lasttoken" else config["pooling_mode"]
     chosen = [pooling for key, pooling in _ST_POOLING_MODES if config.get(key)]
@@ -120,8 +132,6 @@ def _st_pooling(config: Mapping[str, Any], path: str) -> str:
     if len(chosen) != 1 or others:
         raise UnsupportedError(f"{path}/config.json: pooling {sorted(key for key, value in config.items() if value is True)} "
                                "is not supported (one of mean, cls, lasttoken)")
-    if config.get("include_prompt") is False:
-        raise UnsupportedError(f"{path}/config.json: include_prompt false (pooling that skips the prompt) is not supported")
     return chosen[0]
 
 
@@ -131,8 +141,9 @@ def _st_dense(path: str, relative: str, index: int) -> DenseModule:
     if activation is None:
         raise UnsupportedError(f"{path}/config.json: activation {config.get('activation_function')!r} is not "
                                f"supported (supported: {', '.join(_ST_ACTIVATIONS)})")
-    if not any(os.path.isfile(os.path.join(path, name)) for name in ("model.safetensors", "pytorch_model.bin")):
-        raise ModelLoadError(f"{path}: a Dense module without its model.safetensors")
+    if not os.path.isfile(os.path.join(path, "model.safetensors")):
+        raise ModelLoadError(f"{path}: a Dense module without its model.safetensors (a pytorch_model.bin is not read: "
+                             "re-save the model with sentence-transformers to write safetensors)")
     bias = f"dense.{index}.linear.bias" if config.get("bias", True) else None
     return DenseModule(weight_name=f"dense.{index}.linear.weight", bias_name=bias,
                        in_features=int(config["in_features"]), out_features=int(config["out_features"]),

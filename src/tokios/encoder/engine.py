@@ -1,7 +1,7 @@
 """EncoderEngine: one encoder model served, its inputs packed into forwards by a step thread.
 
-Embedding and scoring requests are prefill only: no KV cache, no decode. A request's inputs
-join one FIFO queue with every other request's; each step takes inputs from its head until the
+Embedding and scoring requests are prefill only: no KV cache, no decode. Each request's inputs
+wait in its own queue; each step takes inputs from the requests in turn, one at a time, until the
 token budget is reached (at least one input, so an input longer than the budget still runs),
 packs them end to end (encoder/batch.py: no padding in the matrix products), runs the model and
 its head, and hands each input's row to its request, which finishes when its last input has.
@@ -26,7 +26,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -66,8 +66,6 @@ class _EncodeRequest:
     rows: list[torch.Tensor | None]
     num_left: int
     is_cancelled: bool = False
-    num_tokens: int = 0
-    arrival: float = field(default_factory=time.monotonic)
 
 
 class EncoderEngine:
@@ -79,10 +77,13 @@ class EncoderEngine:
         self.config = config
         self.max_batch_tokens = max_batch_tokens or max(DEFAULT_MAX_BATCH_TOKENS,
                                                         config.scheduler.max_num_batched_tokens)
-        self._queue: deque[_Input] = deque()
+        # One queue of inputs per request, taken from in turn (a request of 2,048 inputs does not
+        # hold back the short ones that arrive after it).
+        self._queue: deque[deque[_Input]] = deque()
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping = False
+        self._is_shut_down = False
         self.failure: EngineDeadError | None = None
         self.on_failure: Callable[[EngineDeadError], None] | None = None
         self._last_progress = time.monotonic()
@@ -127,6 +128,8 @@ class EncoderEngine:
     def start(self) -> None:
         if self.failure is not None:
             raise self.failure
+        if self._is_shut_down:  # unloaded: a request that raced the unload must not restart it
+            raise EngineDeadError("this model was unloaded; load it again", code="engine_closed")
         if self._thread is not None and self._thread.is_alive():
             return
         self._stopping = False
@@ -134,12 +137,21 @@ class EncoderEngine:
         self._thread.start()
 
     async def shutdown(self) -> None:
+        self._is_shut_down = True
         self._stopping = True
         self._wake.set()
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10)
             self._thread = None
         self._fail_queued(EngineDeadError("the model was unloaded", code="engine_closed"))
+
+    def abort(self, request_id: str) -> None:
+        """Nothing to do by id: an encode request ends when its caller is cancelled (the server's
+        drain cancels its handlers), and its inputs still queued are dropped then."""
+
+    def cache_events(self, since_seq: int, log_id: str) -> dict:
+        """An encoder has no prefix cache: never anything stored (gateway/prefix_index.py)."""
+        return {"log_id": "", "next": 0, "reset": True, "block_size": 0, "root_hash": "", "stored": [], "removed": []}
 
     def forget_warm_up(self) -> None:
         self._num_steps = self._num_prompt_tokens = 0
@@ -170,14 +182,13 @@ class EncoderEngine:
                                           f"{self.vocab_size})", param="input")
         self.start()
         loop = asyncio.get_running_loop()
-        request = _EncodeRequest(loop, loop.create_future(), [None] * len(inputs), len(inputs),
-                                 num_tokens=sum(len(ids) for ids in inputs))
+        request = _EncodeRequest(loop, loop.create_future(), [None] * len(inputs), len(inputs))
         items = [_Input(request, index, list(ids), None if token_type_ids is None else list(token_type_ids[index]))
                  for index, ids in enumerate(inputs)]
         with self._lock:
             if self.failure is not None:
                 raise self.failure
-            self._queue.extend(items)
+            self._queue.append(deque(items))
             self._num_in_flight += 1
         self._wake.set()
         try:
@@ -217,14 +228,19 @@ class EncoderEngine:
         num_tokens = 0
         with self._lock:
             while self._queue:
-                item = self._queue[0]
+                inputs = self._queue[0]
+                item = inputs[0]
                 if item.request.is_cancelled:
                     self._queue.popleft()
                     continue
                 if taken and num_tokens + len(item.token_ids) > budget:
                     break
-                taken.append(self._queue.popleft())
+                taken.append(inputs.popleft())
                 num_tokens += len(item.token_ids)
+                if inputs:
+                    self._queue.rotate(-1)  # this request's next input waits for the others' turn
+                else:
+                    self._queue.popleft()
         return taken
 
     def _forward(self, items: list[_Input]) -> torch.Tensor:
@@ -263,14 +279,15 @@ class EncoderEngine:
 
     def _fail_queued(self, error: Exception) -> None:
         with self._lock:
-            queued, self._queue = list(self._queue), deque()
+            queued = [item for inputs in self._queue for item in inputs]
+            self._queue = deque()
         for item in queued:
             item.request.loop.call_soon_threadsafe(_reject, item.request.future, error)
 
     # ---- reporting --------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
         with self._lock:
-            num_waiting = len(self._queue)
+            num_waiting = sum(len(inputs) for inputs in self._queue)
         return EngineStats(num_running=self._num_in_flight, num_waiting=num_waiting, num_blocks_total=0,
                            num_blocks_used=0, num_blocks_free=0, num_blocks_cached=0, kv_cache_usage=0.0,
                            prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0,
@@ -281,7 +298,7 @@ class EncoderEngine:
         """With no request in flight, nothing may wait in the queue but inputs of cancelled
         requests (dropped at the next step); /v1/engine/stats reports a breach."""
         with self._lock:
-            num_live = sum(not item.request.is_cancelled for item in self._queue)
+            num_live = sum(not inputs[0].request.is_cancelled for inputs in self._queue for _ in inputs)
             if self._num_in_flight == 0 and num_live:
                 raise AssertionError(f"{num_live} queued inputs belong to no request in flight")
 

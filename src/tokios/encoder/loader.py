@@ -173,7 +173,11 @@ def _make_head(declaration: EmbeddingDeclaration, weights: dict, device: torch.d
         bias = weights.pop(f"{stem}.bias", None)
         return None if weight is None else (as_dense(weight), None if bias is None else as_dense(bias))
 
-    return ClassifierHead(pair("cls"), pair("cls.output"), device)
+    head = ClassifierHead(pair("cls"), pair("cls.output"), device)
+    if head.num_labels != 1:
+        raise UnsupportedError(f"{path}: a classifier of {head.num_labels} labels; reranking needs a cross-encoder "
+                               "with one relevance logit")
+    return head
 
 
 def _directory_weights(directory: str, architecture: EncoderArchitecture, declaration: EmbeddingDeclaration) -> dict:
@@ -207,14 +211,15 @@ def decoder_declaration(path: str) -> EmbeddingDeclaration | None:
     if os.path.isdir(path):
         if sentence_transformers_modules(path) is None:
             return None
-        return declaration_from_directory(path, default_pooling=LAST)
-    from tokios.gguf_file import read_gguf_metadata
+        declaration = declaration_from_directory(path, default_pooling=LAST)
+    else:
+        from tokios.gguf_file import read_gguf_metadata
 
-    metadata = read_gguf_metadata(path)
-    architecture = metadata.get("general.architecture")
-    if metadata.get(f"{architecture}.pooling_type") is None:
-        return None
-    declaration = declaration_from_gguf(metadata, architecture, set(), default_pooling=LAST)
+        metadata = read_gguf_metadata(path)
+        architecture = metadata.get("general.architecture")
+        if metadata.get(f"{architecture}.pooling_type") is None:
+            return None
+        declaration = declaration_from_gguf(metadata, architecture, set(), default_pooling=LAST)
     if declaration.is_rerank:
         raise UnsupportedError(f"{path}: a generative model scoring pairs by its yes/no logits (pooling rank, "
                                "Qwen3-Reranker) is not supported; rerank with a cross-encoder (BERT-family "
@@ -222,6 +227,8 @@ def decoder_declaration(path: str) -> EmbeddingDeclaration | None:
     if declaration.pooling not in ("mean", LAST):
         raise UnsupportedError(f"{path}: {declaration.pooling} pooling of a generative model is not supported "
                                "(mean, last)")
+    if declaration.dense:
+        raise UnsupportedError(f"{path}: Dense layers after a generative model's pooling are not supported")
     return declaration
 
 

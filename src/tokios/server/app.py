@@ -177,6 +177,9 @@ class ServerState:
             lease = await self.registry.acquire(None)
             try:
                 engine = lease.serving.engine
+                if getattr(engine, "is_encoder", False):  # an embedding model or cross-encoder: one forward
+                    await engine.encode([engine.tokenizer.encode("Hello")])
+                    return 0
                 num_tokens = 0
                 async for output in engine.generate(None, SamplingParams(max_tokens=1, temperature=0.0,
                                                                          ignore_eos=True),
@@ -214,6 +217,10 @@ class ServerState:
         await self.admission.wait_idle(2.0)
 
 
+# API routes outside /v1/, /v2/ and /api/ (the rerank API answers at /rerank as llama.cpp's does).
+_UNVERSIONED_API_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info", "/rerank"})
+
+
 class GuardMiddleware:
     """API keys, body size and body time limits and the per-status counter, in front of every route."""
 
@@ -225,7 +232,7 @@ class GuardMiddleware:
     def _is_protected(self, path: str) -> bool:
         if path in ("/health", "/metrics", "/v1/engine/stats"):
             return self.state.settings.protect_metrics
-        return path.startswith(("/v1/", "/api/")) or path in ("/tokenize", "/detokenize", "/tokenizer_info")
+        return path.startswith(("/v1/", "/v2/", "/api/")) or path in _UNVERSIONED_API_PATHS
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

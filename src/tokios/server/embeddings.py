@@ -23,13 +23,14 @@ from starlette.requests import Request
 from tokios.encoder.declared import EmbeddingDeclaration
 from tokios.encoder.heads import truncate_dimensions
 from tokios.encoder.loader import EMBEDDING, GENERATE, RERANK, decoder_declaration
-from tokios.errors import InvalidRequestError
+from tokios.errors import InvalidRequestError, TokiosError
 from tokios.server.streams import run_watching_disconnect
 
 # Inputs one embedding request may carry (OpenAI's limit is 2,048).
 MAX_INPUTS = 2048
 # Documents one rerank request may carry.
 MAX_DOCUMENTS = 1000
+_SCORE_ACTIVATIONS = {"sigmoid": torch.sigmoid, "tanh": torch.tanh, "identity": lambda logits: logits}
 
 
 @dataclass
@@ -210,7 +211,7 @@ async def _pooled_hidden_states(serving: Any, http_request: Request, ids_list: l
     rows = []
     for output in outputs:
         if output is None or output.embedding is None:
-            raise InvalidRequestError("the engine returned no embedding for an input", param=param)
+            raise TokiosError("the engine returned no embedding for an input")
         rows.append(torch.tensor(output.embedding, dtype=torch.float32))
     return torch.stack(rows)
 
@@ -235,10 +236,14 @@ async def rerank(serving: Any, http_request: Request, query: str, documents: lis
         ids, kinds = serving.tokenizer.encode_pair(query, document)  # [CLS] query [SEP] document [SEP]
         if len(ids) > service.max_input_tokens:
             num_query_tokens = kinds.index(1) if 1 in kinds else len(kinds)
-            if not truncate or num_query_tokens + 2 > service.max_input_tokens:
+            if num_query_tokens + 2 > service.max_input_tokens:
+                raise InvalidRequestError(f"query has {num_query_tokens} tokens with [CLS] and [SEP]: no room for a "
+                                          f"document within this model's limit of {service.max_input_tokens}",
+                                          param="query")
+            if not truncate:
                 raise InvalidRequestError(
                     f"documents[{index}] with the query makes {len(ids)} tokens, over this model's limit of "
-                    f"{service.max_input_tokens}" + ("" if truncate else " (truncation is false)"), param="documents")
+                    f"{service.max_input_tokens} (truncation is false)", param="documents")
             # The document loses its end; its closing [SEP] stays.
             ids = ids[:service.max_input_tokens - 1] + ids[-1:]
             kinds = kinds[:service.max_input_tokens - 1] + kinds[-1:]
@@ -246,9 +251,7 @@ async def rerank(serving: Any, http_request: Request, query: str, documents: lis
         types.append(kinds)
     with serving.admission.admit():
         logits = await run_watching_disconnect(http_request, serving.engine.encode(pairs, types))
-    if logits.shape[1] != 1:
-        raise InvalidRequestError(f"model {service.model_name!r} classifies into {logits.shape[1]} labels; a "
-                                  "relevance score needs a one-label cross-encoder", param="model")
-    # One label: its logit through a sigmoid, as sentence-transformers' CrossEncoder.predict gives it.
-    scores = torch.sigmoid(logits[:, 0]).tolist()
+    # The one label's logit through the declared activation, as sentence-transformers'
+    # CrossEncoder.predict gives it (a loaded cross-encoder has one label: encoder/loader.py).
+    scores = _SCORE_ACTIVATIONS[service.declaration.score_activation](logits[:, 0]).tolist()
     return [float(score) if math.isfinite(score) else 0.0 for score in scores], sum(len(pair) for pair in pairs)

@@ -526,15 +526,16 @@ async def _load_or_unload(state, model: str, keep_alive_s: float | None, piece: 
 
 
 async def _embed_texts(request: Request, lease: ModelLease, texts: list[str], truncate: bool,
-                       options: dict[str, Any] | None, dimensions: int | None = None) -> tuple[list[list[float]], int]:
+                       options: dict[str, Any] | None, dimensions: int | None = None,
+                       param: str = "input") -> tuple[list[list[float]], int]:
     serving = lease.serving
     if options:
         sampling, _, _ = options_to_sampling(options, serving.max_model_len)
         if sampling:
             raise InvalidRequestError(f"options: {sorted(sampling)} do not apply to embeddings", param="options")
-    serving.embedding.check_dimensions(dimensions)
-    prompt_ids_list = token_inputs(serving, texts, prompt_name=None, truncate=truncate)
-    vectors = await embed(serving, request, prompt_ids_list, lease, dimensions=dimensions)
+    serving.embedding.check_dimensions(dimensions)  # before the texts are tokenized
+    prompt_ids_list = token_inputs(serving, texts, prompt_name=None, truncate=truncate, param=param)
+    vectors = await embed(serving, request, prompt_ids_list, lease, dimensions=dimensions, param=param)
     return vectors, sum(len(ids) for ids in prompt_ids_list)
 
 
@@ -561,7 +562,7 @@ async def _embeddings_route(request: Request) -> Response:
     body = await parse_body(request, OllamaEmbeddingsRequest)
 
     async def run(lease: ModelLease) -> Response:
-        vectors, _ = await _embed_texts(request, lease, [body.prompt], True, body.options)
+        vectors, _ = await _embed_texts(request, lease, [body.prompt], True, body.options, param="prompt")
         return JSONResponse({"embedding": vectors[0]})
     return await state.respond(body.model, run, _keep_alive(body.keep_alive), needs=EMBEDDING)
 

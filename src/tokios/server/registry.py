@@ -164,14 +164,14 @@ async def _warm_up(engine: Any) -> None:
     the other model's streams right after the load)."""
     from tokios.sampling_params import SamplingParams
 
-    prompt_ids = engine.tokenizer.encode("Hello, world", add_special_tokens=True) if hasattr(engine, "tokenizer") else []
-    if getattr(engine, "is_encoder", False):
-        await engine.encode([prompt_ids])
+    if getattr(engine, "is_encoder", False):  # an embedding model or a cross-encoder: one forward
+        await engine.encode([engine.tokenizer.encode("Hello, world", add_special_tokens=True)])
         engine.forget_warm_up()
         return
     generate = getattr(engine, "generate", None)
     if generate is None:  # stand-in engines in the unit tests
         return
+    prompt_ids = engine.tokenizer.encode("Hello, world", add_special_tokens=True)
     async for _ in generate(None, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
                             "tokios-warm-up", prompt_token_ids=prompt_ids):
         pass
@@ -395,8 +395,7 @@ class ModelRegistry:
         for entry in self.entries:
             for name in entry.spec.names:
                 card: dict[str, Any] = {"id": name, "object": "model", "created": created, "owned_by": "tokios",
-                                        "state": entry.state}
-                card["kind"] = entry.spec.kind
+                                        "state": entry.state, "kind": entry.spec.kind}
                 if entry.serving is not None:
                     card["max_model_len"] = entry.serving.max_model_len
                     card.update(self.describe_serving(entry.serving))

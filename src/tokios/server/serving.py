@@ -16,11 +16,11 @@ from typing import Any
 
 from starlette.requests import Request
 
+from tokios.encoder.loader import GENERATE
 from tokios.errors import ContextLengthExceededError, InvalidRequestError
 from tokios.outputs import Logprob, RequestOutput
 from tokios.server.admission import Admission
 from tokios.server.embeddings import EmbeddingService
-from tokios.encoder.loader import GENERATE
 from tokios.reasoning import (HARMONY, THINK, ReasoningFormat, ThinkingBudget, ThinkingPlan, plan_thinking,
                               resolve_reasoning_format)
 from tokios.reasoning.grammar import reasoning_rules

@@ -10,7 +10,7 @@ llama.cpp's do.
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, Field
 from starlette.requests import Request
@@ -33,7 +33,7 @@ class RerankRequest(RequestBody):
     query: str = Field(json_schema_extra={"minLength": 1})
     # Plain strings, or Jina's / Cohere's objects with a text field.
     documents: list[str | RerankDocument] = Field(json_schema_extra={"minItems": 1})
-    top_n: JsonInt | None = Field(default=None, ge=1)
+    top_n: Annotated[JsonInt, Field(ge=1)] | None = None
     return_documents: JsonBool = False
     # Whether a document too long for the model (with the query) loses its end; false: a 400.
     truncation: JsonBool = True

@@ -278,7 +278,8 @@ class EmbeddingRequest(RequestBody):
     input: PromptInput = Field(json_schema_extra={"minLength": 1, "minItems": 1,
                                                   "items": {"minLength": 1, "minItems": 1}})
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: JsonInt | None = Field(default=None, ge=1)
+    # The bound inside the type, so that /openapi.json publishes it as a minimum.
+    dimensions: Annotated[JsonInt, Field(ge=1)] | None = None
     user: str | None = None
     # Extensions: the model's declared prompt to put before each text ("query", "document"; its
     # sentence-transformers prompts), or Cohere's / NVIDIA's input_type naming the same; and

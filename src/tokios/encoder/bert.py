@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from tokios.encoder.attention import packed_attention
 from tokios.encoder.batch import EncoderBatch
+from tokios.encoder.names import gguf_tensor_name
 from tokios.errors import UnsupportedError
 from tokios.model.linear import make_linear
 from tokios.model.quant import EmbeddingTable, as_dense, concat_rows
@@ -78,12 +79,7 @@ def hf_name_to_gguf(name: str) -> str | None:
     if _HF_UNUSED.match(name):
         return None
     stem, _, kind = name.rpartition(".")
-    if stem in _HF_TOP_NAMES:
-        return f"{_HF_TOP_NAMES[stem]}.{kind}"
-    match = re.fullmatch(r"encoder\.layer\.(\d+)\.(.+)", stem)
-    if match and match.group(2) in _HF_LAYER_NAMES:
-        return f"blk.{match.group(1)}.{_HF_LAYER_NAMES[match.group(2)]}.{kind}"
-    raise UnsupportedError(f"tensor {name} is not part of BERT as tokios implements it")
+    return f"{gguf_tensor_name(stem, _HF_TOP_NAMES, 'encoder.layer.', _HF_LAYER_NAMES, 'BERT')}.{kind}"
 
 
 # The projections of a quantized encoder that take precise (~15-bit) activations on the kernels

@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 import threading
 import time
-import traceback
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from tokios.config import AUTO_DTYPE_BY_DEVICE, EngineConfig
-from tokios.engine.async_engine import EngineDeadError
+from tokios.engine.async_engine import EngineDeadError, stall_report
 from tokios.engine.core import EngineStats
 from tokios.engine.cpu_turns import CPU_TURNS
 from tokios.encoder.batch import EncoderBatch
@@ -303,16 +301,7 @@ class EncoderEngine:
                 raise AssertionError(f"{num_live} queued inputs belong to no request in flight")
 
     def stall_report(self, timeout_s: float) -> tuple[str, str] | None:
-        if not self._num_in_flight:
-            return None
-        stalled_s = time.monotonic() - self._last_progress
-        if stalled_s <= timeout_s:
-            return None
-        thread = self._thread
-        frame = sys._current_frames().get(thread.ident) if thread is not None and thread.ident else None
-        stack = "".join(traceback.format_stack(frame)) if frame is not None else "(encoder thread not running)\n"
-        return (f"the encoder loop has not advanced for {stalled_s:.1f} s with {self._num_in_flight} requests "
-                f"waiting; it is {self._activity}", stack)
+        return stall_report(self._thread, self._last_progress, self._num_in_flight, self._activity, timeout_s)
 
 
 def _resolve(future: asyncio.Future, result) -> None:

@@ -17,7 +17,6 @@ checkpoint declares.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
@@ -26,6 +25,7 @@ import torch
 from tokios.config import ModelConfig
 from tokios.encoder.attention import packed_attention
 from tokios.encoder.batch import EncoderBatch
+from tokios.encoder.names import gguf_tensor_name
 from tokios.errors import UnsupportedError
 from tokios.model.dtypes import ACTIVATION_DTYPE
 from tokios.model.gemma3 import Gemma3Layer
@@ -120,13 +120,8 @@ def config_from_hf(config: Mapping[str, Any], name: str) -> GemmaEmbeddingConfig
 
 def hf_name_to_gguf(name: str) -> str | None:
     """A Gemma3TextModel tensor name -> llama.cpp's."""
-    name = name.removeprefix("model.")
-    if name in _HF_TOP_NAMES:
-        return _HF_TOP_NAMES[name]
-    match = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
-    if match and match.group(2) in _HF_TO_GGUF_LAYER_NAMES:
-        return f"blk.{match.group(1)}.{_HF_TO_GGUF_LAYER_NAMES[match.group(2)]}"
-    raise UnsupportedError(f"tensor {name} is not part of EmbeddingGemma as tokios implements it")
+    return gguf_tensor_name(name.removeprefix("model."), _HF_TOP_NAMES, "layers.", _HF_TO_GGUF_LAYER_NAMES,
+                            "EmbeddingGemma")
 
 
 class GemmaEmbeddingModel:

@@ -14,7 +14,6 @@ transformers' (hidden_size, rope_parameters) beside them where transformers wrot
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -24,6 +23,7 @@ import torch.nn.functional as F
 from tokios.encoder import bert
 from tokios.encoder.attention import packed_attention, rotary_embedding
 from tokios.encoder.batch import EncoderBatch
+from tokios.encoder.names import gguf_tensor_name
 from tokios.errors import UnsupportedError
 from tokios.model.linear import make_linear
 from tokios.model.quant import EmbeddingTable, as_dense, concat_rows
@@ -83,12 +83,7 @@ _HF_TOP_NAMES = {"embeddings.word_embeddings": "token_embd", "embeddings.token_t
 def hf_name_to_gguf(name: str) -> str | None:
     """A nomic-bert checkpoint's tensor name -> llama.cpp's."""
     stem, _, kind = name.removeprefix("bert.").rpartition(".")
-    if stem in _HF_TOP_NAMES:
-        return f"{_HF_TOP_NAMES[stem]}.{kind}"
-    match = re.fullmatch(r"encoder\.layers\.(\d+)\.(.+)", stem)
-    if match and match.group(2) in _HF_LAYER_NAMES:
-        return f"blk.{match.group(1)}.{_HF_LAYER_NAMES[match.group(2)]}.{kind}"
-    raise UnsupportedError(f"tensor {name} is not part of nomic-bert as tokios implements it")
+    return f"{gguf_tensor_name(stem, _HF_TOP_NAMES, 'encoder.layers.', _HF_LAYER_NAMES, 'nomic-bert')}.{kind}"
 
 
 class NomicBertLayer:

@@ -50,6 +50,21 @@ def served_model_name(path: str) -> str:
     return name or "tokios"
 
 
+def stall_report(thread: threading.Thread | None, last_progress: float, num_waiting: int, activity: str,
+                 timeout_s: float) -> tuple[str, str] | None:
+    """A step loop's watchdog view (every engine's): None while it advances or nothing waits;
+    otherwise (what it has been doing for longer than `timeout_s`, its thread's current stack)."""
+    if not num_waiting:
+        return None
+    stalled_s = time.monotonic() - last_progress
+    if stalled_s <= timeout_s:
+        return None
+    frame = sys._current_frames().get(thread.ident) if thread is not None and thread.ident else None
+    stack = "".join(traceback.format_stack(frame)) if frame is not None else "(the loop's thread is not running)\n"
+    return (f"the step loop has not advanced for {stalled_s:.1f} s with {num_waiting} requests waiting; it is "
+            f"{activity}", stack)
+
+
 class EngineDeadError(TokiosError):
     status = 500
     error_type = "engine_error"
@@ -205,16 +220,7 @@ class AsyncEngine:
     def stall_report(self, timeout_s: float) -> tuple[str, str] | None:
         """None while healthy; otherwise (what the loop has been doing for longer than `timeout_s`
         while requests wait, the engine thread's current stack)."""
-        if not self._streams:
-            return None
-        stalled_s = time.monotonic() - self._last_progress
-        if stalled_s <= timeout_s:
-            return None
-        thread = self._thread
-        frame = sys._current_frames().get(thread.ident) if thread is not None and thread.ident else None
-        stack = "".join(traceback.format_stack(frame)) if frame is not None else "(engine thread not running)\n"
-        return (f"the step loop has not advanced for {stalled_s:.1f} s with {len(self._streams)} requests "
-                f"waiting; it is {self._activity}", stack)
+        return stall_report(self._thread, self._last_progress, len(self._streams), self._activity, timeout_s)
 
     # ---- the step loop (engine thread) ------------------------------------------------------------
     def _run(self) -> None:

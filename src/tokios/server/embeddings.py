@@ -12,6 +12,7 @@ pooled (`--pooling`): they serve similarity search roughly; its model card says 
 
 from __future__ import annotations
 
+import asyncio
 import math
 import uuid
 from dataclasses import dataclass
@@ -140,9 +141,16 @@ _KIND_WORDS = {GENERATE: "a generative (chat) model", EMBEDDING: "an embedding m
 _KIND_ROUTES = {EMBEDDING: "/v1/embeddings and /api/embed", RERANK: "/v1/rerank"}
 
 
-def token_inputs(serving: Any, inputs: list[str | list[int]], *, prompt_name: str | None, truncate: bool,
-                 param: str = "input") -> list[list[int]]:
-    """Texts (after the declared prompt) and token id lists -> token ids the model takes."""
+async def token_inputs(serving: Any, inputs: list[str | list[int]], *, prompt_name: str | None, truncate: bool,
+                       param: str = "input") -> list[list[int]]:
+    """Texts (after the declared prompt) and token id lists -> token ids the model takes. In a
+    worker thread: 2,048 texts of 8-64 tokens took 171 ms to tokenize (all-MiniLM-L6-v2), which
+    the event loop's other streams should not wait for."""
+    return await asyncio.to_thread(_token_inputs, serving, inputs, prompt_name, truncate, param)
+
+
+def _token_inputs(serving: Any, inputs: list[str | list[int]], prompt_name: str | None, truncate: bool,
+                  param: str) -> list[list[int]]:
     service: EmbeddingService = serving.embedding
     if not inputs:
         raise InvalidRequestError(f"{param} must not be empty", param=param)
@@ -231,6 +239,19 @@ async def rerank(serving: Any, http_request: Request, query: str, documents: lis
     if len(documents) > MAX_DOCUMENTS:
         raise InvalidRequestError(f"documents has {len(documents)} items; at most {MAX_DOCUMENTS} per request",
                                   param="documents")
+    pairs, types = await asyncio.to_thread(_pair_inputs, serving, query, documents, truncate)
+    with serving.admission.admit():
+        logits = await run_watching_disconnect(http_request, serving.engine.encode(pairs, types))
+    # The one label's logit through the declared activation, as sentence-transformers'
+    # CrossEncoder.predict gives it (a loaded cross-encoder has one label: encoder/loader.py).
+    scores = _SCORE_ACTIVATIONS[service.declaration.score_activation](logits[:, 0]).tolist()
+    return [float(score) if math.isfinite(score) else 0.0 for score in scores], sum(len(pair) for pair in pairs)
+
+
+def _pair_inputs(serving: Any, query: str, documents: list[str],
+                 truncate: bool) -> tuple[list[list[int]], list[list[int]]]:
+    """Each (query, document) pair's token ids and token types, fitted to the model's limit."""
+    service: EmbeddingService = serving.embedding
     pairs, types = [], []
     for index, document in enumerate(documents):
         ids, kinds = serving.tokenizer.encode_pair(query, document)  # [CLS] query [SEP] document [SEP]
@@ -249,9 +270,4 @@ async def rerank(serving: Any, http_request: Request, query: str, documents: lis
             kinds = kinds[:service.max_input_tokens - 1] + kinds[-1:]
         pairs.append(ids)
         types.append(kinds)
-    with serving.admission.admit():
-        logits = await run_watching_disconnect(http_request, serving.engine.encode(pairs, types))
-    # The one label's logit through the declared activation, as sentence-transformers'
-    # CrossEncoder.predict gives it (a loaded cross-encoder has one label: encoder/loader.py).
-    scores = _SCORE_ACTIVATIONS[service.declaration.score_activation](logits[:, 0]).tolist()
-    return [float(score) if math.isfinite(score) else 0.0 for score in scores], sum(len(pair) for pair in pairs)
+    return pairs, types

@@ -534,7 +534,7 @@ async def _embed_texts(request: Request, lease: ModelLease, texts: list[str], tr
         if sampling:
             raise InvalidRequestError(f"options: {sorted(sampling)} do not apply to embeddings", param="options")
     serving.embedding.check_dimensions(dimensions)  # before the texts are tokenized
-    prompt_ids_list = token_inputs(serving, texts, prompt_name=None, truncate=truncate, param=param)
+    prompt_ids_list = await token_inputs(serving, texts, prompt_name=None, truncate=truncate, param=param)
     vectors = await embed(serving, request, prompt_ids_list, lease, dimensions=dimensions, param=param)
     return vectors, sum(len(ids) for ids in prompt_ids_list)
 

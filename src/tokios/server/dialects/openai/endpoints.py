@@ -227,7 +227,8 @@ async def embeddings(http_request: Request, body: EmbeddingRequest, lease: Model
     """OpenAI's /v1/embeddings: texts or token id lists in, one vector each (float or base64)."""
     serving = lease.serving
     model = serving.response_model_name(body.model)
-    prompt_ids_list = token_inputs(serving, body.inputs(), prompt_name=body.chosen_prompt_name(), truncate=body.truncate)
+    prompt_ids_list = await token_inputs(serving, body.inputs(), prompt_name=body.chosen_prompt_name(),
+                                         truncate=body.truncate)
     vectors = await embed(serving, http_request, prompt_ids_list, lease, dimensions=body.dimensions)
     data = []
     for index, vector in enumerate(vectors):

@@ -49,8 +49,6 @@ class EmbeddingDeclaration:
     max_seq_length: int | None = None
     # Sizes a vector may be cut to and stay meaningful (Matryoshka training); empty: only its own.
     matryoshka_dimensions: tuple[int, ...] = ()
-    # A cross-encoder's class labels (llama.cpp's classifier.output_labels), when it has several.
-    labels: tuple[str, ...] = ()
     # What a cross-encoder's one logit goes through to become its score: sentence-transformers'
     # CrossEncoder activation as the directory declares it, else its default for one label.
     score_activation: str = "sigmoid"
@@ -83,15 +81,13 @@ def declaration_from_directory(directory: str, *, default_pooling: str,
     config = _read_json(os.path.join(directory, "config.json"))
     matryoshka = tuple(int(size) for size in config.get("matryoshka_dimensions") or ())
     if is_cross_encoder:
-        labels = config.get("id2label") or {}
         # sentence-transformers' CrossEncoder keeps its activation here (older versions: the second key).
         activation = ((config.get("sentence_transformers") or {}).get("activation_fn")
                       or config.get("sbert_ce_default_activation_function") or "torch.nn.modules.activation.Sigmoid")
         if activation not in _ST_SCORE_ACTIVATIONS:
             raise UnsupportedError(f"{directory}/config.json: cross-encoder activation {activation!r} is not supported "
                                    f"(supported: {', '.join(_ST_SCORE_ACTIVATIONS)})")
-        return EmbeddingDeclaration(pooling=RANK, normalize=False, score_activation=_ST_SCORE_ACTIVATIONS[activation],
-                                    labels=tuple(labels[key] for key in sorted(labels, key=int)) if len(labels) > 1 else ())
+        return EmbeddingDeclaration(pooling=RANK, normalize=False, score_activation=_ST_SCORE_ACTIVATIONS[activation])
     modules = sentence_transformers_modules(directory)
     if modules is None:
         return EmbeddingDeclaration(pooling=default_pooling, matryoshka_dimensions=matryoshka)
@@ -153,14 +149,13 @@ def _st_dense(path: str, relative: str, index: int) -> DenseModule:
 def declaration_from_gguf(metadata: Mapping[str, Any], architecture: str, tensor_names: set[str], *,
                           default_pooling: str) -> EmbeddingDeclaration:
     """The declaration a GGUF carries: its pooling type (or the architecture's default), its
-    dense layers (llama.cpp's dense_2 / dense_3), a classifier's labels; normalised, as
+    dense layers (llama.cpp's dense_2 / dense_3); normalised, as
     llama.cpp's server normalises embeddings by default."""
     pooling_value = metadata.get(f"{architecture}.pooling_type")
     if pooling_value is not None and int(pooling_value) not in GGUF_POOLING:
         raise UnsupportedError(f"{architecture}.pooling_type {pooling_value} is not supported "
                                "(1 mean, 2 cls, 3 last, 4 rank)")
     pooling = GGUF_POOLING[int(pooling_value)] if pooling_value is not None else default_pooling
-    labels = tuple(metadata.get(f"{architecture}.classifier.output_labels") or ())
     if "cls.output.weight" in tensor_names:
         pooling = RANK
     dense = []
@@ -170,5 +165,4 @@ def declaration_from_gguf(metadata: Mapping[str, Any], architecture: str, tensor
                                      bias_name=f"{name}.bias" if f"{name}.bias" in tensor_names else None,
                                      in_features=int(metadata[f"{architecture}.{name}_feat_in"]),
                                      out_features=int(metadata[f"{architecture}.{name}_feat_out"])))
-    return EmbeddingDeclaration(pooling=pooling, normalize=pooling != RANK, dense=tuple(dense),
-                                labels=labels if len(labels) > 1 else ())
+    return EmbeddingDeclaration(pooling=pooling, normalize=pooling != RANK, dense=tuple(dense))

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import TextIO
 
+from tokios import sampling_defaults
 from tokios.engine_flags import add_engine_arguments, engine_config_from_args
 from tokios.errors import InvalidRequestError
 
@@ -33,11 +34,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                         help=f"most tokens to generate (default {DEFAULT_MAX_TOKENS})")
-    parser.add_argument("--temperature", type=float, default=0.0,
-                        help="0 is greedy (the default, reproducible); higher is more varied")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1] (default 1)")
-    parser.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens; 0 is off")
     parser.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    sampling_defaults.add_arguments(parser, applies_to="each reply")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,10 +48,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def sampling_params_from_args(args: argparse.Namespace):
+    """The request's SamplingParams: the flags, then the model's sampling defaults (the ones
+    `tokios serve` gives a request that sets nothing), checked before the model loads."""
+    from tokios.model_files import resolve_model_path
     from tokios.sampling_params import SamplingParams
 
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.seed)
+    defaults = sampling_defaults.from_args(args, resolve_model_path(args.model))
+    return SamplingParams(**defaults.apply({"max_tokens": args.max_tokens, "seed": args.seed}))
 
 
 def load_engine(args: argparse.Namespace, err: TextIO = sys.stderr):

@@ -115,6 +115,7 @@ def test_chat_at_a_terminal(tmp_path):
         child.expect_exact("never sent")
         child.sendintr()
         child.expect_exact(PROMPT)
+        assert "quits" not in child.before  # clearing a line is not a step towards quitting
         send_line(child, "/help")
         child.expect_exact("/reset, /clear")
         child.expect_exact(PROMPT)

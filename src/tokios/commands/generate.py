@@ -124,15 +124,19 @@ def stream_completion(core, prompt_token_ids: list[int], params, out: TextIO,
     final = None
     written: list[str] = []
     num_output_tokens = 0
+
+    def result(text: str, num_output_tokens: int, finish_reason: str | None) -> StreamResult:
+        return StreamResult(
+            text=text, num_prompt_tokens=len(prompt_token_ids), num_output_tokens=num_output_tokens,
+            finish_reason=finish_reason, ttft_seconds=None if first_token_at is None else first_token_at - started,
+            decode_seconds=None if first_token_at is None else last_token_at - first_token_at)
+
     while core.has_unfinished:
         if should_stop is not None and should_stop():
             # Asked between steps, never inside one: the scheduler and the KV cache are consistent
             # here, so the abort frees every block the request holds.
             core.abort([sequence.request_id for sequence in requests])
-            return StreamResult(
-                text="".join(written), num_prompt_tokens=len(prompt_token_ids), num_output_tokens=num_output_tokens,
-                finish_reason="abort", ttft_seconds=None if first_token_at is None else first_token_at - started,
-                decode_seconds=None if first_token_at is None else last_token_at - first_token_at)
+            return result("".join(written), num_output_tokens, "abort")
         outputs, stopped = processor.process(core.step())
         core.abort(stopped)
         for output in outputs:
@@ -149,11 +153,7 @@ def stream_completion(core, prompt_token_ids: list[int], params, out: TextIO,
                 final = completion
     if final is None:
         raise InvalidRequestError("the engine finished without an output for the request", param="prompt")
-    return StreamResult(
-        text=final.text, num_prompt_tokens=len(prompt_token_ids), num_output_tokens=len(final.token_ids),
-        finish_reason=final.finish_reason,
-        ttft_seconds=None if first_token_at is None else first_token_at - started,
-        decode_seconds=None if first_token_at is None else last_token_at - first_token_at)
+    return result(final.text, len(final.token_ids), final.finish_reason)
 
 
 def prompt_token_ids_for(core, messages: list[dict] | None, raw_text: str | None) -> list[int]:

@@ -79,7 +79,12 @@ class ReadlineLines:
                       "starting with an empty history", file=err)
 
     def read_line(self, prompt: str) -> str:
-        return input(prompt)
+        try:
+            return input(prompt)
+        except EOFError:
+            # Ctrl-D leaves the cursor after the prompt; the shell's prompt belongs on a line of its own.
+            sys.stdout.write("\n")
+            raise
 
     def pending_text(self) -> str:
         return self.readline.get_line_buffer()

@@ -14,6 +14,7 @@ import argparse
 import itertools
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TextIO
 
@@ -106,8 +107,12 @@ class StreamResult:
 _request_numbers = itertools.count(1)
 
 
-def stream_completion(core, prompt_token_ids: list[int], params, out: TextIO) -> StreamResult:
-    """Run one request to the end on `core`, writing each text delta to `out` as it comes."""
+def stream_completion(core, prompt_token_ids: list[int], params, out: TextIO,
+                      should_stop: Callable[[], bool] | None = None) -> StreamResult:
+    """Run one request to the end on `core`, writing each text delta to `out` as it comes.
+
+    `should_stop` is asked between steps; when it answers True the request is aborted in the core
+    (its KV blocks are freed) and the result holds the text written so far, finish reason "abort"."""
     from tokios.engine.output_processor import OutputProcessor
 
     request_id = f"cli-{next(_request_numbers)}"
@@ -118,26 +123,38 @@ def stream_completion(core, prompt_token_ids: list[int], params, out: TextIO) ->
     core.add_requests(requests)
     first_token_at = last_token_at = None
     final = None
+    written: list[str] = []
+    num_output_tokens = 0
+
+    def result(text: str, num_output_tokens: int, finish_reason: str | None) -> StreamResult:
+        return StreamResult(
+            text=text, num_prompt_tokens=len(prompt_token_ids), num_output_tokens=num_output_tokens,
+            finish_reason=finish_reason, ttft_seconds=None if first_token_at is None else first_token_at - started,
+            decode_seconds=None if first_token_at is None else last_token_at - first_token_at)
+
     while core.has_unfinished:
+        if should_stop is not None and should_stop():
+            # Asked between steps, never inside one: the scheduler and the KV cache are consistent
+            # here, so the abort frees every block the request holds.
+            core.abort([sequence.request_id for sequence in requests])
+            return result("".join(written), num_output_tokens, "abort")
         outputs, stopped = processor.process(core.step())
         core.abort(stopped)
         for output in outputs:
             completion = output.outputs[0]
             if completion.token_ids_delta:
+                num_output_tokens += len(completion.token_ids_delta)
                 last_token_at = time.perf_counter()
                 first_token_at = first_token_at or last_token_at
             if completion.text_delta:
+                written.append(completion.text_delta)
                 out.write(completion.text_delta)
                 out.flush()
             if output.finished:
                 final = completion
     if final is None:
         raise InvalidRequestError("the engine finished without an output for the request", param="prompt")
-    return StreamResult(
-        text=final.text, num_prompt_tokens=len(prompt_token_ids), num_output_tokens=len(final.token_ids),
-        finish_reason=final.finish_reason,
-        ttft_seconds=None if first_token_at is None else first_token_at - started,
-        decode_seconds=None if first_token_at is None else last_token_at - first_token_at)
+    return result(final.text, len(final.token_ids), final.finish_reason)
 
 
 def prompt_token_ids_for(core, messages: list[dict] | None, raw_text: str | None) -> list[int]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -57,14 +58,21 @@ def sampling_params_from_args(args: argparse.Namespace):
 
 
 def load_engine(args: argparse.Namespace, err: TextIO = sys.stderr):
-    """EngineCore for the model flags; reports where the model came from and how long it took.
-    The caller closes it (close_engine): a parallel group's ranks are processes of their own."""
+    """EngineCore for the model flags; reports where the model came from and how long it took
+    (and, for a load past a couple of seconds, what it is doing: load_progress.py). The caller
+    closes it (close_engine): a parallel group's ranks are processes of their own."""
     # Validate the flags before paying for torch and the model (callers validate sampling first).
     config = engine_config_from_args(args, model=args.model, seed=args.seed or 0)
-    started = time.perf_counter()
-    from tokios.engine import EngineCore
+    from tokios import load_progress
+    from tokios.model_files import resolve_model_path
 
-    core = EngineCore(config)
+    path = resolve_model_path(config.load.model)
+    started = time.perf_counter()
+    with load_progress.reporting(load_progress.TerminalProgress(os.path.basename(os.path.normpath(path)), err)):
+        with load_progress.phase("importing torch and the engine"):
+            from tokios.engine import EngineCore
+
+        core = EngineCore(config)
     total_seconds = time.perf_counter() - started
     # Every token takes a block slot in each KV group (a sliding group only within its window).
     capacity = core.kv.pool.num_blocks // len(core.kv.groups) * core.kv.block_size

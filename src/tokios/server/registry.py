@@ -3,7 +3,10 @@
 Owns the models a server may serve (`--model PATH[=NAME]`, repeatable, and `--models-dir`), their
 state (unloaded -> loading -> loaded) and the rules of their lives:
 
-- A request naming a model that is not loaded loads it. The load runs in a worker thread (the event loop keeps serving the other models' streams),
+- A request naming a model that is not loaded loads it, unless it is refused first: it needs a
+  kind of model this one is not, or a chat template the model has none of (server/app.py
+  ServerState.respond checks both against the spec, which read them from the file at start).
+  The load runs in a worker thread (the event loop keeps serving the other models' streams),
   logging its phases when it takes more than a couple of seconds; every request that arrives
   meanwhile waits for the same load, so eight first requests start one load. A load that fails is an error
   for the requests that waited for it; the next request tries again.
@@ -59,6 +62,10 @@ class ModelSpec:
     estimated_bytes: int | None = None
     # What the model serves (encoder/loader.py model_kind): "generate", "embedding" or "rerank".
     kind: str = "generate"
+    # Whether a chat can be rendered: the file carries a chat template, or --chat-template gives
+    # one. Read from the file's metadata at start, so that a chat with a model that has none is
+    # refused before the model loads.
+    has_chat_template: bool = True
 
     @property
     def name(self) -> str:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import os
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -127,7 +128,7 @@ class LoadProgress:
         self._condition = threading.Condition()
         self._is_stopped = False
         self._is_showing = False
-        self._last_shown: str | None = None
+        self._last_shown: object = None
         self._started_at = 0.0
         self._watcher: threading.Thread | None = None
 
@@ -185,12 +186,14 @@ class LoadProgress:
             return
         text = self._phases[-1].text()
         elapsed_s = time.monotonic() - self._started_at
-        if text == self._last_shown and not self.shows_elapsed_time:
+        # A terminal line is redrawn when its clock ticks too; a new line only for new text.
+        shown = (text, int(elapsed_s)) if self.shows_elapsed_time else text
+        if shown == self._last_shown:
             return
-        self._last_shown = text
+        self._last_shown = shown
         self.show(text, elapsed_s)
 
-    # Whether a refresh with the same text is worth showing (a terminal line's clock ticks).
+    # Whether the same text is shown again as the seconds pass (a terminal line's clock).
     shows_elapsed_time = False
 
 
@@ -209,12 +212,20 @@ class TerminalProgress(LoadProgress):
     def show(self, text: str, elapsed_s: float) -> None:
         line = f"loading {self.what}: {text} ({elapsed_s:.0f} s)"
         if self.is_terminal:
+            # A line that wraps cannot be rewritten with \r: cut it to the terminal's width.
+            line = line[:self._columns() - 1]
             # \r back to the line's start, then pad over what a longer line before left there.
             self.stream.write("\r" + line.ljust(self._width))
             self._width = len(line)
         else:
             self.stream.write(line + "\n")
         self.stream.flush()
+
+    def _columns(self) -> int:
+        try:
+            return os.get_terminal_size(self.stream.fileno()).columns
+        except (OSError, ValueError, AttributeError):  # not a real terminal: $COLUMNS, else 80
+            return shutil.get_terminal_size().columns
 
     def end(self) -> None:
         if self.is_terminal:  # the summary line that follows takes the line's place

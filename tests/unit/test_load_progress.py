@@ -67,6 +67,16 @@ def test_a_terminal_gets_one_line_rewritten_in_place_and_cleared_at_the_end():
     assert output.endswith("\r") and output.rsplit("\r", 2)[1].strip() == ""
 
 
+def test_a_terminal_line_is_cut_to_the_terminals_width(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "40")  # a line that wrapped could not be rewritten with \r
+    stream = io.StringIO()
+    with reporting(TerminalProgress("model.gguf", stream, delay_s=0, is_terminal=True)):
+        run_a_load()
+    shown = stream.getvalue().split("\r")
+    assert max(len(part) for part in shown) == 39
+    assert shown[1] == "loading model.gguf: reading weights: 0 "
+
+
 def test_a_server_logs_the_phases(caplog):
     logger = logging.getLogger("tokios.test_load_progress")
     with caplog.at_level(logging.INFO, logger=logger.name):

@@ -1,9 +1,9 @@
 """The one GGUF header parser: key/value metadata, tensor infos, tensor bytes memory-mapped.
 
 Owns `GGUFFile(path)` (metadata, `tensors` name -> TensorInfo, `raw_bytes(name)`) and
-`read_gguf_metadata(path, keys)` (the key/value section only, all of it or the keys asked for). Used by the tokenizer (vocabulary,
-merges, chat template), the model loader (hyper-parameters and weights) and `tokios plan`
-(shapes and exact weight bytes). It imports no torch, so `tokios plan` stays instant, and the
+`read_gguf_metadata(path, keys)` (the key/value section only: all of it, or the keys asked for).
+Used by the tokenizer (vocabulary, merges, chat template), the model loader (hyper-parameters and
+weights) and `tokios plan` (shapes and exact weight bytes). It imports no torch, so `tokios plan` stays instant, and the
 `gguf` package (slow to import) only when tensor infos are read: the tokenizer never pays it.
 
 Why not `gguf.GGUFReader`: it builds a numpy view per array element and converts the 49k-entry
@@ -276,7 +276,8 @@ def _map_file(path: str) -> tuple[mmap.mmap, str]:
 
 def read_gguf_metadata(path: str | os.PathLike[str], keys: frozenset[str] | None = None) -> dict[str, Any]:
     """Every key/value pair of a GGUF file's metadata as plain Python values, or only those of
-    `keys` (the rest skipped, not decoded: Gemma 3's chat template alone in a quarter of the time); tensors are not read.
+    `keys` (the rest skipped, not decoded: Gemma 3's chat template alone takes a quarter of the
+    time of the whole); tensors are not read.
 
     Arrays become lists, strings str, integers int, floats float, booleans bool. Raises
     ModelLoadError naming the file for a missing, non-GGUF, unsupported or truncated file.

@@ -3,8 +3,8 @@
 Owns reading tokenizer.json (the `tokenizers` pipeline), tokenizer_config.json (chat template,
 special tokens, add_bos_token / add_eos_token), chat_template.jinja (newer layout) and
 generation_config.json (extra end-of-generation ids); `read_hf_dir_chat_template` reads only the
-chat template. Tokenizer.from_hf_dir (tokenizer.py) builds
-the Tokenizer from what `read_hf_dir` returns; this module does not import tokenizer.py.
+chat template. Tokenizer.from_hf_dir (tokenizer.py) builds the Tokenizer from what `read_hf_dir`
+returns; this module does not import tokenizer.py.
 """
 
 from __future__ import annotations

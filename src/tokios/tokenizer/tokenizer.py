@@ -4,7 +4,8 @@ Owns building a Hugging Face `tokenizers` pipeline from GGUF metadata (byte-leve
 pre-tokenizer llama.cpp would use, SentencePiece-style BPE with byte fallback from
 sentencepiece.py for `llama` and `gemma4` vocabularies, or BERT's WordPiece from wordpiece.py for
 `bert` ones; control and user-defined tokens, BOS/EOS rules) or from a Hugging Face directory,
-and `load_tokenizer(path)` which picks between them. Talks to tokios/gguf_file.py (reads the
+and `load_tokenizer(path)` which picks between them; `model_chat_template(path)` reads only a
+model's chat template, and `no_chat_template_error()` is the refusal when it has none. Talks to tokios/gguf_file.py (reads the
 file), hf_dir.py (reads a Hugging Face directory), bos_eos.py, pretokenizers.py,
 chat_template.py and byte_level.py, none of which imports this module. Used by the engine front
 end, the server (chat template, prompt tokens, text pairs for a reranker) and the detokenizer /
@@ -361,8 +362,10 @@ def model_chat_template(path: str | Path) -> str | None:
     reading weights: a chat with a model that has none is refused before the model loads."""
     path = Path(path)
     if path.is_dir():
-        return read_hf_dir_chat_template(path)
-    template = read_gguf_metadata(path, frozenset({CHAT_TEMPLATE_KEY})).get(CHAT_TEMPLATE_KEY)
+        template = read_hf_dir_chat_template(path)
+    else:
+        template = read_gguf_metadata(path, frozenset({CHAT_TEMPLATE_KEY})).get(CHAT_TEMPLATE_KEY)
+    # An empty template is none, as the Tokenizer takes it.
     return template if isinstance(template, str) and template else None
 
 

@@ -115,7 +115,7 @@ def declared_by_model(path: str | os.PathLike[str], metadata: Mapping[str, Any] 
         from tokios.gguf_file import read_gguf_metadata
 
         try:
-            metadata = read_gguf_metadata(location)
+            metadata = read_gguf_metadata(location, keys=frozenset(_GGUF_KEY_TO_FIELD))
         except Exception:  # the load reports what is wrong with the file
             return {}
     raw = {field: metadata[key] for key, field in _GGUF_KEY_TO_FIELD.items() if key in metadata}

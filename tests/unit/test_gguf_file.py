@@ -125,7 +125,23 @@ def test_metadata_alone_imports_neither_gguf_nor_torch(model_path):
     assert result.returncode == 0, result.stderr
 
 
-PARSERS = {"metadata": read_gguf_metadata, "file": GGUFFile}
+@pytest.mark.parametrize("endianess", [GGUFEndian.LITTLE, GGUFEndian.BIG], ids=["little", "big"])
+def test_asking_for_some_keys_skips_every_other_value(tmp_path, endianess):
+    path = tmp_path / "types.gguf"
+    write_every_value_type(path, endianess)
+    metadata = read_gguf_metadata(path)
+    for key, value in metadata.items():  # each key read after skipping every value before it
+        assert read_gguf_metadata(path, frozenset({key})) == {key: value}, key
+    assert read_gguf_metadata(path, frozenset({"t.u8", "t.strs", "absent"})) == {
+        "t.u8": 200, "t.strs": ["a", "", "Ġb"]}
+
+
+def read_chat_template_key(path):
+    return read_gguf_metadata(path, frozenset({"tokenizer.chat_template"}))
+
+
+# The third reads one key and skips the rest, which must find every fault the full read finds.
+PARSERS = {"metadata": read_gguf_metadata, "file": GGUFFile, "one key": read_chat_template_key}
 
 
 @pytest.fixture(params=list(PARSERS))

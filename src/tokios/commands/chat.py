@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     params = sampling_params_from_args(args)
-    core = load_engine(args)
+    core = load_engine(args, for_chat=True)
     try:
         converse(core, params, args)
     finally:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -20,7 +21,7 @@ from typing import TextIO
 
 from tokios import sampling_defaults
 from tokios.engine_flags import add_engine_arguments, engine_config_from_args
-from tokios.errors import InvalidRequestError
+from tokios.errors import InvalidRequestError, TokiosError
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -58,21 +59,44 @@ def sampling_params_from_args(args: argparse.Namespace):
     return SamplingParams(**defaults.apply({"max_tokens": args.max_tokens, "seed": args.seed}))
 
 
-def load_engine(args: argparse.Namespace, err: TextIO = sys.stderr):
-    """EngineCore for the model flags; reports where the model came from and how long it took.
-    The caller closes it (close_engine): a parallel group's ranks are processes of their own."""
+def load_engine(args: argparse.Namespace, err: TextIO = sys.stderr, *, for_chat: bool = False):
+    """EngineCore for the model flags; reports where the model came from and how long it took
+    (and, for a load past a couple of seconds, what it is doing: load_progress.py). The caller
+    closes it (close_engine): a parallel group's ranks are processes of their own. for_chat: the
+    caller renders chat messages, so a model without a chat template (and no --chat-template) is
+    refused before it loads, with the error the template would give after."""
     # Validate the flags before paying for torch and the model (callers validate sampling first).
     config = engine_config_from_args(args, model=args.model, seed=args.seed or 0)
-    started = time.perf_counter()
-    from tokios.engine import EngineCore
+    from tokios import load_progress
+    from tokios.model_files import resolve_model_path
 
-    core = EngineCore(config)
+    path = resolve_model_path(config.load.model)
+    if for_chat and config.load.chat_template is None:
+        refuse_chat_without_template(path)
+    started = time.perf_counter()
+    with load_progress.reporting(load_progress.TerminalProgress(os.path.basename(os.path.normpath(path)), err)):
+        with load_progress.phase("importing torch and the engine"):
+            from tokios.engine import EngineCore
+
+        core = EngineCore(config)
     total_seconds = time.perf_counter() - started
     # Every token takes a block slot in each KV group (a sliding group only within its window).
     capacity = core.kv.pool.num_blocks // len(core.kv.groups) * core.kv.block_size
     print(f"loaded {core.model_path} ({core.weight_format}) in {total_seconds:.2f} s "
           f"(weights {core.load_seconds:.2f} s); KV cache holds {capacity} tokens", file=err)
     return core
+
+
+def refuse_chat_without_template(path: str) -> None:
+    """The chat template's own refusal, raised from the file's metadata before any weight is read."""
+    from tokios.tokenizer.tokenizer import model_chat_template, no_chat_template_error
+
+    try:
+        has_template = model_chat_template(path) is not None
+    except TokiosError:  # an unreadable file: the load names what is wrong with it
+        return
+    if not has_template:
+        raise no_chat_template_error()
 
 
 def close_engine(core) -> None:
@@ -172,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
     params = sampling_params_from_args(args)
     if args.raw and args.system is not None:
         raise InvalidRequestError("--system needs the chat template; drop --raw", param="system")
-    core = load_engine(args)
+    core = load_engine(args, for_chat=not args.raw)
     try:
         if args.raw:
             token_ids = prompt_token_ids_for(core, None, args.prompt)

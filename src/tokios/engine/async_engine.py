@@ -17,6 +17,7 @@ what the loop was doing, with the engine thread's stack.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import logging
 import os
@@ -91,7 +92,9 @@ class AsyncEngine:
         # 13.9-14.8 ms per decode step instead of 7.3 ms).
         self._loaded = threading.Event()
         self._load_error: BaseException | None = None
-        self._thread: threading.Thread | None = threading.Thread(target=self._load_and_run, name="tokios-engine",
+        # In a copy of the caller's context: the load's progress reporter (load_progress.py) is there.
+        self._thread: threading.Thread | None = threading.Thread(target=contextvars.copy_context().run,
+                                                                 args=(self._load_and_run,), name="tokios-engine",
                                                                  daemon=True)
         self._thread.start()
         self._loaded.wait()

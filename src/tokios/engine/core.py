@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokios import load_progress
 from tokios.config import AUTO_DTYPE_BY_DEVICE, EngineConfig
 from tokios.engine.output_processor import EngineOutput, sequence_ids
 from tokios.errors import ContextLengthExceededError, InvalidRequestError
@@ -112,7 +113,8 @@ class EngineCore:
         self.model: Model = loaded.model
         self.model_config = loaded.config
         self.load_seconds = loaded.load_seconds
-        self.tokenizer = tokenizer_for_loaded_model(loaded.tokenizer_source, path)
+        with load_progress.phase("building the tokenizer"):
+            self.tokenizer = tokenizer_for_loaded_model(loaded.tokenizer_source, path)
         if chat_template is not None:
             self.tokenizer = self.tokenizer.with_chat_template(chat_template)
         self.max_model_len = min(config.scheduler.max_model_len or self.model_config.max_model_len,
@@ -153,10 +155,11 @@ class EngineCore:
         if parallel.is_parallel:
             from tokios.distributed.executor import DistributedModel
 
-            self.model = DistributedModel(
-                self.model, self.model_config, model_path=path, weight_format=self.weight_format,
-                device=self.device, num_threads=config.load.num_threads, num_slots=num_blocks * block_size,
-                block_size=block_size, kv_dtype=kv_dtype, group=config.parallel)
+            with load_progress.phase(f"starting the {parallel.world_size} ranks of the parallel group"):
+                self.model = DistributedModel(
+                    self.model, self.model_config, model_path=path, weight_format=self.weight_format,
+                    device=self.device, num_threads=config.load.num_threads, num_slots=num_blocks * block_size,
+                    block_size=block_size, kv_dtype=kv_dtype, group=config.parallel)
             self.load_seconds = time.perf_counter() - started
         try:
             self._finish_setup(config, num_blocks, block_size, kv_dtype)
@@ -172,8 +175,9 @@ class EngineCore:
                                    self.max_model_len,
                                    max_step_s=max_step_ms / 1000 if isinstance(max_step_ms, (int, float)) else max_step_ms,
                                    num_sliceable_layers=self.model_config.num_layers if can_slice else None)
-        self.runner = ModelRunner(self.model, self.model_config, num_blocks, block_size, self.device, kv_dtype,
-                                  seed=config.seed)
+        with load_progress.phase(f"preparing the KV cache ({config.cache.kv_cache_memory_bytes / 2**20:.0f} MiB)"):
+            self.runner = ModelRunner(self.model, self.model_config, num_blocks, block_size, self.device, kv_dtype,
+                                      seed=config.seed)
         if self.disk_cache is not None:
             self.runner.block_sink = self.disk_cache.write_async
         self.speculator = Speculator(config.speculative, self._make_proposers(num_blocks, block_size))

@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 from gguf import GGMLQuantizationType
 
+from tokios import load_progress
 from tokios.config import ModelConfig
 from tokios.errors import ModelLoadError, UnsupportedError
 from tokios.gguf_file import GGUFFile
@@ -203,7 +204,8 @@ def weights_from_gguf(gguf: GGUFFile, config: ModelConfig,
     weights: dict[str, torch.Tensor | PackedWeight] = {}
     layer_names = GGUF_LAYER_NAMES_BY_ARCHITECTURE.get(config.architecture, _GGUF_LAYER_NAMES)
     unpermute = config.architecture not in _UNPERMUTED_ROPE_ARCHITECTURES
-    for name, info in gguf.tensors.items():
+    name_to_hf_name: dict[str, str] = {}
+    for name in gguf.tensors:
         if name in _GGUF_TOP_NAMES:
             hf_name = _GGUF_TOP_NAMES[name]
         elif name.startswith("blk."):
@@ -216,20 +218,24 @@ def weights_from_gguf(gguf: GGUFFile, config: ModelConfig,
             hf_name = _GGUF_ROPE_NAMES[name]
         else:
             raise UnsupportedError(f"{gguf.path}: unexpected tensor {name}")
-        if keep is not None and not keep(hf_name):
-            continue
-        weight = read_gguf_tensor(gguf, name)
-        rows = weight.raw if isinstance(weight, PackedWeight) else weight
-        # The permutation moves whole output rows, so it applies to packed block rows as well.
-        if not unpermute:
-            pass
-        elif hf_name.endswith(("q_proj.weight", "q_proj.bias")):
-            rows = _unpermute_rope(rows, config.num_heads)
-        elif hf_name.endswith(("k_proj.weight", "k_proj.bias")):
-            rows = _unpermute_rope(rows, config.num_kv_heads)
-        if isinstance(weight, PackedWeight) and rows is not weight.raw:
-            weight = weight.with_rows(rows)
-        weights[hf_name] = weight if isinstance(weight, PackedWeight) else rows
+        if keep is None or keep(hf_name):
+            name_to_hf_name[name] = hf_name
+    total_bytes = sum(gguf.tensors[name].num_bytes for name in name_to_hf_name)
+    with load_progress.phase("reading weights", total_bytes) as reading:
+        for name, hf_name in name_to_hf_name.items():
+            weight = read_gguf_tensor(gguf, name)
+            reading.advance(gguf.tensors[name].num_bytes)
+            rows = weight.raw if isinstance(weight, PackedWeight) else weight
+            # The permutation moves whole output rows, so it applies to packed block rows as well.
+            if not unpermute:
+                pass
+            elif hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+                rows = _unpermute_rope(rows, config.num_heads)
+            elif hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+                rows = _unpermute_rope(rows, config.num_kv_heads)
+            if isinstance(weight, PackedWeight) and rows is not weight.raw:
+                weight = weight.with_rows(rows)
+            weights[hf_name] = weight if isinstance(weight, PackedWeight) else rows
     return weights
 
 
@@ -266,12 +272,17 @@ def weights_from_hf(directory: str, keep: Callable[[str], bool] | None = None,
     from safetensors import safe_open
 
     weights: dict[str, torch.Tensor] = {}
-    for file_name in _safetensors_files(directory):
-        with safe_open(os.path.join(directory, file_name), framework="pt") as handle:
-            for name in handle.keys():
-                if keep is None or keep(prefix + name):
-                    # its own dtype: --dtype auto multiplies bfloat16 weights in bfloat16
-                    weights[prefix + name] = handle.get_tensor(name)
+    files = _safetensors_files(directory)
+    # The files' sizes are the weights' (their JSON headers are small); a part reads fewer.
+    total_bytes = sum(os.path.getsize(os.path.join(directory, f)) for f in files) if keep is None else None
+    with load_progress.phase("reading weights", total_bytes) as reading:
+        for file_name in files:
+            with safe_open(os.path.join(directory, file_name), framework="pt") as handle:
+                for name in handle.keys():
+                    if keep is None or keep(prefix + name):
+                        # its own dtype: --dtype auto multiplies bfloat16 weights in bfloat16
+                        tensor = weights[prefix + name] = handle.get_tensor(name)
+                        reading.advance(tensor.numel() * tensor.element_size())
     return weights
 
 
@@ -308,7 +319,8 @@ def read_model_file(path: str, part_of: Callable[[ModelConfig], ModelPart] | Non
         weights = weights_from_hf(path, keep, _base_model_prefix(path))
         tokenizer_source: Any = path
     else:
-        gguf = GGUFFile(path)
+        with load_progress.phase("reading the file's metadata and vocabulary"):
+            gguf = GGUFFile(path)
         config = model_config_from_gguf(gguf)
         keep = _weights_to_read(part_of, config)
         weights = weights_from_gguf(gguf, config, keep)
@@ -353,7 +365,8 @@ def load_model(path: str, weight_format: str, device: torch.device, part: ModelP
     started = time.perf_counter()
     config, weights, tokenizer_source = read_model_file(path, None if part is None else (lambda _: part),
                                                         context_len)
-    model = build_model(path, config, weights, weight_format, device, part)
+    with load_progress.phase(f"building the model's {config.num_layers} layers"):
+        model = build_model(path, config, weights, weight_format, device, part)
     return LoadedModel(config, model, tokenizer_source, time.perf_counter() - started, path)
 
 

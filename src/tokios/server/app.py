@@ -44,6 +44,7 @@ from tokios.server.serving import Serving, ServerSettings
 from tokios.server.streams import StreamedResponse
 from tokios.server.web_assets import (CONTENT_SECURITY_POLICY, STATIC_DIR, PageFiles, vendor_file,
                                      warn_if_vendor_files_missing)
+from tokios.tokenizer.tokenizer import no_chat_template_error
 
 logger = logging.getLogger("tokios.server")
 
@@ -90,13 +91,17 @@ class ServerState:
         return await self.registry.acquire(model, keep_alive_s)
 
     async def respond(self, model: str | None, run: Callable[[ModelLease], Any],
-                      keep_alive_s: float | None = None, needs: str | None = None) -> Response:
+                      keep_alive_s: float | None = None, needs: str | None = None,
+                      uses_chat_template: bool = False) -> Response:
         """Runs one request against its model. A streamed answer's job releases the lease when the
         stream ends; anything else releases it here. `needs`: the kind of model the route serves
-        (encoder/loader.py), checked before the model loads."""
+        (encoder/loader.py); `uses_chat_template`: the route renders chat messages. Both are
+        checked before the model loads (a lazily loaded model stays unloaded)."""
         if needs is not None:
             entry = self.registry.entry(model)
             require_kind(entry.spec.kind, needs, entry.name)
+        if uses_chat_template and not self.registry.entry(model).spec.has_chat_template:
+            raise no_chat_template_error()
         lease = await self.acquire(model, keep_alive_s)
         try:
             response = await run(lease)

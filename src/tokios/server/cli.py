@@ -165,7 +165,8 @@ def build_registry(args: argparse.Namespace):
         kind, is_encoder = _kind_of(path)
         specs.append(ModelSpec(names=names, path=path, load=_engine_loader(config, is_encoder=is_encoder),
                                estimated_bytes=_estimated_bytes(path, kv_cache_bytes), kind=kind,
-                               sampling_defaults=sampling_defaults.from_args(args, path)))
+                               sampling_defaults=sampling_defaults.from_args(args, path),
+                               has_chat_template=config.load.chat_template is not None or _has_chat_template(path)))
     if args.max_loaded_models is not None and args.max_loaded_models < 1:
         raise InvalidRequestError("max_loaded_models must be >= 1", param="max_loaded_models")
     keep_alive_s = None if args.keep_alive is None else parse_duration(args.keep_alive, field_name="keep_alive")
@@ -185,6 +186,17 @@ def _kind_of(path: str) -> tuple[str, bool]:
         return model_kind(path), encoder_architecture(path) is not None
     except Exception:
         return GENERATE, False
+
+
+def _has_chat_template(path: str) -> bool:
+    """Whether the file carries a chat template (its metadata only). A file that cannot be read
+    counts as having one: its load reports what is wrong with it."""
+    from tokios.tokenizer.tokenizer import model_chat_template
+
+    try:
+        return model_chat_template(path) is not None
+    except Exception:
+        return True
 
 
 def _engine_loader(config, *, is_encoder: bool):

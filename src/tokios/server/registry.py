@@ -3,9 +3,12 @@
 Owns the models a server may serve (`--model PATH[=NAME]`, repeatable, and `--models-dir`), their
 state (unloaded -> loading -> loaded) and the rules of their lives:
 
-- A request naming a model that is not loaded loads it. The load runs in a worker thread (the
-  event loop keeps serving the other models' streams); every request that arrives meanwhile
-  waits for the same load, so eight first requests start one load. A load that fails is an error
+- A request naming a model that is not loaded loads it, unless it is refused first: it needs a
+  kind of model this one is not, or a chat template the model has none of (server/app.py
+  ServerState.respond checks both against the spec, which read them from the file at start).
+  The load runs in a worker thread (the event loop keeps serving the other models' streams),
+  logging its phases when it takes more than a couple of seconds; every request that arrives
+  meanwhile waits for the same load, so eight first requests start one load. A load that fails is an error
   for the requests that waited for it; the next request tries again.
 - A lease (`acquire` ... `release`) pins a model while a request uses it: a pinned model is never
   unloaded or evicted.
@@ -36,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokios import load_progress
 from tokios.errors import ModelLoadError, OverloadedError
 from tokios.sampling_defaults import TOKIOS as TOKIOS_SAMPLING, SamplingDefaults
 from tokios.server.errors import model_not_found
@@ -61,6 +65,10 @@ class ModelSpec:
     kind: str = "generate"
     # What a request that leaves a sampling field unset gets (tokios/sampling_defaults.py).
     sampling_defaults: SamplingDefaults = TOKIOS_SAMPLING
+    # Whether a chat can be rendered: the file carries a chat template, or --chat-template gives
+    # one. Read from the file's metadata at start, so that a chat with a model that has none is
+    # refused before the model loads.
+    has_chat_template: bool = True
 
     @property
     def name(self) -> str:
@@ -141,8 +149,9 @@ def _thread_niceness() -> dict[int, int]:
     return niceness
 
 
-def load_in_background(load: Callable[[], Any]) -> Any:
-    """Runs `load` (in a worker thread) with short GIL slices and at low CPU priority."""
+def load_in_background(load: Callable[[], Any], name: str = "model") -> Any:
+    """Runs `load` (in a worker thread) with short GIL slices and at low CPU priority; a load
+    that takes more than a couple of seconds logs its phases (load_progress.py)."""
     previous_interval = sys.getswitchinterval()
     sys.setswitchinterval(min(previous_interval, LOAD_SWITCH_INTERVAL_S))
     can_renice = sys.platform.startswith("linux")
@@ -151,7 +160,8 @@ def load_in_background(load: Callable[[], Any]) -> Any:
     try:
         if can_renice:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOAD_NICENESS)
-        engine = load()
+        with load_progress.reporting(load_progress.LoggingProgress(f"model {name}", logger)):
+            engine = load()
         asyncio.run(_warm_up(engine))
         return engine
     finally:
@@ -303,7 +313,7 @@ class ModelRegistry:
                 entry.state = LOADING
                 logger.info("loading model %s from %s", entry.name, entry.spec.path)
                 started = time.monotonic()
-                engine = await asyncio.to_thread(load_in_background, entry.spec.load)
+                engine = await asyncio.to_thread(load_in_background, entry.spec.load, entry.name)
                 engine.start()
                 entry.engine = engine
                 entry.serving = self.make_serving(engine, entry.spec)

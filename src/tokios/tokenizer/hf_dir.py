@@ -2,8 +2,9 @@
 
 Owns reading tokenizer.json (the `tokenizers` pipeline), tokenizer_config.json (chat template,
 special tokens, add_bos_token / add_eos_token), chat_template.jinja (newer layout) and
-generation_config.json (extra end-of-generation ids). Tokenizer.from_hf_dir (tokenizer.py) builds
-the Tokenizer from what `read_hf_dir` returns; this module does not import tokenizer.py.
+generation_config.json (extra end-of-generation ids); `read_hf_dir_chat_template` reads only the
+chat template. Tokenizer.from_hf_dir (tokenizer.py) builds the Tokenizer from what `read_hf_dir`
+returns; this module does not import tokenizer.py.
 """
 
 from __future__ import annotations
@@ -34,6 +35,19 @@ def _chat_template_from_config(config: dict[str, Any]) -> str | None:
     return template if isinstance(template, str) else None
 
 
+def _chat_template_in(directory: Path, config: dict[str, Any]) -> str | None:
+    jinja_file = directory / "chat_template.jinja"
+    if jinja_file.is_file():  # the newer layout wins over tokenizer_config.json's entry
+        return jinja_file.read_text(encoding="utf-8")
+    return _chat_template_from_config(config)
+
+
+def read_hf_dir_chat_template(directory: Path) -> str | None:
+    """The directory's chat template, without building its tokenizer (None: it has none)."""
+    config_file = directory / "tokenizer_config.json"
+    return _chat_template_in(directory, parse_json_file(config_file) if config_file.is_file() else {})
+
+
 def read_hf_dir(directory: Path) -> tuple[tokenizers.Tokenizer, dict[str, Any]]:
     """The directory's `tokenizers` pipeline and the keyword arguments of the Tokenizer built on it."""
     tokenizer_file = directory / "tokenizer.json"
@@ -51,10 +65,7 @@ def read_hf_dir(directory: Path) -> tuple[tokenizers.Tokenizer, dict[str, Any]]:
 
     config_file = directory / "tokenizer_config.json"
     config = parse_json_file(config_file) if config_file.is_file() else {}
-    chat_template = _chat_template_from_config(config)
-    jinja_file = directory / "chat_template.jinja"
-    if jinja_file.is_file():
-        chat_template = jinja_file.read_text(encoding="utf-8")
+    chat_template = _chat_template_in(directory, config)
 
     def token_id(name: str) -> int | None:
         text = _token_text(config.get(name))

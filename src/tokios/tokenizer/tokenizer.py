@@ -4,7 +4,8 @@ Owns building a Hugging Face `tokenizers` pipeline from GGUF metadata (byte-leve
 pre-tokenizer llama.cpp would use, SentencePiece-style BPE with byte fallback from
 sentencepiece.py for `llama` and `gemma4` vocabularies, or BERT's WordPiece from wordpiece.py for
 `bert` ones; control and user-defined tokens, BOS/EOS rules) or from a Hugging Face directory,
-and `load_tokenizer(path)` which picks between them. Talks to tokios/gguf_file.py (reads the
+and `load_tokenizer(path)` which picks between them; `model_chat_template(path)` reads only a
+model's chat template, and `no_chat_template_error()` is the refusal when it has none. Talks to tokios/gguf_file.py (reads the
 file), hf_dir.py (reads a Hugging Face directory), bos_eos.py, pretokenizers.py,
 chat_template.py and byte_level.py, none of which imports this module. Used by the engine front
 end, the server (chat template, prompt tokens, text pairs for a reranker) and the detokenizer /
@@ -33,7 +34,7 @@ from tokios.gguf_file import GGUF_MAGIC, read_gguf_metadata
 from tokios.tokenizer.bos_eos import bos_eos_processor
 from tokios.tokenizer.byte_level import build_token_bytes_table, is_byte_level_spelling, spell_bytes
 from tokios.tokenizer.chat_template import ChatTemplate
-from tokios.tokenizer.hf_dir import read_hf_dir
+from tokios.tokenizer.hf_dir import read_hf_dir, read_hf_dir_chat_template
 from tokios.tokenizer.pretokenizers import pre_tokenization
 from tokios.tokenizer.sentencepiece import build_sentencepiece_bpe
 from tokios.tokenizer.wordpiece import build_wordpiece
@@ -167,7 +168,7 @@ class Tokenizer:
             eos_token_id=eos_token_id,
             unk_token_id=token_id("tokenizer.ggml.unknown_token_id"),
             pad_token_id=token_id("tokenizer.ggml.padding_token_id"),
-            chat_template=metadata.get("tokenizer.chat_template"),
+            chat_template=metadata.get(CHAT_TEMPLATE_KEY),
             source=source,
         )
 
@@ -274,12 +275,7 @@ class Tokenizer:
     ) -> str:
         """Render a conversation with the model's own template, exactly as transformers does."""
         if self._compiled_chat_template is None:
-            raise InvalidRequestError(
-                "this model has no chat template (its file carries none: a pretrained model); start tokios "
-                "with --chat-template FILE or a built-in name (chatml, gemma), or send a plain completion "
-                "prompt (/v1/completions, tokios generate --raw) instead",
-                param="messages",
-            )
+            raise no_chat_template_error()
         special_tokens = {
             name: self.backend.id_to_token(token_id)
             for name, token_id in self._id_to_special_text.items()
@@ -344,6 +340,33 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(source={self.source!r}, vocab_size={self.vocab_size})"
+
+
+CHAT_TEMPLATE_KEY = "tokenizer.chat_template"  # GGUF metadata
+
+
+def no_chat_template_error() -> InvalidRequestError:
+    """The refusal of a chat with a model that has no chat template: from the loaded tokenizer,
+    and before loading, where the file shows it has none (model_chat_template)."""
+    return InvalidRequestError(
+        "this model has no chat template (its file carries none: a pretrained model); start tokios "
+        "with --chat-template FILE or a built-in name (chatml, gemma), or send a plain completion "
+        "prompt (/v1/completions, tokios generate --raw) instead",
+        param="messages",
+    )
+
+
+def model_chat_template(path: str | Path) -> str | None:
+    """The chat template a model's file (GGUF metadata) or directory (tokenizer_config.json,
+    chat_template.jinja) carries, None when it has none, read without building the tokenizer or
+    reading weights: a chat with a model that has none is refused before the model loads."""
+    path = Path(path)
+    if path.is_dir():
+        template = read_hf_dir_chat_template(path)
+    else:
+        template = read_gguf_metadata(path, frozenset({CHAT_TEMPLATE_KEY})).get(CHAT_TEMPLATE_KEY)
+    # An empty template is none, as the Tokenizer takes it.
+    return template if isinstance(template, str) and template else None
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
+from tokios import load_progress
 from tokios.model.blocks import unpack
 from tokios.model_files import cache_directory
 from tokios.model.quant import PackedWeight, SegmentedWeight, as_dense
@@ -54,8 +55,21 @@ def compile_kernels(name: str = "tokios_cpu_kernels", march: str = "native"):
 
     build_directory = _build_directory("" if march == "native" else march)
     build_directory.mkdir(parents=True, exist_ok=True)
-    return load(name=name, sources=[str(_MAIN_SOURCE)], build_directory=str(build_directory),
-                extra_cflags=["-O3", f"-march={march}", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+    with load_progress.phase(_build_phase(build_directory, name, march)):
+        return load(name=name, sources=[str(_MAIN_SOURCE)], build_directory=str(build_directory),
+                    extra_cflags=["-O3", f"-march={march}", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def _build_phase(build_directory: Path, name: str, march: str) -> str:
+    """What torch's extension builder is about to do, as a load's progress says it. The builder
+    holds a lock file in the build directory while it builds or checks a build (its FileBaton,
+    which records no process id); any other process waits for the file to go."""
+    lock = build_directory / "lock"
+    if lock.exists():
+        return f"waiting for another process's build of the CPU kernels (its lock: {lock})"
+    if any(build_directory.glob(f"{name}*.so")):
+        return f"checking the cached build of the CPU kernels in {build_directory}"
+    return f"building the CPU kernels ({_MAIN_SOURCE.name}, -march={march}; once per machine, about a minute)"
 
 
 def load_extension():

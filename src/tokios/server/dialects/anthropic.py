@@ -432,10 +432,11 @@ class TokenCount(ResponseBody):
 ANTHROPIC = Dialect(
     name="anthropic",
     routes=(
-        Route("post", "/v1/messages", model_route(MessagesRequest, _messages, GENERATE),
+        Route("post", "/v1/messages", model_route(MessagesRequest, _messages, GENERATE, uses_chat_template=True),
               "Create a message (Anthropic Messages API); SSE events when stream is true", MessagesRequest, Message,
               SSE, MessageEvent, generates=True),
-        Route("post", "/v1/messages/count_tokens", model_route(CountTokensRequest, _count_tokens, GENERATE),
+        Route("post", "/v1/messages/count_tokens",
+              model_route(CountTokensRequest, _count_tokens, GENERATE, uses_chat_template=True),
               "Count a message request's input tokens (Anthropic)", CountTokensRequest, TokenCount),
     ),
     path_prefixes=("/v1/messages",),

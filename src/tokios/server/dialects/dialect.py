@@ -67,17 +67,18 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 
 def model_route(body_model: type[BodyT], answer: Callable[[Request, BodyT, Any], Awaitable[Response]],
-                needs: str | None = None) -> Handler:
+                needs: str | None = None, uses_chat_template: bool = False) -> Handler:
     """The handler of a route that runs one body against the model it names: readiness, the body
     validated by `body_model`, then `answer(request, body, lease)` on that model, loaded and pinned
     (server/app.py ServerState.respond); `needs`: the kind of model it serves (generate,
-    embedding, rerank), or None for any."""
+    embedding, rerank), or None for any; `uses_chat_template`: it renders chat messages."""
 
     async def handler(request: Request) -> Response:
         state = request.app.state.tokios
         state.check_ready()
         body = await parse_body(request, body_model)
-        return await state.respond(body.model, lambda lease: answer(request, body, lease), needs=needs)
+        return await state.respond(body.model, lambda lease: answer(request, body, lease), needs=needs,
+                                   uses_chat_template=uses_chat_template)
 
     return handler
 

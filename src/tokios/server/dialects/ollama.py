@@ -479,7 +479,7 @@ async def _chat_route(request: Request) -> Response:
         turn = ChatTurn(_messages(body.messages), sampling, None, tools, thinking=_thinking(body))
         make_sampling_params({**sampling, "max_tokens": 1})  # bad values are a 400 before the prompt is built
         return await _respond(request, lease, turn, body, is_chat=True, num_predict=num_predict, num_ctx=num_ctx)
-    return await state.respond(body.model, run, keep_alive_s, needs=GENERATE)
+    return await state.respond(body.model, run, keep_alive_s, needs=GENERATE, uses_chat_template=True)
 
 
 async def _generate_route(request: Request) -> Response:

@@ -438,7 +438,7 @@ async def _create_route(request: Request) -> Response:
         response = builder.envelope("completed", builder.output_of(result), result.finish_reason)
         keep(response)
         return JSONResponse(response)
-    return await state.respond(body.model, run, needs=GENERATE)
+    return await state.respond(body.model, run, needs=GENERATE, uses_chat_template=True)
 
 
 async def _retrieve_route(request: Request) -> Response:

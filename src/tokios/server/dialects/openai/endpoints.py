@@ -321,7 +321,8 @@ _MODEL_QUERY = {"name": "model", "in": "query", "required": False, "schema": {"t
 OPENAI = Dialect(
     name="openai",
     routes=(
-        Route("post", "/v1/chat/completions", model_route(ChatCompletionRequest, chat, GENERATE), "Chat completion (OpenAI)",
+        Route("post", "/v1/chat/completions",
+              model_route(ChatCompletionRequest, chat, GENERATE, uses_chat_template=True), "Chat completion (OpenAI)",
               ChatCompletionRequest, shapes.ChatCompletion, SSE, shapes.ChatCompletionChunk, generates=True),
         Route("post", "/v1/completions", model_route(CompletionRequest, completions, GENERATE), "Text completion (OpenAI)",
               CompletionRequest, shapes.TextCompletion, SSE, shapes.TextCompletion, generates=True),

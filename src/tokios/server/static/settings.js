@@ -6,8 +6,9 @@
 "use strict";
 
 const STORAGE_PREFIX = "tokios.";
-// Storage written before sampling fields started empty held the page's old defaults as values.
-// Version 2 forgets a stored value equal to that old default, once: a value typed in later is kept.
+// Version 1 of the stored settings wrote built-in sampling values into the fields (temperature 0.8,
+// top-p 0.95, ...), which a reset stored as if typed. The move to version 2 forgets a stored value
+// equal to its version-1 built-in, once; a value typed in afterwards is kept.
 const SETTINGS_VERSION_KEY = STORAGE_PREFIX + "settings-version";
 const SETTINGS_VERSION = "2";
 

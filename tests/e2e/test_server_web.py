@@ -623,6 +623,12 @@ def test_the_page_fits_a_phone_and_a_desktop(web_server, browser):
         assert favicon.status_code == 200 and favicon.headers["content-type"].startswith("image/svg+xml")
     assert console_errors(browser) == []
 
+    # A 400 px desktop window (no phone viewport) wraps the same way.
+    reload_at(browser, {"width": 400, "height": 700, "deviceScaleFactor": 1, "mobile": False})
+    assert placement(browser, "#open-menu")["shown"]
+    for where in header_placements(browser):
+        assert where["inside"], where
+
     reload_at(browser, DESKTOP)
     assert not placement(browser, "#open-menu")["shown"]
     sidebar = placement(browser, "#sidebar")

@@ -213,6 +213,9 @@ def test_chat_and_completions_through_gateway_equal_direct(cluster, stack):
 
     models = gateway.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    assert gateway.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError, match="model_not_found|does not exist"):
+        gateway.models.retrieve("no-such-model")
 
 
 # ---- auth, scope, limits -------------------------------------------------------------------

@@ -7,6 +7,8 @@ prefix cache."""
 from __future__ import annotations
 
 import json
+import re
+import time
 
 import anthropic
 import httpx
@@ -51,6 +53,69 @@ def test_greedy_text_is_identical_across_the_four_chat_apis(client, model, ollam
     responses_text = client.responses.create(model=model, input=PROMPT, max_output_tokens=NUM_TOKENS,
                                              temperature=0).output_text
     assert openai_text and openai_text == ollama_text == anthropic_text == responses_text
+
+
+# ---- one set of sampling defaults behind every door -----------------------------------------------
+
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def _logged_sampling(server, num_lines_before: int, timeout_s: float = 10.0) -> dict[str, float]:
+    """The sampling values of the one request logged (tokios.requests) after the first
+    `num_lines_before` request lines."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        lines = [line for line in server.log_text().splitlines() if " params={" in line]
+        if len(lines) > num_lines_before or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert len(lines) == num_lines_before + 1, lines[num_lines_before:]
+    params = lines[-1].split(" params=", 1)[1]
+    return {name: float(match.group(1)) for name in SAMPLING_FIELDS
+            for match in [re.search(rf"'{name}': ([-0-9.e]+)", params)] if match}
+
+
+def test_a_request_that_sets_no_sampling_gets_the_cards_defaults_through_every_api(
+        tokios_server, client, model, ollama_client, anthropic_client):
+    """The model card's sampling_defaults are what a request leaving them unset gets, through
+    the OpenAI chat and completions, Responses, Anthropic and Ollama routes alike; a field the
+    request sets is its own. `tokios generate`/`chat` and the web page read the same set
+    (tests/unit/test_sampling_defaults.py, test_server_web.py)."""
+    card = client.models.retrieve(model).model_extra["sampling_defaults"]
+    expected = {name: float(card[name]) for name in SAMPLING_FIELDS}
+    assert set(card["source"]) == set(SAMPLING_FIELDS)
+    assert expected["temperature"] != 1.0  # not OpenAI's: a small model rambles at 1.0 with nothing cut
+    calls = {
+        "openai chat": lambda: client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2),
+        "openai completions": lambda: client.completions.create(model=model, prompt=PROMPT, max_tokens=2),
+        "responses": lambda: client.responses.create(model=model, input=PROMPT, max_output_tokens=2),
+        "anthropic": lambda: anthropic_client.messages.create(model=model, messages=MESSAGES, max_tokens=2),
+        "ollama chat": lambda: ollama_client.chat(model=model, messages=MESSAGES, options={"num_predict": 2}),
+        "ollama generate": lambda: ollama_client.generate(model=model, prompt=PROMPT, options={"num_predict": 2}),
+    }
+    for door, call in calls.items():
+        num_lines = sum(" params={" in line for line in tokios_server.log_text().splitlines())
+        answer = call()
+        assert _logged_sampling(tokios_server, num_lines) == pytest.approx(expected), door
+        if door == "responses":
+            assert answer.temperature == pytest.approx(expected["temperature"])
+            assert answer.top_p == pytest.approx(expected["top_p"])
+    num_lines = sum(" params={" in line for line in tokios_server.log_text().splitlines())
+    ollama_client.chat(model=model, messages=MESSAGES, options={"num_predict": 2, "top_k": 3, "temperature": 0.5})
+    assert _logged_sampling(tokios_server, num_lines) == pytest.approx({**expected, "top_k": 3, "temperature": 0.5})
+    shown = ollama_client.show(model).parameters.splitlines()
+    assert f"top_k {card['top_k']}" in shown and "repeat_penalty 1" in shown
+
+
+def test_models_retrieve_answers_one_card_and_an_unknown_id_is_a_404(client, model):
+    retrieved = client.models.retrieve(model)
+    listed = {card.id: card for card in client.models.list().data}
+    assert retrieved.id == model and retrieved.model_dump() == listed[model].model_dump()
+    assert retrieved.model_extra["kind"] == "generate"
+    with pytest.raises(openai.NotFoundError) as error:
+        client.models.retrieve("no-such-model")
+    assert error.value.status_code == 404 and "no-such-model" in str(error.value) and model in str(error.value)
+    assert error.value.body["code"] == "model_not_found"
 
 
 # ---- cached prompt tokens, in each API's own words -----------------------------------------------

@@ -165,17 +165,22 @@ def test_each_tool_choice(client, model):
 
 
 def _streamed_answer(client, **kwargs):
-    """(content, calls by index as {"id", "name", "arguments"}, finish_reason) of a streamed answer."""
+    """(content, calls by index as {"id", "name", "arguments"}, finish_reason) of a streamed answer;
+    each chunk names a call at most once."""
     calls: dict[int, dict] = {}
     content, finish_reason = "", None
     for chunk in client.chat.completions.create(stream=True, **kwargs):
         delta = chunk.choices[0].delta
         content += delta.content or ""
         finish_reason = chunk.choices[0].finish_reason or finish_reason
+        indexes = [call.index for call in delta.tool_calls or ()]
+        assert len(indexes) == len(set(indexes)), delta
         for call in delta.tool_calls or ():
             entry = calls.setdefault(call.index, {"id": None, "name": None, "arguments": ""})
             if call.id:
                 assert entry["id"] is None and call.function.name and call.type == "function"
+                # OpenAI's own stream: the first delta's arguments are "", the JSON follows.
+                assert call.function.arguments == "", call
                 entry["id"], entry["name"] = call.id, call.function.name
             entry["arguments"] += call.function.arguments or ""
     return content, calls, finish_reason

@@ -60,7 +60,8 @@ def test_generate_takes_the_engine_flags_and_tensor_parallel_keeps_the_text():
 
 def test_chat_keeps_the_conversation_and_stops_at_exit():
     turns = "My name is Ola.\n\nWhat is my name?\n/exit\nThis line is never read.\n"
-    result = run_cli("chat", "--dtype", "float32", "--max-tokens", str(MAX_TOKENS), "--stats", stdin=turns)
+    result = run_cli("chat", "--dtype", "float32", "--temperature", "0", "--max-tokens", str(MAX_TOKENS), "--stats",
+                     stdin=turns)
     assert result.returncode == 0, result.stderr
     replies = result.stdout.splitlines()
     assert len(replies) == 2 and all(reply.strip() for reply in replies), result.stdout
@@ -72,6 +73,6 @@ def test_chat_keeps_the_conversation_and_stops_at_exit():
 
 
 def test_chat_ends_at_end_of_input():
-    result = run_cli("chat", "--dtype", "float32", "--max-tokens", "2", stdin="Hi\n")
+    result = run_cli("chat", "--dtype", "float32", "--temperature", "0", "--max-tokens", "2", stdin="Hi\n")
     assert result.returncode == 0, result.stderr
     assert len(result.stdout.splitlines()) == 1

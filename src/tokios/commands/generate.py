@@ -14,9 +14,11 @@ import argparse
 import itertools
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TextIO
 
+from tokios import sampling_defaults
 from tokios.engine_flags import add_engine_arguments, engine_config_from_args
 from tokios.errors import InvalidRequestError
 
@@ -33,11 +35,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                         help=f"most tokens to generate (default {DEFAULT_MAX_TOKENS})")
-    parser.add_argument("--temperature", type=float, default=0.0,
-                        help="0 is greedy (the default, reproducible); higher is more varied")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1] (default 1)")
-    parser.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens; 0 is off")
     parser.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    sampling_defaults.add_arguments(parser, applies_to="each reply")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,10 +49,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def sampling_params_from_args(args: argparse.Namespace):
+    """The request's SamplingParams: the flags, then the model's sampling defaults (the ones
+    `tokios serve` gives a request that sets nothing), checked before the model loads."""
+    from tokios.model_files import resolve_model_path
     from tokios.sampling_params import SamplingParams
 
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.seed)
+    defaults = sampling_defaults.from_args(args, resolve_model_path(args.model))
+    return SamplingParams(**defaults.apply({"max_tokens": args.max_tokens, "seed": args.seed}))
 
 
 def load_engine(args: argparse.Namespace, err: TextIO = sys.stderr):
@@ -105,8 +107,12 @@ class StreamResult:
 _request_numbers = itertools.count(1)
 
 
-def stream_completion(core, prompt_token_ids: list[int], params, out: TextIO) -> StreamResult:
-    """Run one request to the end on `core`, writing each text delta to `out` as it comes."""
+def stream_completion(core, prompt_token_ids: list[int], params, out: TextIO,
+                      should_stop: Callable[[], bool] | None = None) -> StreamResult:
+    """Run one request to the end on `core`, writing each text delta to `out` as it comes.
+
+    `should_stop` is asked between steps; when it answers True the request is aborted in the core
+    (its KV blocks are freed) and the result holds the text written so far, finish reason "abort"."""
     from tokios.engine.output_processor import OutputProcessor
 
     request_id = f"cli-{next(_request_numbers)}"
@@ -117,26 +123,38 @@ def stream_completion(core, prompt_token_ids: list[int], params, out: TextIO) ->
     core.add_requests(requests)
     first_token_at = last_token_at = None
     final = None
+    written: list[str] = []
+    num_output_tokens = 0
+
+    def result(text: str, num_output_tokens: int, finish_reason: str | None) -> StreamResult:
+        return StreamResult(
+            text=text, num_prompt_tokens=len(prompt_token_ids), num_output_tokens=num_output_tokens,
+            finish_reason=finish_reason, ttft_seconds=None if first_token_at is None else first_token_at - started,
+            decode_seconds=None if first_token_at is None else last_token_at - first_token_at)
+
     while core.has_unfinished:
+        if should_stop is not None and should_stop():
+            # Asked between steps, never inside one: the scheduler and the KV cache are consistent
+            # here, so the abort frees every block the request holds.
+            core.abort([sequence.request_id for sequence in requests])
+            return result("".join(written), num_output_tokens, "abort")
         outputs, stopped = processor.process(core.step())
         core.abort(stopped)
         for output in outputs:
             completion = output.outputs[0]
             if completion.token_ids_delta:
+                num_output_tokens += len(completion.token_ids_delta)
                 last_token_at = time.perf_counter()
                 first_token_at = first_token_at or last_token_at
             if completion.text_delta:
+                written.append(completion.text_delta)
                 out.write(completion.text_delta)
                 out.flush()
             if output.finished:
                 final = completion
     if final is None:
         raise InvalidRequestError("the engine finished without an output for the request", param="prompt")
-    return StreamResult(
-        text=final.text, num_prompt_tokens=len(prompt_token_ids), num_output_tokens=len(final.token_ids),
-        finish_reason=final.finish_reason,
-        ttft_seconds=None if first_token_at is None else first_token_at - started,
-        decode_seconds=None if first_token_at is None else last_token_at - first_token_at)
+    return result(final.text, len(final.token_ids), final.finish_reason)
 
 
 def prompt_token_ids_for(core, messages: list[dict] | None, raw_text: str | None) -> list[int]:

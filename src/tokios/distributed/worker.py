@@ -251,6 +251,11 @@ class Rank:
 
 if __name__ == "__main__":
     import pickle
+    import signal
     import sys
 
+    # A rank lives as long as its front says (Shutdown, or the front gone): the terminal's Ctrl-C
+    # reaches the whole process group, and a rank must not die of the Ctrl-C with which
+    # `tokios chat` stops a reply. The front (or `tokios worker`) stops its ranks on its own Ctrl-C.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     run_worker(pickle.loads(sys.stdin.buffer.read()))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 from typing import Sequence
 
+from tokios import sampling_defaults
 from tokios.config import EngineConfig
 from tokios.engine.core import EngineCore, EngineStats
 from tokios.engine.output_processor import OutputProcessor, sequence_ids
@@ -39,13 +40,18 @@ class LLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a call without sampling params gets: the model's recommended sampling
+        (tokios/sampling_defaults.py), the set `tokios serve` gives a request that sets none."""
+        return SamplingParams(**sampling_defaults.for_model(self.core.model_path).apply({}))
+
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Run every prompt to completion, batched by the scheduler; outputs in prompt order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params_list = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
                        else [sampling_params] * len(prompts))
         if len(params_list) != len(prompts):

@@ -458,6 +458,15 @@ class Gateway:
             ],
         }
 
+    def model_card(self, key: KeyRecord, model: str) -> dict[str, Any]:
+        """`GET /v1/models/{id}` (`client.models.retrieve`): one of list_models' cards."""
+        for card in self.list_models(key)["data"]:
+            if card["id"] == model:
+                return card
+        raise NotFoundError(f"The model {model!r} does not exist or is not reachable with this key; this gateway "
+                            f"serves {[card['id'] for card in self.list_models(key)['data']]}.",
+                            param="model", code="model_not_found")
+
     def status(self) -> dict[str, Any]:
         return {
             "num_backends": len(self.router.backends),
@@ -575,6 +584,10 @@ def create_app(config: GatewayConfig, key_store: KeyStore) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         return gateway.list_models(gateway.authenticate(request))
+
+    @app.get("/v1/models/{model:path}")
+    async def model_card(request: Request, model: str) -> dict[str, Any]:
+        return gateway.model_card(gateway.authenticate(request), model)
 
     def add_forwarded_route(path: str) -> None:
         async def forwarded(request: Request) -> Response:

@@ -1,7 +1,8 @@
 """`tokios keys create|list|revoke`: manage client API keys and connector tokens.
 
 Wires options to gateway/keys.py. A secret is printed once, at creation, and cannot be shown
-again; `list` shows ids, names, scopes and limits only.
+again; `list` shows ids, names, scopes and limits only (and says so when the store holds none).
+Without an action it prints its help, as `tokios` without a command does.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import sys
 
 from tokios.errors import NotFoundError
 from tokios.gateway.keys import KIND_CLIENT, KIND_CONNECTOR, KeyStore, default_db_path
@@ -16,7 +18,7 @@ from tokios.gateway.keys import KIND_CLIENT, KIND_CONNECTOR, KeyStore, default_d
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--db", default=None, help="key store (default $TOKIOS_GATEWAY_DB or ~/.local/share/tokios/gateway.db)")
-    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    actions = parser.add_subparsers(dest="action", metavar="ACTION")
 
     create = actions.add_parser("create", help="create a key and print its secret once")
     create.add_argument("--kind", choices=[KIND_CLIENT, KIND_CONNECTOR], default=KIND_CLIENT)
@@ -32,9 +34,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     revoke = actions.add_parser("revoke", help="revoke a key by id; takes effect at once")
     revoke.add_argument("key_id")
+    parser.set_defaults(_keys_parser=parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.action is None:
+        # As `tokios` and `tokios bench` without a command: the help, and the same exit status.
+        args._keys_parser.print_help()
+        return 2
     store = KeyStore(args.db or default_db_path())
     try:
         if args.action == "create":
@@ -56,6 +63,10 @@ def run(args: argparse.Namespace) -> int:
             records = store.list()
             if args.json:
                 print(json.dumps([_record_dict(r) for r in records]))
+            elif not records:
+                # On stderr: stdout stays the (empty) listing for scripts.
+                print(f"no keys in {store.path}; create one with `tokios keys create --name NAME` "
+                      "(add --kind connector for a connector token)", file=sys.stderr)
             for record in records if not args.json else ():
                 fields = _record_dict(record)
                 print(

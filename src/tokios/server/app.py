@@ -63,7 +63,7 @@ class ServerState:
         # The OpenAI Responses API's stored responses (previous_response_id, GET /v1/responses/{id}).
         self.responses_store = ResponseStore(settings.responses_store_size, settings.responses_store_ttl_s)
         registry.make_serving = lambda engine, spec: Serving(engine, self.settings, self.metrics, self.admission,
-                                                             spec.names)
+                                                             spec.names, spec.sampling_defaults)
         registry.describe_serving = lambda serving: serving.embedding.card()
         registry.on_loaded = self._watch_engine
         # Tasks that run beside the server once the model is ready (e.g. the gateway connector of

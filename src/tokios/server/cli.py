@@ -23,6 +23,7 @@ from typing import Any
 
 import uvicorn
 
+from tokios import sampling_defaults
 from tokios.engine_flags import add_engine_arguments, engine_config_from_args
 from tokios.errors import InvalidRequestError
 from tokios.reasoning.formats import FORMAT_CHOICES
@@ -45,6 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also serve every model in this directory (*.gguf files and model directories), "
                              "named after their files, loaded on demand")
     add_engine_arguments(parser)
+    sampling_defaults.add_arguments(parser, applies_to="every request that leaves them unset, in every API")
     models = parser.add_argument_group("several models (docs/apis.md)")
     models.add_argument("--keep-alive", default=None,
                         help="unload a model idle this long, e.g. 5m, 1h, 30s, 0 (at once), -1 (never); "
@@ -162,7 +164,8 @@ def build_registry(args: argparse.Namespace):
         config = engine_config_from_args(args, model=path)
         kind, is_encoder = _kind_of(path)
         specs.append(ModelSpec(names=names, path=path, load=_engine_loader(config, is_encoder=is_encoder),
-                               estimated_bytes=_estimated_bytes(path, kv_cache_bytes), kind=kind))
+                               estimated_bytes=_estimated_bytes(path, kv_cache_bytes), kind=kind,
+                               sampling_defaults=sampling_defaults.from_args(args, path)))
     if args.max_loaded_models is not None and args.max_loaded_models < 1:
         raise InvalidRequestError("max_loaded_models must be >= 1", param="max_loaded_models")
     keep_alive_s = None if args.keep_alive is None else parse_duration(args.keep_alive, field_name="keep_alive")

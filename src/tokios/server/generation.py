@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from starlette.requests import Request
 
     from tokios.outputs import Logprob
+    from tokios.sampling_defaults import SamplingDefaults
     from tokios.server.streams import Job
     from tokios.tokenizer.tokenizer import Tokenizer
 
@@ -51,6 +52,9 @@ class RunOwner(Protocol):
 
     @property
     def tokenizer(self) -> Tokenizer: ...
+
+    @property
+    def sampling_defaults(self) -> SamplingDefaults: ...
 
 
 @dataclass

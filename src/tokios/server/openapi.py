@@ -13,6 +13,7 @@ schema that drifts from the handlers fails the suite.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pydantic import BaseModel
@@ -132,7 +133,8 @@ def _route_operation(dialect: Dialect, route: Route) -> dict[str, Any]:
         statuses = _INPUT_ERRORS
     else:
         statuses = [401, 503]
-    return _operation(route.summary, ok, statuses, route.body, list(route.parameters), dialect.error_schema)
+    parameters = [dict(parameter) for parameter in route.parameters]  # copies: build_openapi may name models
+    return _operation(route.summary, ok, statuses, route.body, parameters, dialect.error_schema)
 
 
 def _models_of(dialects: tuple[Dialect, ...]) -> tuple[list[type[BaseModel]], list[type[BaseModel]]]:
@@ -203,7 +205,14 @@ def build_openapi(title: str, version: str, protect_metrics: bool, model_names: 
     }
     for dialect in DIALECTS:
         for route in dialect.routes:
-            paths.setdefault(route.path, {})[route.method] = _route_operation(dialect, route)
+            # A path parameter's converter ("{model:path}") is the router's business, not the document's.
+            path = re.sub(r"\{(\w+):\w+\}", r"{\1}", route.path)
+            operation = _route_operation(dialect, route)
+            if model_names:  # a model named in the path, as in a body: any other name is a 404
+                for parameter in operation.get("parameters", []):
+                    if parameter["name"] == "model" and parameter["in"] == "path":
+                        parameter["schema"] = {"enum": list(model_names)}
+            paths.setdefault(path, {})[route.method] = operation
     # The 503 of /health is its answer, not an error body: same schema as its 200.
     paths["/health"]["get"]["responses"]["503"] = {"description": "Not ready", "content": _json(Health)}
     return {

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokios.errors import ModelLoadError, OverloadedError
+from tokios.sampling_defaults import TOKIOS as TOKIOS_SAMPLING, SamplingDefaults
 from tokios.server.errors import model_not_found
 
 logger = logging.getLogger("tokios.server")
@@ -58,6 +59,8 @@ class ModelSpec:
     estimated_bytes: int | None = None
     # What the model serves (encoder/loader.py model_kind): "generate", "embedding" or "rerank".
     kind: str = "generate"
+    # What a request that leaves a sampling field unset gets (tokios/sampling_defaults.py).
+    sampling_defaults: SamplingDefaults = TOKIOS_SAMPLING
 
     @property
     def name(self) -> str:
@@ -391,16 +394,18 @@ class ModelRegistry:
     # ---- reporting --------------------------------------------------------------------------
     def model_cards(self, created: int) -> list[dict[str, Any]]:
         """/v1/models entries: every name of every model (aliases included), with its state."""
-        cards = []
-        for entry in self.entries:
-            for name in entry.spec.names:
-                card: dict[str, Any] = {"id": name, "object": "model", "created": created, "owned_by": "tokios",
-                                        "state": entry.state, "kind": entry.spec.kind}
-                if entry.serving is not None:
-                    card["max_model_len"] = entry.serving.max_model_len
-                    card.update(self.describe_serving(entry.serving))
-                cards.append(card)
-        return cards
+        return [self.model_card(entry, name, created) for entry in self.entries for name in entry.spec.names]
+
+    def model_card(self, entry: ModelEntry, name: str, created: int) -> dict[str, Any]:
+        """One /v1/models entry (GET /v1/models/{id} answers it alone)."""
+        card: dict[str, Any] = {"id": name, "object": "model", "created": created, "owned_by": "tokios",
+                                "state": entry.state, "kind": entry.spec.kind}
+        if entry.spec.kind == "generate":
+            card["sampling_defaults"] = entry.spec.sampling_defaults.card()
+        if entry.serving is not None:
+            card["max_model_len"] = entry.serving.max_model_len
+            card.update(self.describe_serving(entry.serving))
+        return card
 
 
 def _mib(num_bytes: float) -> str:

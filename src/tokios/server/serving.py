@@ -1,5 +1,5 @@
 """One loaded model's serving steps, shared by every dialect: prompt -> token ids ->
-SamplingParams -> engine streams.
+SamplingParams (the model's sampling defaults where the request sets none) -> engine streams.
 
 Owns what happens between a dialect's translated request and the engine: the chat template and
 tokenization (via engine.tokenizer, through server/generation.py's ChatTurn), the context-length
@@ -19,6 +19,7 @@ from starlette.requests import Request
 from tokios.encoder.loader import GENERATE
 from tokios.errors import ContextLengthExceededError, InvalidRequestError
 from tokios.outputs import Logprob, RequestOutput
+from tokios.sampling_defaults import TOKIOS as TOKIOS_SAMPLING, SamplingDefaults
 from tokios.server.admission import Admission
 from tokios.server.embeddings import EmbeddingService
 from tokios.reasoning import (HARMONY, THINK, ReasoningFormat, ThinkingBudget, ThinkingPlan, plan_thinking,
@@ -76,7 +77,7 @@ class Serving:
     """One loaded model's serving steps (server/registry.py makes one per loaded engine)."""
 
     def __init__(self, engine: Any, settings: ServerSettings, metrics: ServerMetrics, admission: Admission,
-                 names: list[str]):
+                 names: list[str], sampling_defaults: SamplingDefaults = TOKIOS_SAMPLING):
         self.engine = engine
         self.settings = settings
         self.metrics = metrics
@@ -87,6 +88,7 @@ class Serving:
         self.served_model_names = list(names)
         self.model_name = self.served_model_names[0]
         self.created = int(time.time())
+        self.sampling_defaults = sampling_defaults
         self.embedding = EmbeddingService.of(engine, self.model_name, settings.pooling)
         self.kind = self.embedding.kind
         self.reasoning_format = (self._reasoning_format(settings.reasoning_format) if self.kind == GENERATE
@@ -137,6 +139,12 @@ class Serving:
                 raise InvalidRequestError(
                     f"{param}: token id {token_id} is out of range 0..{self.vocab_size - 1}", param=param)
 
+    def sampling_params(self, request_kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        """A generation's SamplingParams: the request's fields, the model's defaults where it
+        sets none (one set for every dialect); also the keywords, for the request log."""
+        kwargs = self.sampling_defaults.apply(request_kwargs)
+        return make_sampling_params(kwargs), kwargs
+
     def new_job(self, response_id: str, prompt_ids_list: list[list[int]], sampling_params: Any,
                 params_summary: dict[str, Any], lease: ModelLease | None = None) -> Job:
         if sampling_params.pooling is None:  # a pooling request is an embedding, not a generation
@@ -186,7 +194,7 @@ class Serving:
                 raise InvalidRequestError("a response format or structured output cannot be combined with tools "
                                           "unless tool_choice is 'none'", param="response_format")
             kwargs["structured_output"] = self._tool_call_grammar(turn, reasoning, thinks)
-        sampling_params = make_sampling_params(kwargs)
+        sampling_params, kwargs = self.sampling_params(kwargs)
         job = self.new_job(response_id, [prompt_ids], sampling_params, kwargs, lease)
         run = ChatRun(self, http_request, job, turn, prompt_ids, lease.load_seconds if lease else 0.0, reasoning)
         if stream:

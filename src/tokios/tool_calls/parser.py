@@ -39,15 +39,29 @@ class ToolCallDelta:
     name: str | None = None
     arguments: str = ""
 
-    def as_openai(self) -> dict[str, Any]:
-        delta: dict[str, Any] = {"index": self.index}
-        function: dict[str, Any] = {"arguments": self.arguments}
-        if self.id is not None:
-            delta["id"] = self.id
-            delta["type"] = "function"
-            function = {"name": self.name, "arguments": self.arguments}
-        delta["function"] = function
-        return delta
+    def as_openai(self) -> list[dict[str, Any]]:
+        """OpenAI's streamed form: a call's first delta carries its id, type, name and
+        `arguments: ""` (as OpenAI's own stream does); its arguments follow in later deltas. So
+        a first delta that already holds arguments is two, for two chunks."""
+        if self.id is None:
+            return [{"index": self.index, "function": {"arguments": self.arguments}}]
+        header = {"index": self.index, "id": self.id, "type": "function",
+                  "function": {"name": self.name, "arguments": ""}}
+        if not self.arguments:
+            return [header]
+        return [header, {"index": self.index, "function": {"arguments": self.arguments}}]
+
+
+def openai_tool_call_chunks(calls: list[ToolCallDelta]) -> list[list[dict[str, Any]]]:
+    """The `tool_calls` of successive OpenAI stream chunks for one parsed delta: each chunk
+    names a call at most once, as OpenAI's stream does."""
+    chunks: list[list[dict[str, Any]]] = [[]]
+    for call in calls:
+        for entry in call.as_openai():
+            if any(existing["index"] == entry["index"] for existing in chunks[-1]):
+                chunks.append([])
+            chunks[-1].append(entry)
+    return chunks
 
 
 @dataclass

@@ -253,8 +253,6 @@ def _sampling(body: MessagesRequest) -> dict[str, Any]:
         value = getattr(body, name)
         if value is not None:
             kwargs[name] = value
-    if body.top_k == 0:
-        kwargs.pop("top_k")
     output_config = body.output_config or {}
     output_format = output_config.get("format")
     if output_format is not None:

@@ -596,7 +596,8 @@ async def _show_route(request: Request) -> Response:
         if thinks:
             capabilities.append("thinking")
     return JSONResponse({"license": str(metadata.get("general.license", "")), "modelfile": "",
-                         "parameters": "", "template": template, "details": facts["details"],
+                         "parameters": entry.spec.sampling_defaults.ollama_parameters() if entry.spec.kind == GENERATE
+                         else "", "template": template, "details": facts["details"],
                          "model_info": _model_info(metadata, body.verbose), "capabilities": capabilities,
                          "modified_at": facts["modified_at"]})
 

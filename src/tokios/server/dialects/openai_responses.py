@@ -233,6 +233,7 @@ class ResponseBuilder:
 
     def envelope(self, status: str, output: list[dict[str, Any]], finish_reason: str | None = None) -> dict[str, Any]:
         body = self.body
+        defaults = self.run.serving.sampling_defaults.field_to_value
         incomplete = {"reason": "max_output_tokens"} if finish_reason == "length" else None
         response: dict[str, Any] = {
             "id": self.id, "object": "response", "created_at": self.created_at,
@@ -240,8 +241,9 @@ class ResponseBuilder:
             "error": None, "incomplete_details": incomplete, "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens, "model": self.model, "output": output,
             "parallel_tool_calls": bool(body.parallel_tool_calls), "previous_response_id": body.previous_response_id,
-            "temperature": body.temperature if body.temperature is not None else 1.0,
-            "top_p": body.top_p if body.top_p is not None else 1.0,
+            # What the run used: the request's value, else the model's default.
+            "temperature": body.temperature if body.temperature is not None else defaults["temperature"],
+            "top_p": body.top_p if body.top_p is not None else defaults["top_p"],
             "tool_choice": body.tool_choice or "auto", "tools": body.tools or [],
             "text": body.text or {"format": {"type": "text"}}, "truncation": "disabled",
             "metadata": body.metadata or {}, "store": body.store, "usage": None,

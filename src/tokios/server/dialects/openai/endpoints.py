@@ -30,12 +30,13 @@ from tokios.server.dialects.openai import shapes
 from tokios.server.dialects.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                     EmbeddingRequest, TokenizeRequest, sampling_kwargs)
 from tokios.server.embeddings import embed, token_inputs
-from tokios.server.errors import openai_error_body
+from tokios.server.errors import model_not_found, openai_error_body
 from tokios.server.generation import ChatRun, ChatTurn
 from tokios.server.registry import ModelLease
-from tokios.server.serving import Serving, make_sampling_params
+from tokios.server.serving import Serving
 from tokios.server.streams import EngineStream, Job, StreamedResponse
 from tokios.tool_calls import ToolSet
+from tokios.tool_calls.parser import openai_tool_call_chunks
 
 
 # ---- chat ---------------------------------------------------------------------------------------
@@ -89,10 +90,15 @@ async def _chat_events(serving: Serving, body: ChatCompletionRequest, run: ChatR
             message.update(shapes.reasoning_fields(delta.reasoning))
         if delta.content:
             message["content"] = delta.content
+        later_calls: list[list[dict[str, Any]]] = []
         if delta.tool_calls:
-            message["tool_calls"] = [call.as_openai() for call in delta.tool_calls]
-        if message or delta.finish_reason or logprobs:
-            yield chunk([shapes.chat_chunk_choice(delta.index, message, delta.finish_reason, logprobs)])
+            message["tool_calls"], *later_calls = openai_tool_call_chunks(delta.tool_calls)
+        finish_reason = None if later_calls else delta.finish_reason
+        if message or finish_reason or logprobs:
+            yield chunk([shapes.chat_chunk_choice(delta.index, message, finish_reason, logprobs)])
+        for position, calls in enumerate(later_calls, 1):
+            finish_reason = delta.finish_reason if position == len(later_calls) else None
+            yield chunk([shapes.chat_chunk_choice(delta.index, {"tool_calls": calls}, finish_reason, None)])
     if include_usage:
         yield shapes.usage_chunk(response_id, run.created, model, "chat.completion.chunk", run.num_prompt_tokens,
                                  run.num_completion_tokens, run.num_cached_prompt_tokens, _reasoning_tokens(run))
@@ -132,7 +138,7 @@ async def completions(http_request: Request, body: CompletionRequest, lease: Mod
     kwargs = {**sampling_kwargs(body, vocab_size=serving.vocab_size), "max_tokens": max(1, max_tokens)}
     if body.echo and max_tokens <= 1:
         kwargs["ignore_eos"] = True
-    sampling_params = make_sampling_params(kwargs)
+    sampling_params, kwargs = serving.sampling_params(kwargs)
     response_id = f"cmpl-{uuid.uuid4().hex}"
     job = serving.new_job(response_id, prompt_ids_list, sampling_params, kwargs, lease)
     created = int(time.time())
@@ -278,6 +284,19 @@ async def _models_route(request: Request) -> Response:
     return JSONResponse({"object": "list", "data": state.registry.model_cards(state.created)})
 
 
+async def _model_route(request: Request) -> Response:
+    """One model's card, as OpenAI's GET /v1/models/{model} (`client.models.retrieve`). The id
+    is the name the model is served under (an alias answers with its own id); an unknown one is a
+    404 naming the served models."""
+    state = request.app.state.tokios
+    state.check_ready()
+    name = request.path_params["model"]
+    entry = next((entry for entry in state.registry.entries if name in entry.spec.names), None)
+    if entry is None:
+        raise model_not_found(name, state.registry.names)
+    return JSONResponse(state.registry.model_card(entry, name, state.created))
+
+
 async def _tokenize_answer(request: Request, body: TokenizeRequest, lease: ModelLease) -> Response:
     return JSONResponse(tokenize(lease.serving, body))
 
@@ -310,6 +329,9 @@ OPENAI = Dialect(
               "Embeddings (OpenAI): pooled, normalized final hidden states", EmbeddingRequest, shapes.EmbeddingList,
               generates=True),
         Route("get", "/v1/models", _models_route, "Served models", answer=shapes.ModelList),
+        Route("get", "/v1/models/{model:path}", _model_route, "One served model", answer=shapes.ModelCard,
+              parameters=({"name": "model", "in": "path", "required": True, "schema": {"type": "string"},
+                           "description": "a served model's id (names with a '/' included)"},)),
         Route("post", "/tokenize", model_route(TokenizeRequest, _tokenize_answer), "Text or messages to token ids",
               TokenizeRequest, shapes.TokenizeResponse),
         Route("post", "/detokenize", model_route(DetokenizeRequest, _detokenize_answer), "Token ids to text",

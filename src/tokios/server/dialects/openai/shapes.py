@@ -230,7 +230,20 @@ class ModelCard(ResponseBody):
     created: int
     owned_by: str
     state: Literal["unloaded", "loading", "loaded"]
+    kind: Literal["generate", "embedding", "rerank"]
     max_model_len: int | None = None  # known once loaded
+    # A generative model's sampling for the fields a request leaves unset, and each one's source
+    # ("flag", "model" or "tokios"; tokios/sampling_defaults.py).
+    sampling_defaults: SamplingDefaultsCard | None = None
+
+
+class SamplingDefaultsCard(ResponseBody):
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+    source: dict[str, Literal["flag", "model", "tokios"]]
 
 
 class ModelList(ResponseBody):

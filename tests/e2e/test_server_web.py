@@ -4,7 +4,9 @@ Drives the browser over the Chrome DevTools Protocol with the `websockets` clien
 already depends on, with real input events: the key asked for once, a reply streamed and rendered
 with its stats, a reload that keeps the conversation, edit / regenerate / stop, the sidebar's
 rename / delete / export / import, model output that tries to run script (rendered as text, runs
-nothing), and a server error shown in the page. Screenshots light and dark go to docs/ when
+nothing), a server error shown in the page, the layout on a phone (390x844: the sidebar as a
+drawer, a header that wraps, Settings' Done in view) and on a desktop with no console error, and
+sampling left to the server's defaults unless set. Screenshots light and dark go to docs/ when
 TOKIOS_UPDATE_SCREENSHOT=1. Skips only when no Chromium binary is installed.
 """
 
@@ -60,13 +62,16 @@ class Browser:
         self.socket = self._exit_stack.enter_context(
             connect(page["webSocketDebuggerUrl"], max_size=None, open_timeout=30))
         self._ids = itertools.count(1)
+        self.events: list[dict] = []  # the CDP events read so far (of the domains enabled)
 
     def call(self, method: str, **params) -> dict:
         message_id = next(self._ids)
         self.socket.send(json.dumps({"id": message_id, "method": method, "params": params}))
         while True:
             message = json.loads(self.socket.recv(timeout=60))
-            if message.get("id") == message_id:
+            if "method" in message:
+                self.events.append(message)
+            elif message.get("id") == message_id:
                 if "error" in message:
                     raise RuntimeError(f"{method}: {message['error']}")
                 return message.get("result", {})
@@ -96,6 +101,15 @@ class Browser:
             text = {"text": "\r"} if event_type == "keyDown" else {}
             self.call("Input.dispatchKeyEvent", type=event_type, key="Enter", code="Enter",
                       windowsVirtualKeyCode=13, nativeVirtualKeyCode=13, **text)
+
+    def press_escape(self) -> None:
+        for event_type in ("keyDown", "keyUp"):
+            self.call("Input.dispatchKeyEvent", type=event_type, key="Escape", code="Escape",
+                      windowsVirtualKeyCode=27, nativeVirtualKeyCode=27)
+
+    def click_at(self, x: float, y: float) -> None:
+        for event_type in ("mousePressed", "mouseReleased"):
+            self.call("Input.dispatchMouseEvent", type=event_type, x=x, y=y, button="left", clickCount=1)
 
     def click(self, selector: str) -> None:
         """A real mouse click in the middle of the element (scrolled into view first)."""
@@ -227,6 +241,72 @@ def save_screenshot(browser: Browser, tmp_path: Path, name: str) -> None:
         (DOCS_DIR / name).write_bytes(png)
 
 
+PHONE = {"width": 390, "height": 844, "deviceScaleFactor": 3, "mobile": True}
+DESKTOP = {"width": 1280, "height": 800, "deviceScaleFactor": 1, "mobile": False}
+# Every control in the header, as the user sees it: what is not displayed is left out.
+HEADER_CONTROLS = "header button, header select, header .badge, header #model-name"
+# Records the header's (badge, model name) each time either changes, from the page's first paint.
+RECORD_HEADER_STATES = """document.addEventListener('DOMContentLoaded', () => {
+    const header = document.querySelector('header');
+    const record = () => (window.__headerStates = window.__headerStates || []).push(
+        [document.getElementById('server-status').textContent, document.getElementById('model-name').textContent]);
+    record();
+    new MutationObserver(record).observe(header, {subtree: true, childList: true, characterData: true});
+});"""
+
+
+def placement(browser: Browser, selector: str) -> dict:
+    """Where an element is: its box, whether it is displayed, whether its box lies inside the
+    viewport, and whether a tap at its centre reaches it (nothing covers it)."""
+    return browser.evaluate(f"""(() => {{ const e = document.querySelector({selector!r});
+        if (!e) return null;
+        const r = e.getBoundingClientRect(); const x = r.x + r.width / 2, y = r.y + r.height / 2;
+        const top = document.elementFromPoint(x, y);
+        return {{selector: {selector!r}, left: r.left, top: r.top, right: r.right, bottom: r.bottom, x, y,
+                 shown: e.checkVisibility() && r.width > 0 && r.height > 0,
+                 inside: r.left >= 0 && r.top >= 0 && r.right <= innerWidth && r.bottom <= innerHeight,
+                 reachable: top !== null && (top === e || e.contains(top))}}; }})()""")
+
+
+def tap(browser: Browser, selector: str) -> None:
+    """A click where the element is now, without scrolling: it must be shown, inside the
+    viewport and not covered, as a person's tap needs."""
+    where = placement(browser, selector)
+    assert where and where["shown"] and where["inside"] and where["reachable"], where
+    browser.click_at(where["x"], where["y"])
+
+
+def header_placements(browser: Browser) -> list[dict]:
+    selectors = browser.evaluate(f"[...document.querySelectorAll({HEADER_CONTROLS!r})].filter(e => e.checkVisibility())"
+                                 ".map(e => '#' + e.id)")
+    return [placement(browser, selector) for selector in selectors]
+
+
+def console_errors(browser: Browser) -> list[str]:
+    """The page's console errors so far: failed loads (a 404 favicon), console.error, exceptions."""
+    browser.evaluate("0")  # reads every event sent before it
+    errors = []
+    for event in browser.events:
+        params = event.get("params", {})
+        if event["method"] == "Log.entryAdded" and params["entry"]["level"] == "error":
+            errors.append(f"{params['entry'].get('url', '')} {params['entry']['text']}")
+        elif event["method"] == "Runtime.consoleAPICalled" and params["type"] in ("error", "assert"):
+            errors.append(" ".join(str(arg.get("value", arg.get("description"))) for arg in params["args"]))
+        elif event["method"] == "Runtime.exceptionThrown":
+            errors.append(json.dumps(params["exceptionDetails"]))
+    return errors
+
+
+def reload_at(browser: Browser, metrics: dict) -> None:
+    """The page loaded afresh in a window of `metrics`, its key already stored, console events
+    counted from this load on."""
+    browser.call("Emulation.setDeviceMetricsOverride", **metrics)
+    browser.events.clear()
+    browser.call("Page.reload")
+    browser.wait_for("document.readyState === 'complete' && document.getElementById('server-status')"
+                     ".textContent === 'ready' && document.getElementById('model-picker').options.length > 0", 60)
+
+
 def test_a_reply_streams_renders_and_survives_a_reload(web_server, browser, tmp_path):
     open_page(browser, web_server, with_key=False)
     # Without the key the page asks for it once, in a banner, and says so in the header.
@@ -253,9 +333,9 @@ def test_a_reply_streams_renders_and_survives_a_reload(web_server, browser, tmp_
     assert origins == [web_server.base_url], origins
     assert browser.evaluate("[typeof marked, typeof DOMPurify, typeof hljs].join()") == "object,function,object"
     assert not is_shown(browser, "notice")
-    # The settings a person starts from are llama-server's sampling defaults, shown in the panel.
+    # Sampling starts empty: the server's defaults apply (tested below, with the placeholders).
     assert browser.evaluate("['temperature', 'top-p', 'top-k', 'min-p'].map(id => document.getElementById(id).value)"
-                            ".join()") == "0.8,0.95,40,0.05"
+                            ".join()") == ",,,"
     browser.click("#open-settings")
     assert browser.evaluate("document.getElementById('settings-dialog').open")
     set_setting(browser, "temperature", "0")
@@ -495,11 +575,108 @@ def test_errors_are_shown_in_the_page(web_server, browser):
     assert question["text"] == "Hello?" and reply["text"] and not reply["error"], reply
 
 
-def test_every_setting_reaches_the_request(web_server, browser):
-    open_page(browser, web_server)
+def test_the_page_fits_a_phone_and_a_desktop(web_server, browser):
+    open_page(browser, web_server)  # stores the key: a load without it has the 401 in its console
+    browser.call("Page.addScriptToEvaluateOnNewDocument", source=RECORD_HEADER_STATES)
+    browser.call("Log.enable")
+    browser.call("Runtime.enable")
+    reload_at(browser, PHONE)
+    assert browser.evaluate("[innerWidth, innerHeight]") == [390, 844]
+    # The header wraps: every control inside the viewport, nothing scrolls sideways.
+    for where in header_placements(browser):
+        assert where["inside"], where
+    assert browser.evaluate("document.documentElement.scrollWidth <= innerWidth")
+    # The sidebar is a drawer behind the menu button.
+    assert not placement(browser, "#sidebar")["shown"]
+    tap(browser, "#open-menu")
+    assert placement(browser, "#sidebar")["shown"]
+    assert browser.evaluate("document.getElementById('open-menu').getAttribute('aria-expanded')") == "true"
+    tap(browser, "#new-chat")  # starts a conversation and closes the drawer
+    assert not placement(browser, "#sidebar")["shown"]
+    tap(browser, "#open-menu")
+    assert placement(browser, "#conversation-list")["shown"]
+    assert browser.evaluate("document.querySelectorAll('#conversation-list .conversation').length") == 1
+    for selector in ("#new-chat", ".conversation .title", "#export-chat", "#export-all", "#import-chat"):
+        where = placement(browser, selector)
+        assert where["shown"] and where["inside"] and where["reachable"], where
+    # It closes on Escape, on a tap beside it, and on choosing a conversation.
+    browser.press_escape()
+    assert not placement(browser, "#sidebar")["shown"]
+    tap(browser, "#open-menu")
+    browser.click_at(380, 500)  # the backdrop, right of the drawer
+    assert not placement(browser, "#sidebar")["shown"]
+    tap(browser, "#open-menu")
+    tap(browser, ".conversation .title")
+    assert not placement(browser, "#sidebar")["shown"]
+    assert browser.evaluate("document.getElementById('open-menu').getAttribute('aria-expanded')") == "false"
+    # Settings fits the screen: its body scrolls, Done stays in view and answers a tap.
+    tap(browser, "#open-settings")
+    assert browser.evaluate("document.getElementById('settings-dialog').open")
+    assert browser.evaluate("(() => { const b = document.querySelector('.dialog-body');"
+                            " return b.scrollHeight > b.clientHeight; })()")  # the fields do not fit at once
+    tap(browser, "#close-settings")
+    assert not browser.evaluate("document.getElementById('settings-dialog').open")
+    # The page links its icon, and /favicon.ico answers too: no failed load at any width.
+    assert browser.evaluate("fetch(document.querySelector('link[rel=icon]').href).then(r => r.status)") == 200
+    with web_server.client() as http:
+        favicon = http.get("/favicon.ico")
+        assert favicon.status_code == 200 and favicon.headers["content-type"].startswith("image/svg+xml")
+    assert console_errors(browser) == []
+
+    # A 400 px desktop window (no phone viewport) wraps the same way.
+    reload_at(browser, {"width": 400, "height": 700, "deviceScaleFactor": 1, "mobile": False})
+    assert placement(browser, "#open-menu")["shown"]
+    for where in header_placements(browser):
+        assert where["inside"], where
+
+    reload_at(browser, DESKTOP)
+    assert not placement(browser, "#open-menu")["shown"]
+    sidebar = placement(browser, "#sidebar")
+    assert sidebar["shown"] and sidebar["inside"] and sidebar["left"] == 0, sidebar
+    for selector in ("#new-chat", "#export-chat", "#export-all", "#import-chat"):
+        assert placement(browser, selector)["reachable"], selector
+    for where in header_placements(browser):
+        assert where["inside"], where
+    assert console_errors(browser) == []
+    # At no moment did the header show a ready server beside a model name it had not filled in.
+    model = browser.evaluate("document.getElementById('model-picker').value")
+    states = browser.evaluate("window.__headerStates")
+    assert states[-1] == ["ready", model], states
+    assert all(name == model for badge, name in states if badge == "ready"), states
+    assert all(badge in ("connecting…", "ready") and name in ("", model) for badge, name in states), states
+
+
+# The request fields that the server fills with its defaults when a request leaves them out.
+SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty", "min_tokens"}
+# The settings whose empty field shows the server's default, by the card's name for each.
+PARAM_TO_SETTING = {"temperature": "temperature", "top_p": "top-p", "top_k": "top-k", "min_p": "min-p",
+                    "repetition_penalty": "repetition-penalty"}
+
+
+def capture_request_bodies(browser: Browser) -> None:
     browser.evaluate("window.__bodies = []; const send = window.fetch; window.fetch = (url, options) => {"
                      " if (options && options.body) window.__bodies.push(JSON.parse(options.body));"
                      " return send(url, options); }")
+
+
+def test_settings_reach_the_request_and_unset_sampling_is_left_to_the_server(web_server, browser):
+    open_page(browser, web_server)
+    capture_request_bodies(browser)
+    # Nothing set: the request carries no sampling field, so the server's defaults apply.
+    set_setting(browser, "max-tokens", "4")
+    send_message(browser, "Hi.")
+    wait_idle(browser)
+    body = browser.evaluate("window.__bodies[window.__bodies.length - 1]")
+    assert body["max_tokens"] == 4 and not SAMPLING_FIELDS & body.keys(), body
+    # One field set: that one is sent, and only that one.
+    set_setting(browser, "temperature", "0.5")
+    browser.click(".message.assistant .regenerate")
+    wait_idle(browser)
+    body = browser.evaluate("window.__bodies[window.__bodies.length - 1]")
+    assert {name: body[name] for name in SAMPLING_FIELDS & body.keys()} == {"temperature": 0.5}, body
+
+    browser.click("#new-chat")
     settings = {"system-prompt": "Be brief.", "temperature": "0.7", "top-p": "0.9", "top-k": "20", "min-p": "0.1",
                 "max-tokens": "12", "min-tokens": "2", "presence-penalty": "0.5", "frequency-penalty": "0.25",
                 "repetition-penalty": "1.1", "seed": "7", "stop-strings": "END\nSTOP", "logit-bias": '{"42": -5}',
@@ -517,14 +694,39 @@ def test_every_setting_reaches_the_request(web_server, browser):
                 "stop": ["END", "STOP"], "logit_bias": {"42": -5}, "response_format": {"type": "json_object"},
                 "speculative": {"method": "ngram"}, "stream": True}
     assert {name: body.get(name) for name in expected} == expected
-    # The settings are kept per browser: a reload shows them, and Reset brings the defaults back.
+    # The settings are kept per browser: a reload shows them, and Reset empties the sampling again.
     browser.call("Page.reload")
     browser.wait_for("document.readyState === 'complete' && document.getElementById('seed').value === '7'", 30)
     browser.click("#open-settings")
     browser.click("#reset-settings")
     assert browser.evaluate("['temperature', 'seed', 'speculative'].map(id => document.getElementById(id).value)"
-                            ".join()") == "0.8,,default"
+                            ".join()") == ",,default"
     assert browser.evaluate("localStorage.getItem('tokios.api-key')") == API_KEY  # the key survives a reset
+
+    # Storage from before sampling started empty held the page's old defaults as values: those
+    # are forgotten once, a value the user chose is kept, and so is one typed in afterwards.
+    browser.evaluate("localStorage.removeItem('tokios.settings-version');"
+                     " localStorage.setItem('tokios.temperature', '0.8'); localStorage.setItem('tokios.top-k', '20');"
+                     " localStorage.setItem('tokios.repetition-penalty', '1')")
+    browser.call("Page.reload")
+    browser.wait_for("document.readyState === 'complete' && document.getElementById('model-picker').options.length", 30)
+    sampling = "['temperature', 'top-k', 'repetition-penalty'].map(id => document.getElementById(id).value).join()"
+    assert browser.evaluate(sampling) == ",20,"
+    set_setting(browser, "temperature", "0.8")
+    browser.call("Page.reload")
+    browser.wait_for("document.readyState === 'complete' && document.getElementById('model-picker').options.length", 30)
+    assert browser.evaluate(sampling) == "0.8,20,"
+
+    # Each empty sampling field shows the selected model's default from its card. This needs the
+    # server's one set of sampling defaults in /v1/models (`sampling_defaults`).
+    model = browser.evaluate("document.getElementById('model-picker').value")
+    with web_server.client() as http:
+        [card] = [card for card in http.get("/v1/models").json()["data"] if card["id"] == model]
+    assert "sampling_defaults" in card, f"the /v1/models card has no sampling_defaults: {card}"
+    placeholders = browser.evaluate(f"Object.fromEntries(Object.entries({json.dumps(PARAM_TO_SETTING)})"
+                                    ".map(([param, id]) => [param, document.getElementById(id).placeholder]))")
+    assert {param: float(text) for param, text in placeholders.items()} == \
+        {param: float(card["sampling_defaults"][param]) for param in PARAM_TO_SETTING}, placeholders
 
 
 def reply_fold(browser: Browser, index: int) -> dict:
@@ -557,9 +759,7 @@ def test_a_reasoning_models_thinking_shows_in_a_fold_above_its_answer(thinking_s
     assert (reloaded["hidden"], reloaded["open"], reloaded["thinking"]) == (False, True, shown["thinking"])
     # With a thinking budget an answer follows: the fold closes once it comes, and the next
     # request sends the thinking back with its turn (the template keeps or drops it).
-    browser.evaluate("window.__bodies = []; const send = window.fetch; window.fetch = (url, options) => {"
-                     " if (options && options.body) window.__bodies.push(JSON.parse(options.body));"
-                     " return send(url, options); }")
+    capture_request_bodies(browser)
     set_setting(browser, "max-thinking-tokens", "4")
     set_setting(browser, "max-tokens", "16")
     send_message(browser, "And 3 + 3?")

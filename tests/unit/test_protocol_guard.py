@@ -159,5 +159,8 @@ def test_every_api_route_asks_for_the_key():
                     path = route.path.replace("{", "").replace("}", "")
                     response = client.request(route.method.upper(), path, json={})
                     assert response.status_code == 401, (route.method, route.path, response.status_code)
+            # The page's icon is open, as the page is: a browser asks for it without the key.
+            favicon = client.get("/favicon.ico")
+            assert favicon.status_code == 200 and favicon.headers["content-type"].startswith("image/svg+xml")
         finally:
             release_loader.set()

@@ -42,7 +42,7 @@ from tokios.server.metrics import CONTENT_TYPE, ServerMetrics
 from tokios.server.registry import UNLOADED, ModelEntry, ModelLease, ModelRegistry, ModelSpec
 from tokios.server.serving import Serving, ServerSettings
 from tokios.server.streams import StreamedResponse
-from tokios.server.web_assets import (CONTENT_SECURITY_POLICY, STATIC_DIR, PageFiles, vendor_file,
+from tokios.server.web_assets import (CONTENT_SECURITY_POLICY, FAVICON_FILE, STATIC_DIR, PageFiles, vendor_file,
                                      warn_if_vendor_files_missing)
 from tokios.tokenizer.tokenizer import no_chat_template_error
 
@@ -382,6 +382,11 @@ def create_app(settings: ServerSettings, *, registry: ModelRegistry | None = Non
     async def index() -> Response:
         return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache",
                                                                 "Content-Security-Policy": CONTENT_SECURITY_POLICY})
+
+    # Browsers and tools ask for /favicon.ico whatever the page links; the page's icon is an SVG.
+    @app.get("/favicon.ico", include_in_schema=False)
+    async def favicon() -> Response:
+        return FileResponse(FAVICON_FILE, media_type="image/svg+xml", headers={"Cache-Control": "max-age=86400"})
 
     @app.get("/static/vendor/{name}")
     async def vendor(name: str) -> Response:

@@ -1,4 +1,4 @@
-"""The web chat page's files: the page itself (static/) and the browser libraries it loads.
+"""The web chat page's files: the page itself (static/, its icon included) and the browser libraries it loads.
 
 The page renders replies as markdown with highlighted code. Model output is untrusted, so the
 rendered HTML goes through a sanitizer before it reaches the document. The three libraries
@@ -20,6 +20,7 @@ from starlette.types import Scope
 logger = logging.getLogger("tokios.server")
 
 STATIC_DIR = Path(__file__).parent / "static"
+FAVICON_FILE = STATIC_DIR / "favicon.svg"  # linked by the page, and served at /favicon.ico too
 NODE_MODULES_DIR = STATIC_DIR / "node_modules"
 INSTALL_COMMAND = f"npm ci --prefix {STATIC_DIR}"
 

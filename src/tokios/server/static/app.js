@@ -7,7 +7,7 @@
 
 import { ConversationStore } from "./conversations.js";
 import { copyButton, isMarkdownAvailable, renderMarkdown } from "./markdown.js";
-import { bindSettings, loadSetting, requestOptions, resetSettings, saveSetting } from "./settings.js";
+import { bindSettings, loadSetting, requestOptions, resetSettings, saveSetting, showServerDefaults } from "./settings.js";
 
 const $ = (id) => document.getElementById(id);
 const KEY_NEEDED = "API key needed";
@@ -54,25 +54,50 @@ function showKeyBanner(isShown) {
   if (isShown) $("key-banner-input").focus();
 }
 
+// The cards of /v1/models by model id, kept for the picker's choice: its sampling defaults fill
+// the empty settings' placeholders.
+let idToCard = new Map();
+
+function showModelDefaults() {
+  const card = idToCard.get($("model-picker").value);
+  showServerDefaults(card ? card.sampling_defaults : undefined);
+}
+
+// Asks /health and /v1/models first and then fills the header in one go, so the badge and the
+// model name never show two different moments (a "ready" badge beside a name still loading).
 async function refreshServer() {
+  let health;
+  let models;
   try {
-    const health = await fetch("/health");
-    $("server-status").textContent = health.ok ? "ready" : (await health.json()).status || `HTTP ${health.status}`;
-    $("server-status").className = `badge ${health.ok ? "ok" : "bad"}`;
-    const response = await fetch("/v1/models", { headers: authHeaders() });
-    if (response.status === 401) {
-      $("model-name").textContent = KEY_NEEDED;
-      showKeyBanner(true);
-      return;
+    health = await fetch("/health");
+    models = await fetch("/v1/models", { headers: authHeaders() });
+  } catch (err) {
+    $("server-status").textContent = "offline";
+    $("server-status").className = "badge bad";
+    return;
+  }
+  let status = "ready";
+  if (!health.ok) {
+    try {
+      status = (await health.json()).status || `HTTP ${health.status}`;
+    } catch (_) {
+      status = `HTTP ${health.status}`;
     }
-    showKeyBanner(false);
-    if (!response.ok) {
-      $("model-name").textContent = await errorText(response);
-      return;
-    }
-    const cards = (await response.json()).data;
+  }
+  let modelName;
+  let cards = null;
+  if (models.status === 401) {
+    modelName = KEY_NEEDED;
+  } else if (!models.ok) {
+    modelName = await errorText(models);
+  } else {
+    cards = (await models.json()).data;
+  }
+  let chosen = "";
+  if (cards) {
     const saved = loadSetting("model") || "";
-    const chosen = cards.some((card) => card.id === saved) ? saved : cards.length ? cards[0].id : "";
+    chosen = cards.some((card) => card.id === saved) ? saved : cards.length ? cards[0].id : "";
+    idToCard = new Map(cards.map((card) => [card.id, card]));
     $("model-picker").replaceChildren(...cards.map((card) => {
       const option = document.createElement("option");
       option.value = card.id;
@@ -80,11 +105,14 @@ async function refreshServer() {
       return option;
     }));
     $("model-picker").value = chosen;
-    $("model-name").textContent = chosen;
-  } catch (err) {
-    $("server-status").textContent = "offline";
-    $("server-status").className = "badge bad";
+    showModelDefaults();
+    modelName = chosen;
   }
+  $("server-status").textContent = status;
+  $("server-status").className = `badge ${health.ok ? "ok" : "bad"}`;
+  $("model-name").textContent = modelName;
+  $("model-name").classList.toggle("repeats-picker", cards !== null);
+  showKeyBanner(models.status === 401);
 }
 
 // ---- rendering ----
@@ -200,6 +228,7 @@ function renderSidebar() {
     title.addEventListener("click", () => {
       saving(() => store.select(conversation.id));
       renderAll();
+      showMenu(false);
     });
     const rename = document.createElement("button");
     rename.type = "button";
@@ -246,7 +275,10 @@ function startRename(item, conversation) {
   };
   input.addEventListener("keydown", (event) => {
     if (event.key === "Enter") finish(true);
-    if (event.key === "Escape") finish(false);
+    if (event.key === "Escape") {
+      event.stopPropagation(); // cancels the rename only; the drawer around it stays open
+      finish(false);
+    }
   });
   input.addEventListener("blur", () => finish(true));
   item.replaceChildren(input);
@@ -274,6 +306,14 @@ function setBusy(isBusy) {
   document.body.classList.toggle("busy", isBusy);
   $("send").disabled = isBusy;
   $("stop").disabled = !isBusy;
+}
+
+// The sidebar as a drawer on a narrow screen (style.css shows it always on a wide one, where the
+// menu button is hidden and this class changes nothing).
+function showMenu(isShown) {
+  document.body.classList.toggle("menu-open", isShown);
+  $("open-menu").setAttribute("aria-expanded", String(isShown));
+  if (isShown) $("new-chat").focus();
 }
 
 function showNotice(text) {
@@ -513,12 +553,19 @@ function init() {
   $("model-picker").addEventListener("change", () => {
     saveSetting("model", $("model-picker").value);
     $("model-name").textContent = $("model-picker").value;
+    showModelDefaults();
   });
   $("new-chat").addEventListener("click", () => {
     const current = store.current();
     if (!current || current.messages.length) saving(() => store.create());
     renderAll();
+    showMenu(false);
     $("message").focus();
+  });
+  $("open-menu").addEventListener("click", () => showMenu(!document.body.classList.contains("menu-open")));
+  $("sidebar-backdrop").addEventListener("click", () => showMenu(false));
+  document.addEventListener("keydown", (event) => {
+    if (event.key === "Escape" && document.body.classList.contains("menu-open")) showMenu(false);
   });
   $("open-settings").addEventListener("click", () => $("settings-dialog").showModal());
   $("reset-settings").addEventListener("click", () => {

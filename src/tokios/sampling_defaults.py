@@ -118,8 +118,15 @@ def declared_by_model(path: str | os.PathLike[str], metadata: Mapping[str, Any] 
             metadata = read_gguf_metadata(location, keys=frozenset(_GGUF_KEY_TO_FIELD))
         except Exception:  # the load reports what is wrong with the file
             return {}
-    raw = {field: metadata[key] for key, field in _GGUF_KEY_TO_FIELD.items() if key in metadata}
+    raw = {field: _without_float32_noise(metadata[key]) for key, field in _GGUF_KEY_TO_FIELD.items()
+           if key in metadata}
     return _checked(raw, str(location))
+
+
+def _without_float32_noise(value: Any) -> Any:
+    """A GGUF float is a float32: 0.7 reads back as 0.699999988...; its shortest decimal is the
+    value the converter wrote (7 significant digits hold any float32)."""
+    return float(f"{value:.7g}") if isinstance(value, float) else value
 
 
 def _checked(raw: Mapping[str, Any], where: str) -> dict[str, float | int]:

@@ -112,6 +112,7 @@ def test_models_retrieve_answers_one_card_and_an_unknown_id_is_a_404(client, mod
     listed = {card.id: card for card in client.models.list().data}
     assert retrieved.id == model and retrieved.model_dump() == listed[model].model_dump()
     assert retrieved.model_extra["kind"] == "generate"
+    assert client.models.retrieve(f"{model}:latest").id == model  # Ollama's spelling, as every route takes it
     with pytest.raises(openai.NotFoundError) as error:
         client.models.retrieve("no-such-model")
     assert error.value.status_code == 404 and "no-such-model" in str(error.value) and model in str(error.value)

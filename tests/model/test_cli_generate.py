@@ -1,6 +1,6 @@
 """`tokios generate` and `tokios chat` as a user runs them: real processes on the real model.
 
-generate streams exactly the engine's greedy text to stdout and its figures (load time, TTFT,
+generate at --temperature 0 streams exactly the engine's greedy text to stdout and its figures (load time, TTFT,
 prompt and decode tok/s) to stderr; chat reads turns from a pipe, keeps the conversation (the
 second turn's prompt holds the first turn and its reply), and stops at /exit or end of input.
 A load shows its phases on stderr when told to show every one; a chat with a model that has no
@@ -35,8 +35,8 @@ SHOW_EVERY_PHASE = {DELAY_ENVIRONMENT_VARIABLE: "0"}
 def test_generate_raw_streams_the_engines_greedy_text_and_reports_figures(engine_float32):
     prompt = "The capital of France is"
     (expected,) = engine_float32.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
-    result = run_cli("generate", prompt, "--raw", "--dtype", "float32", "--max-tokens", str(MAX_TOKENS),
-                     env=SHOW_EVERY_PHASE)
+    result = run_cli("generate", prompt, "--raw", "--dtype", "float32", "--temperature", "0",
+                     "--max-tokens", str(MAX_TOKENS), env=SHOW_EVERY_PHASE)
     assert result.returncode == 0, result.stderr
     assert result.stdout.rstrip("\n") == expected.outputs[0].text.rstrip("\n")
     assert re.search(r"loaded .+ \(float32\) in [0-9.]+ s", result.stderr)

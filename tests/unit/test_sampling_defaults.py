@@ -50,8 +50,9 @@ def test_tokios_set_is_llama_cpps_and_every_source_is_named():
 def test_a_gguf_files_recommendation_is_read_field_by_field(tmp_path):
     path = _gguf_with(tmp_path / "m.gguf", temp=0.6, top_k=20, top_p=0.9, penalty_repeat=1.05)
     defaults = sampling_defaults.for_model(path)
-    assert defaults.field_to_value == pytest.approx({"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05,
-                                                     "repetition_penalty": 1.05})
+    # Stored as float32, shown as written (not 0.6000000238418579).
+    assert dict(defaults.field_to_value) == {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05,
+                                             "repetition_penalty": 1.05}
     assert defaults.field_to_source == {"temperature": "model", "top_p": "model", "top_k": "model",
                                         "min_p": "tokios", "repetition_penalty": "model"}
     assert isinstance(defaults.field_to_value["top_k"], int)

@@ -112,47 +112,68 @@ def converse(core, params, args: argparse.Namespace) -> None:
         print(f"chatting with {banner_name(core)}; /help lists the commands, /exit or Ctrl-D ends",
               file=sys.stderr)
     try:
-        while (turn := reader.next_turn()) is not None:
-            command_word = None if turn.is_block else slash_command_word(turn.text)
-            if command_word is not None:
-                action = SLASH_COMMANDS.get(command_word)
-                argument = turn.text.strip()[len(command_word):].strip()
-                if action is None:
-                    print(f"unknown command {command_word}; /help lists the commands", file=sys.stderr)
-                elif argument:
-                    print(f"{command_word} takes no argument (got {argument!r}); /help lists the commands",
-                          file=sys.stderr)
-                elif action == EXIT:
+        while True:
+            try:
+                turn = reader.next_turn()
+                if turn is None:
                     break
-                elif action == HELP:
-                    print(HELP_TEXT, file=sys.stderr)
-                else:
-                    messages = list(opening)
-                    print("(conversation reset)", file=sys.stderr)
-                continue
-            if not turn.text.strip():
-                continue
-            messages.append({"role": "user", "content": turn.text})
-            with ctrl_c_stops_reply() as is_stop_requested:
-                try:
-                    token_ids = prompt_token_ids_for(core, messages, None)
-                    result = stream_completion(core, token_ids, params, sys.stdout, should_stop=is_stop_requested)
-                except ContextLengthExceededError as exc:
-                    # The conversation outgrew the context: keep the session, drop this turn.
+                messages, is_done = take_turn(core, params, args, turn, messages, opening)
+                if is_done:
+                    break
+            except KeyboardInterrupt:
+                # A Ctrl-C that came between the reply's handler and the prompt's (while a notice
+                # or the stats line printed): the session goes on, without a half-taken exchange.
+                if messages and messages[-1]["role"] == "user":
                     messages.pop()
-                    print(f"tokios chat: error: {exc.message} Type /reset to start over.", file=sys.stderr)
-                    continue
-            sys.stdout.write("\n")
-            sys.stdout.flush()
-            if result.finish_reason == "abort":
-                messages.pop()
-                print("(reply stopped; this exchange is not kept in the conversation)", file=sys.stderr)
-            else:
-                messages.append({"role": "assistant", "content": result.text})
-            if args.stats:
-                print(result.stats_line(), file=sys.stderr)
+                print(file=sys.stderr)
     finally:
         lines.close()
+
+
+def take_turn(core, params, args: argparse.Namespace, turn, messages: list[dict], opening: list[dict]
+              ) -> tuple[list[dict], bool]:
+    """One turn: a slash command, or a message and its streamed reply. Returns the conversation
+    and whether the chat ends."""
+    command_word = None if turn.is_block else slash_command_word(turn.text)
+    if command_word is not None:
+        action = SLASH_COMMANDS.get(command_word)
+        argument = turn.text.strip()[len(command_word):].strip()
+        if action is None:
+            print(f"unknown command {command_word}; /help lists the commands", file=sys.stderr)
+        elif argument:
+            print(f"{command_word} takes no argument (got {argument!r}); /help lists the commands", file=sys.stderr)
+        elif action == EXIT:
+            return messages, True
+        elif action == HELP:
+            print(HELP_TEXT, file=sys.stderr)
+        else:
+            print("(conversation reset)", file=sys.stderr)
+            return list(opening), False
+        return messages, False
+    if not turn.text.strip():
+        return messages, False
+    messages.append({"role": "user", "content": turn.text})
+    with ctrl_c_stops_reply() as is_stop_requested:
+        try:
+            token_ids = prompt_token_ids_for(core, messages, None)
+            result = stream_completion(core, token_ids, params, sys.stdout, should_stop=is_stop_requested)
+        except ContextLengthExceededError as exc:
+            # The conversation outgrew the context: keep the session, drop this turn.
+            messages.pop()
+            print(f"tokios chat: error: {exc.message} Type /reset to start over.", file=sys.stderr)
+            return messages, False
+        # The user's Ctrl-C, not the finish reason: a request the engine failed ends "abort" too.
+        was_stopped = is_stop_requested()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    if was_stopped:
+        messages.pop()
+        print("(reply stopped; this exchange is not kept in the conversation)", file=sys.stderr)
+    else:
+        messages.append({"role": "assistant", "content": result.text})
+    if args.stats:
+        print(result.stats_line(), file=sys.stderr)
+    return messages, False
 
 
 def slash_command_word(text: str) -> str | None:

@@ -64,19 +64,19 @@ class ReadlineLines:
     """Lines from the terminal through GNU readline: editing, arrow-key history, and the history
     file (`history_path`, None: this session only) read at the start and written at close."""
 
-    def __init__(self, history_path: Path | None, err: TextIO = sys.stderr):
+    def __init__(self, history_path: Path | None, err: TextIO | None = None):
         import readline
 
         self.readline = readline
         self.history_path = history_path
-        self.err = err
+        self.err = err or sys.stderr
         readline.set_history_length(MAX_HISTORY_LINES)
         if history_path is not None and history_path.is_file():
             try:
                 readline.read_history_file(history_path)
             except OSError as exc:
                 print(f"tokios chat: history file {history_path} is not readable ({exc.strerror}); "
-                      "starting with an empty history", file=err)
+                      "starting with an empty history", file=self.err)
 
     def read_line(self, prompt: str) -> str:
         try:
@@ -100,9 +100,11 @@ class ReadlineLines:
                   file=self.err)
 
 
-def open_lines(history_path: Path | None, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout,
-               err: TextIO = sys.stderr):
-    """ReadlineLines when a person types at a terminal, StreamLines otherwise."""
+def open_lines(history_path: Path | None, stdin: TextIO | None = None, stdout: TextIO | None = None,
+               err: TextIO | None = None):
+    """ReadlineLines when a person types at a terminal, StreamLines otherwise (the streams default
+    to sys's at the call, not at import, so a redirection of them counts)."""
+    stdin, stdout, err = stdin or sys.stdin, stdout or sys.stdout, err or sys.stderr
     if stdin.isatty() and stdout.isatty():
         try:
             return ReadlineLines(history_path, err)
@@ -114,9 +116,9 @@ def open_lines(history_path: Path | None, stdin: TextIO = sys.stdin, stdout: Tex
 class TurnReader:
     """The next user turn from a line source (StreamLines or ReadlineLines)."""
 
-    def __init__(self, lines: StreamLines | ReadlineLines, err: TextIO = sys.stderr):
+    def __init__(self, lines: StreamLines | ReadlineLines, err: TextIO | None = None):
         self.lines = lines
-        self.err = err
+        self.err = err or sys.stderr
         self.num_empty_interrupts = 0
         self._in_block = False
 

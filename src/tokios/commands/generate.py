@@ -21,7 +21,7 @@ from typing import TextIO
 
 from tokios import sampling_defaults
 from tokios.engine_flags import add_engine_arguments, engine_config_from_args
-from tokios.errors import InvalidRequestError, TokiosError
+from tokios.errors import InvalidRequestError
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -89,13 +89,9 @@ def load_engine(args: argparse.Namespace, err: TextIO = sys.stderr, *, for_chat:
 
 def refuse_chat_without_template(path: str) -> None:
     """The chat template's own refusal, raised from the file's metadata before any weight is read."""
-    from tokios.tokenizer.tokenizer import model_chat_template, no_chat_template_error
+    from tokios.tokenizer.tokenizer import has_chat_template, no_chat_template_error
 
-    try:
-        has_template = model_chat_template(path) is not None
-    except TokiosError:  # an unreadable file: the load names what is wrong with it
-        return
-    if not has_template:
+    if not has_chat_template(path):
         raise no_chat_template_error()
 
 

@@ -140,8 +140,11 @@ def build_registry(args: argparse.Namespace):
     """The model registry of the flags; every engine flag is validated before anything loads."""
     from tokios.config import parse_duration, parse_size
     from tokios.engine.async_engine import served_model_name
+    from tokios.load_progress import progress_delay_s
     from tokios.server.registry import ModelRegistry, ModelSpec
+    from tokios.tokenizer.tokenizer import has_chat_template
 
+    progress_delay_s()  # a bad $TOKIOS_LOAD_PROGRESS_DELAY_S is an error at start, not at each later load
     models = model_arguments(args)
     if args.served_model_name and len(models) > 1:
         raise InvalidRequestError("served_model_name names a single model; with several, name each as "
@@ -166,7 +169,7 @@ def build_registry(args: argparse.Namespace):
         specs.append(ModelSpec(names=names, path=path, load=_engine_loader(config, is_encoder=is_encoder),
                                estimated_bytes=_estimated_bytes(path, kv_cache_bytes), kind=kind,
                                sampling_defaults=sampling_defaults.from_args(args, path),
-                               has_chat_template=config.load.chat_template is not None or _has_chat_template(path)))
+                               has_chat_template=config.load.chat_template is not None or has_chat_template(path)))
     if args.max_loaded_models is not None and args.max_loaded_models < 1:
         raise InvalidRequestError("max_loaded_models must be >= 1", param="max_loaded_models")
     keep_alive_s = None if args.keep_alive is None else parse_duration(args.keep_alive, field_name="keep_alive")
@@ -186,17 +189,6 @@ def _kind_of(path: str) -> tuple[str, bool]:
         return model_kind(path), encoder_architecture(path) is not None
     except Exception:
         return GENERATE, False
-
-
-def _has_chat_template(path: str) -> bool:
-    """Whether the file carries a chat template (its metadata only). A file that cannot be read
-    counts as having one: its load reports what is wrong with it."""
-    from tokios.tokenizer.tokenizer import model_chat_template
-
-    try:
-        return model_chat_template(path) is not None
-    except Exception:
-        return True
 
 
 def _engine_loader(config, *, is_encoder: bool):

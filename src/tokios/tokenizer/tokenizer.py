@@ -29,7 +29,7 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, decoders, models
 
-from tokios.errors import InvalidRequestError, ModelLoadError, UnsupportedError
+from tokios.errors import InvalidRequestError, ModelLoadError, TokiosError, UnsupportedError
 from tokios.gguf_file import GGUF_MAGIC, read_gguf_metadata
 from tokios.tokenizer.bos_eos import bos_eos_processor
 from tokios.tokenizer.byte_level import build_token_bytes_table, is_byte_level_spelling, spell_bytes
@@ -367,6 +367,16 @@ def model_chat_template(path: str | Path) -> str | None:
         template = read_gguf_metadata(path, frozenset({CHAT_TEMPLATE_KEY})).get(CHAT_TEMPLATE_KEY)
     # An empty template is none, as the Tokenizer takes it.
     return template if isinstance(template, str) and template else None
+
+
+def has_chat_template(path: str | Path) -> bool:
+    """Whether the model at `path` carries a chat template (model_chat_template). A file that
+    cannot be read counts as having one: its load then reports what is wrong with it, as it
+    would for any other model."""
+    try:
+        return model_chat_template(path) is not None
+    except (TokiosError, OSError, ValueError):  # ValueError: a template that is not UTF-8
+        return True
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:

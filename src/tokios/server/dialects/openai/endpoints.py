@@ -291,10 +291,11 @@ async def _model_route(request: Request) -> Response:
     state = request.app.state.tokios
     state.check_ready()
     name = request.path_params["model"]
-    entry = next((entry for entry in state.registry.entries if name in entry.spec.names), None)
-    if entry is None:
+    if not name:
         raise model_not_found(name, state.registry.names)
-    return JSONResponse(state.registry.model_card(entry, name, state.created))
+    entry = state.registry.entry(name)  # also takes an Ollama-style "NAME:latest", as every route does
+    served_name = name if name in entry.spec.names else name.removesuffix(":latest")
+    return JSONResponse(state.registry.model_card(entry, served_name, state.created))
 
 
 async def _tokenize_answer(request: Request, body: TokenizeRequest, lease: ModelLease) -> Response:

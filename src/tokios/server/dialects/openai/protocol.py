@@ -328,7 +328,8 @@ def parse_logit_bias(logit_bias: dict[str, float] | None, vocab_size: int) -> di
 
 def sampling_kwargs(request: ChatCompletionRequest | CompletionRequest, *, vocab_size: int,
                     max_tokens: int | None = None) -> dict[str, Any]:
-    """Keyword arguments for SamplingParams; unset OpenAI fields stay at SamplingParams' defaults.
+    """Keyword arguments for SamplingParams; an unset field is left out (the model's sampling
+    defaults fill it: Serving.sampling_params).
 
     `max_tokens` is usually resolved later (it depends on the prompt length when absent).
     """

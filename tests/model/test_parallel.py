@@ -133,6 +133,33 @@ def test_default_model_stored_pipeline_parallel_and_sampling_with_copies():
         llm.close()
 
 
+def test_default_model_stored_tensor_parallel_gives_the_single_process_logprobs():
+    """The Q4_1 file as stored at TP 3: each rank's o_proj and down sum their own blocks, and the
+    group adds the float64 sums before rounding once (quant_matmul.h, kSumGridBits), so every
+    prompt and sampled log-probability is the single process's, bit for bit. Rounding each
+    rank's share to float32 first moved the 8-bit activations of the layers after it: the
+    first token's log-probability was -0.289 against -0.318, and the greedy text differed."""
+    from tokios.engine import LLM
+
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5, prompt_logprobs=5)
+
+    def tokens_and_logprobs(tensor_parallel_size: int) -> list:
+        llm = LLM(kv_cache_memory="32MiB", num_threads=1, tensor_parallel_size=tensor_parallel_size)
+        try:
+            outputs = llm.generate(PROMPTS, params)
+        finally:
+            llm.close()
+
+        def values(steps):
+            return [None if step is None else {token_id: entry.logprob for token_id, entry in step.items()}
+                    for step in steps]
+
+        return [(output.outputs[0].token_ids, values(output.prompt_logprobs), values(output.outputs[0].logprobs))
+                for output in outputs]
+
+    assert tokens_and_logprobs(3) == tokens_and_logprobs(1)
+
+
 def test_sizes_that_do_not_split_the_model_are_refused_before_any_rank_starts():
     from tokios.engine import LLM
 

@@ -197,6 +197,17 @@ class QuantizedLinear:
             return out if self.bias is None else out + self.bias
         return self.linear(x.contiguous())
 
+    def partial_sums(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, in_features] -> [M, out_features] float64: the product before its one rounding to
+        float32, for a row-parallel shard (tensor parallel) whose group adds the shards' sums.
+        On the kernel's products the sum over blocks is exact (quant_matmul.h, kSumGridBits), so
+        the shards' sums rounded to float32 are the whole weight's product bit for bit; on the
+        torch paths they are this shard's float32 product."""
+        x = x.float()
+        if self.linear is None or (x.shape[0] > self.SCALAR_PATH_MAX_ROWS and not has_vector_kernels(self.extension)):
+            return self(x).double()
+        return self.linear.partial_sums(x.contiguous())
+
     def dequantized_weight(self) -> torch.Tensor:
         """[out_features, in_features] float32: exactly the weights the kernel multiplies by."""
         if self.linear is None:

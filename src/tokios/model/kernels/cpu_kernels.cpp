@@ -1065,7 +1065,10 @@ class PackedLinear {
   }
 
   // x [M, in_features] -> out [M, total_out] (row stride total_out).
-  void forward(const float* x, int64_t M, float* out) const {
+  void forward(const float* x, int64_t M, float* out) const { forward(x, M, ProductOut{out, nullptr, total_out_}); }
+
+  // x [M, in_features] -> float32 values or float64 unrounded sums (quant_matmul.h's ProductOut).
+  void forward(const float* x, int64_t M, const ProductOut& out) const {
     // Reused from call to call. A thread_local named inside quant_matmul's lambdas would be each
     // worker thread's own (empty) copy, so it receives this reference to the calling thread's.
     thread_local QuantizedActivations buffer;
@@ -1076,18 +1079,33 @@ class PackedLinear {
     int64_t column = 0;
     for (size_t s = 0; s < packed_.size(); ++s) {
       quant_matmul(activations, M, packed_[s].data_ptr<uint8_t>(), out_features_[s], formats_[s], precise_,
-                   bias ? bias + column : nullptr, out + column, total_out_);
+                   bias ? bias + column : nullptr, out.at(0, column));
       column += out_features_[s];
     }
   }
 
   at::Tensor call(const at::Tensor& x) const {
-    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), "x must be a 2-D float32 CPU tensor");
-    TORCH_CHECK(x.size(1) == in_features_, "x has ", x.size(1), " features, the weight ", in_features_);
+    check_input(x);
     const at::Tensor input = x.contiguous();
     at::Tensor out = at::empty({x.size(0), total_out_}, x.options());
     forward(input.data_ptr<float>(), x.size(0), out.data_ptr<float>());
     return out;
+  }
+
+  // x -> [M, total_out] float64: the sums before their one rounding to float32. A row-parallel
+  // shard's share (tensor parallel): the shares' sum rounded to float32 is the whole product's
+  // call(), bit for bit, when the split falls on block boundaries.
+  at::Tensor partial_sums(const at::Tensor& x) const {
+    check_input(x);
+    const at::Tensor input = x.contiguous();
+    at::Tensor out = at::empty({x.size(0), total_out_}, x.options().dtype(at::kDouble));
+    forward(input.data_ptr<float>(), x.size(0), ProductOut{nullptr, out.data_ptr<double>(), total_out_});
+    return out;
+  }
+
+  void check_input(const at::Tensor& x) const {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), "x must be a 2-D float32 CPU tensor");
+    TORCH_CHECK(x.size(1) == in_features_, "x has ", x.size(1), " features, the weight ", in_features_);
   }
 
   int64_t out_features() const { return total_out_; }
@@ -1552,6 +1570,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
       .def(pybind11::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>, int64_t, bool,
                           c10::optional<at::Tensor>>())
       .def("__call__", &PackedLinear::call, release_gil())
+      .def("partial_sums", &PackedLinear::partial_sums, release_gil())
       .def_property_readonly("out_features", &PackedLinear::out_features)
       .def_property_readonly("in_features", &PackedLinear::in_features)
       .def_property_readonly("num_bytes", &PackedLinear::num_bytes)

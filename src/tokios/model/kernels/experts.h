@@ -132,7 +132,7 @@ inline int64_t grouped_expert_matmul(const QuantizedActivations& activations, co
       const float* bias = projection.bias ? projection.bias + expert * projection.out_features : nullptr;
       matmul_groups(activations, rows.row_starts[used], rows.row_starts[used + 1], weight, layouts[p], *kernels[p],
                     projection.out_features, begin - segment_starts[s], segment_end - segment_starts[s], bias,
-                    out + projection.column, out_stride);
+                    ProductOut{out, nullptr, out_stride}.at(0, projection.column));
       begin = segment_end;
     }
   });

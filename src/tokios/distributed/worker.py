@@ -76,11 +76,11 @@ class AllReducedLinear:
 
         partial_sums = getattr(self.linear_shard, "partial_sums", None)
         if partial_sums is not None:
-            # The quantized kernels' sums over blocks are exact (quant_matmul.h): the shards'
-            # float64 sums add exactly too, in any order, and one rounding to float32 gives the
-            # single process's bits. Rounding each shard first would not: on 8-bit activations
-            # a last-bit difference moves the next layer's quantization and, on the default
-            # model, the greedy text.
+            # A quantized o_proj or down sums its blocks exactly (exact_sums, quant_matmul.h):
+            # the shards' float64 sums add exactly too, in any order, and one rounding to
+            # float32 gives the single process's bits. Rounding each shard first would not: on
+            # 8-bit activations a last-bit difference moves the next layer's quantization and,
+            # on the default model, the greedy text.
             partial, dtype = partial_sums(x).contiguous(), torch.float32
         else:
             out = self.linear_shard(x)

@@ -196,7 +196,8 @@ def test_gemma3_tensor_and_pipeline_parallel():
     number, and its own RoPE table), per-head norms, and 1 KV head, which TP 2 replicates. In
     float32 at TP 2, transformers' greedy tokens (the golden file, which the single process
     matches in test_gemma3.py); as stored at PP 2 (each stage's fused step over its own layers and
-    KV groups), the single process's greedy tokens."""
+    KV groups) and at TP 2 (its Q4_K o_proj and Q4_K / Q6_K down summed exactly over the ranks),
+    the single process's greedy tokens."""
     from golden import load_golden
     from tokios.engine import LLM
     from tokios.model_files import gemma3_model_path
@@ -215,11 +216,13 @@ def test_gemma3_tensor_and_pipeline_parallel():
         expected = greedy_tokens(single)
     finally:
         single.close()
-    llm = LLM(model=path, kv_cache_memory="32MiB", num_threads=1, pipeline_parallel_size=2)
-    try:
-        assert greedy_tokens(llm) == expected
-    finally:
-        llm.close()
+    for tp, pp in [(1, 2), (2, 1)]:
+        llm = LLM(model=path, kv_cache_memory="32MiB", num_threads=1, tensor_parallel_size=tp,
+                  pipeline_parallel_size=pp)
+        try:
+            assert greedy_tokens(llm) == expected, (tp, pp)
+        finally:
+            llm.close()
 
 
 def test_a_rank_that_dies_between_steps_fails_the_next_step_at_once():

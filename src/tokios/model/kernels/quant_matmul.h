@@ -73,10 +73,10 @@ inline void prefetch_start(const uint8_t* weights, int64_t num_bytes) {
 // split adds the blocks, and it is rounded to float32 once, at the end (a shard hands its sums on
 // unrounded, ProductOut::sums). The grid costs at most 2^-37 per block, under half a float32 ulp
 // of any output above 2^-13; past 2^17 the sums stay as accurate, only no longer split-exact.
-// It costs a rounding and two double additions per block and 8 features: AVX2 at 1 and 64 rows
-// took 18% longer on SmolLM2's 576 x 1536 down projection, so only the products that tensor
-// parallel splits by input features (o_proj, down: make_linear's exact_sums) pay it; the others
-// add their blocks in float32, in a fixed order.
+// It costs a rounding and two double additions per block and 8 features: on AVX2, SmolLM2's
+// 576 x 1536 down projection took 16% longer at 1 row (67 -> 78 us) and 22% at 64 rows, so only
+// the products that tensor parallel splits by input features (o_proj, down: make_linear's
+// exact_sums) pay it; the others add their blocks in float32, in a fixed order.
 constexpr int kSumGridBits = 36;
 constexpr float kToSumUnits = static_cast<float>(int64_t{1} << kSumGridBits);
 constexpr double kSumUnit = 1.0 / static_cast<double>(int64_t{1} << kSumGridBits);

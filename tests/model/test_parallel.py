@@ -133,6 +133,33 @@ def test_default_model_stored_pipeline_parallel_and_sampling_with_copies():
         llm.close()
 
 
+def test_default_model_stored_tensor_parallel_gives_the_single_process_logprobs():
+    """The Q4_1 file as stored at TP 3: each rank's o_proj and down sum their own blocks, and the
+    group adds the float64 sums before rounding once (quant_matmul.h, kSumGridBits), so every
+    prompt and sampled log-probability is the single process's, bit for bit. Rounding each
+    rank's share to float32 first moved the 8-bit activations of the layers after it: the
+    first token's log-probability was -0.289 against -0.318, and the greedy text differed."""
+    from tokios.engine import LLM
+
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5, prompt_logprobs=5)
+
+    def tokens_and_logprobs(tensor_parallel_size: int) -> list:
+        llm = LLM(kv_cache_memory="32MiB", num_threads=1, tensor_parallel_size=tensor_parallel_size)
+        try:
+            outputs = llm.generate(PROMPTS, params)
+        finally:
+            llm.close()
+
+        def values(steps):
+            return [None if step is None else {token_id: entry.logprob for token_id, entry in step.items()}
+                    for step in steps]
+
+        return [(output.outputs[0].token_ids, values(output.prompt_logprobs), values(output.outputs[0].logprobs))
+                for output in outputs]
+
+    assert tokens_and_logprobs(3) == tokens_and_logprobs(1)
+
+
 def test_sizes_that_do_not_split_the_model_are_refused_before_any_rank_starts():
     from tokios.engine import LLM
 
@@ -169,7 +196,8 @@ def test_gemma3_tensor_and_pipeline_parallel():
     number, and its own RoPE table), per-head norms, and 1 KV head, which TP 2 replicates. In
     float32 at TP 2, transformers' greedy tokens (the golden file, which the single process
     matches in test_gemma3.py); as stored at PP 2 (each stage's fused step over its own layers and
-    KV groups), the single process's greedy tokens."""
+    KV groups) and at TP 2 (its Q4_K o_proj and Q4_K / Q6_K down summed exactly over the ranks),
+    the single process's greedy tokens."""
     from golden import load_golden
     from tokios.engine import LLM
     from tokios.model_files import gemma3_model_path
@@ -188,11 +216,13 @@ def test_gemma3_tensor_and_pipeline_parallel():
         expected = greedy_tokens(single)
     finally:
         single.close()
-    llm = LLM(model=path, kv_cache_memory="32MiB", num_threads=1, pipeline_parallel_size=2)
-    try:
-        assert greedy_tokens(llm) == expected
-    finally:
-        llm.close()
+    for tp, pp in [(1, 2), (2, 1)]:
+        llm = LLM(model=path, kv_cache_memory="32MiB", num_threads=1, tensor_parallel_size=tp,
+                  pipeline_parallel_size=pp)
+        try:
+            assert greedy_tokens(llm) == expected, (tp, pp)
+        finally:
+            llm.close()
 
 
 def test_a_rank_that_dies_between_steps_fails_the_next_step_at_once():

@@ -3,12 +3,14 @@ the kernels run: each product against its dequantized weights times the activati
 quantized, at many row counts, odd output sizes, extreme block values and in a batch."""
 
 import functools
+import itertools
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
 from tokios.model.attention import dequantize_kv, quantize_kv
@@ -143,6 +145,51 @@ def test_rows_do_not_depend_on_the_batch(ggml_type):
     rows = torch.randn(70, 256)  # 70: several tiles and a chunk boundary at 64
     alone = torch.cat([linear(rows[i:i + 1]) for i in range(70)])
     assert torch.equal(linear(rows), alone)
+
+
+def input_feature_shard(weight: PackedWeight, start: int, stop: int) -> PackedWeight:
+    """Input features [start, stop) of a packed weight, cut on block boundaries as tensor
+    parallel cuts o_proj and down (distributed/plan.py)."""
+    block, block_bytes = GGML_QUANT_SIZES[weight.ggml_type]
+    raw = weight.raw[:, start // block * block_bytes:stop // block * block_bytes].contiguous()
+    return PackedWeight(raw, weight.ggml_type, (weight.shape[0], stop - start), "shard")
+
+
+@needs_extension
+@pytest.mark.parametrize("ggml_type", ALL_TYPES, ids=lambda t: t.name)
+def test_row_parallel_shards_add_up_to_the_whole_product_bit_for_bit(ggml_type):
+    """A row-parallel shard's float64 sums (partial_sums, exact_sums), added over the shards in
+    any order and rounded to float32 once, are the whole weight's product bit for bit, for even
+    and uneven splits, on tiles of rows and with outputs of every size: the kernel's sum over
+    blocks is exact. One last-bit difference moves the next layer's 8-bit activation rounding,
+    which changed the default model's greedy text at tensor parallel 3. Without exact_sums the
+    product is the float32 one and has no partial sums of its own."""
+    block = 256 if ggml_type in K_QUANTS else BLOCK
+    in_features = 6 * block
+    weight = packed_weight(random_weight(83, in_features, 12), ggml_type)  # 83: a partial last group
+    torch.manual_seed(13)
+    x = torch.randn(70, in_features) * torch.logspace(-4, 2, 70)[:, None]  # outputs from ~1e-3 to ~1e4
+    splits = [(0, 2 * block, 4 * block, 6 * block), (0, block, 6 * block), (0, 5 * block, 6 * block)]
+    for precise in (False, True) if ggml_type in (T.Q4_1, T.Q8_0) else (False,):
+        whole = QuantizedLinear(weight, None, precise_activations=precise, exact_sums=True)
+        expected_sums = whole.partial_sums(x)
+        assert expected_sums.dtype == torch.float64
+        assert torch.equal(expected_sums.float(), whole(x))
+        for bounds in splits:
+            shards = [(start, QuantizedLinear(input_feature_shard(weight, start, stop), None,
+                                              precise_activations=precise, exact_sums=True), stop)
+                      for start, stop in zip(bounds, bounds[1:])]
+            for rows in (slice(0, 1), slice(0, 3), slice(0, 70)):
+                sums = [shard.partial_sums(x[rows, start:stop]) for start, shard, stop in shards]
+                for order in itertools.permutations(sums):
+                    total = functools.reduce(torch.add, order)
+                    assert torch.equal(total, expected_sums[rows]), (bounds, rows, precise)
+                    assert torch.equal(total.float(), whole(x[rows])), (bounds, rows, precise)
+        plain = QuantizedLinear(weight, None, precise_activations=precise)
+        exact = whole(x)  # float32 sums differ from it by their rounding, relative to each row's size
+        assert ((plain(x) - exact).abs() <= 1e-5 * exact.abs().amax(dim=1, keepdim=True)).all()
+        with pytest.raises(RuntimeError, match="exact_sums"):
+            plain.linear.partial_sums(x)
 
 
 def extreme_ints(ggml_type: T, k: int, largest: bool):
@@ -357,9 +404,11 @@ def test_avx2_path_gives_the_vnni_path_bits():
         x = torch.randn(13, 512)
         fmt = FORMAT_BY_TYPE[ggml_type]
         for precise in (False, True) if ggml_type in (T.Q4_1, T.Q8_0) else (False,):
-            vnni = extension.PackedLinear(linear._packed, [fmt], [200], 512, precise, linear.bias)
-            older = avx2.PackedLinear(linear._packed, [fmt], [200], 512, precise, linear.bias)
-            assert torch.equal(older(x), vnni(x)), (ggml_type.name, precise)
+            for exact_sums in (False, True):
+                vnni = extension.PackedLinear(linear._packed, [fmt], [200], 512, precise, linear.bias, exact_sums)
+                older = avx2.PackedLinear(linear._packed, [fmt], [200], 512, precise, linear.bias, exact_sums)
+                assert torch.equal(older(x), vnni(x)), (ggml_type.name, precise, exact_sums)
+            assert torch.equal(older.partial_sums(x), vnni.partial_sums(x)), (ggml_type.name, precise)
     # Its attention loops (8 lanes, their own sum order) against the float64 reference.
     for num_heads, num_kv_heads, head_dim in ((9, 3, 64), (4, 1, 256)):
         for cache_dtype in KV_CACHE_DTYPES:
@@ -373,7 +422,8 @@ def test_avx2_path_gives_the_vnni_path_bits():
                     reason="this build already is the portable one")
 def test_portable_scalar_path_matches_the_vector_path():
     """Machines without AVX2 compile the scalar loops; build them here (x86-64-v2, cached like
-    the main build) and check the same packed weights give the same products, every type."""
+    the main build) and check the same packed weights give the same products, every type, bit
+    for bit: the same integer sums and float steps per lane, and the sum over blocks is exact."""
     portable = kernels_for("x86-64-v2")
     assert not portable.has_vnni() and not portable.has_avx2()
     for ggml_type in ALL_TYPES:
@@ -382,9 +432,11 @@ def test_portable_scalar_path_matches_the_vector_path():
         fmt = FORMAT_BY_TYPE[ggml_type]
         precise_options = (False, True) if ggml_type in (T.Q4_1, T.Q8_0) else (False,)
         for precise in precise_options:
-            vector = extension.PackedLinear(linear._packed, [fmt], [200], 256, precise, linear.bias)
-            scalar = portable.PackedLinear(linear._packed, [fmt], [200], 256, precise, linear.bias)
-            torch.testing.assert_close(scalar(x), vector(x), rtol=1e-5, atol=1e-4, msg=ggml_type.name)
+            for exact_sums in (False, True):
+                vector = extension.PackedLinear(linear._packed, [fmt], [200], 256, precise, linear.bias, exact_sums)
+                scalar = portable.PackedLinear(linear._packed, [fmt], [200], 256, precise, linear.bias, exact_sums)
+                assert torch.equal(scalar(x), vector(x)), (ggml_type.name, precise, exact_sums)
+            assert torch.equal(scalar.partial_sums(x), vector.partial_sums(x)), (ggml_type.name, precise)
     # Without vector kernels, many rows take a dequantized bfloat16 product instead of the scalar loops.
     linear = QuantizedLinear(packed_weight(random_weight(64, 96, 10), T.Q4_1), None)
     x = torch.randn(QuantizedLinear.SCALAR_PATH_MAX_ROWS + 5, 96)

@@ -74,15 +74,25 @@ class AllReducedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
 
-        out = self.linear_shard(x)
-        # bfloat16 partial sums are summed in float32: one rounding, as one process would have.
-        partial = out.float().contiguous() if out.dtype == torch.bfloat16 else out.contiguous()
+        partial_sums = getattr(self.linear_shard, "partial_sums", None)
+        if partial_sums is not None:
+            # A quantized o_proj or down sums its blocks exactly (exact_sums, quant_matmul.h):
+            # the shards' float64 sums add exactly too, in any order, and one rounding to
+            # float32 gives the single process's bits. Rounding each shard first would not: on
+            # 8-bit activations a last-bit difference moves the next layer's quantization and,
+            # on the default model, the greedy text.
+            partial, dtype = partial_sums(x).contiguous(), torch.float32
+        else:
+            out = self.linear_shard(x)
+            # bfloat16 partial sums are summed in float32: one rounding, as one process would have.
+            partial = out.float().contiguous() if out.dtype == torch.bfloat16 else out.contiguous()
+            dtype = out.dtype
         started = time.perf_counter()
         if self.shared_memory is None or not self.shared_memory(partial):
             dist.all_reduce(partial, group=self.group)
         self.timings.all_reduce_s += time.perf_counter() - started
         self.timings.num_all_reduces += 1
-        return partial.to(out.dtype)
+        return partial.to(dtype)
 
     def num_bytes(self) -> int:
         return self.linear_shard.num_bytes()

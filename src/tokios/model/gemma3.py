@@ -49,10 +49,12 @@ class Gemma3Layer:
         qkv = concat_rows([weight("self_attn.q_proj.weight"), weight("self_attn.k_proj.weight"),
                            weight("self_attn.v_proj.weight")])
         self.qkv = make_linear(qkv, None, weight_format, device, precise)
-        self.o_proj = make_linear(weight("self_attn.o_proj.weight"), None, weight_format, device, precise)
+        self.o_proj = make_linear(weight("self_attn.o_proj.weight"), None, weight_format, device, precise,
+                                  exact_sums=True)
         gate_up = concat_rows([weight("mlp.gate_proj.weight"), weight("mlp.up_proj.weight")])
         self.gate_up = make_linear(gate_up, None, weight_format, device, precise)
-        self.down = make_linear(weight("mlp.down_proj.weight"), None, weight_format, device, precise)
+        self.down = make_linear(weight("mlp.down_proj.weight"), None, weight_format, device, precise,
+                                exact_sums=True)
         self.rotary = rotary
 
 

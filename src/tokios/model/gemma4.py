@@ -61,8 +61,8 @@ class Gemma4Layer:
         def dense(name: str, dtype: torch.dtype = dtype) -> torch.Tensor:
             return as_dense(weight(name)).to(device=device, dtype=dtype)
 
-        def linear(tensor):
-            return make_linear(tensor, None, weight_format, device, precise)
+        def linear(tensor, exact_sums: bool = False):
+            return make_linear(tensor, None, weight_format, device, precise, exact_sums)
 
         self.input_norm = dense("input_layernorm.weight")
         self.post_attention_norm = dense("post_attention_layernorm.weight")
@@ -81,9 +81,9 @@ class Gemma4Layer:
             self.has_value_projection = value is not None
             projections += [value] if self.has_value_projection else []
         self.qkv = linear(concat_rows(projections))
-        self.o_proj = linear(weight("self_attn.o_proj.weight"))
+        self.o_proj = linear(weight("self_attn.o_proj.weight"), exact_sums=True)
         self.gate_up = linear(concat_rows([weight("mlp.gate_proj.weight"), weight("mlp.up_proj.weight")]))
-        self.down = linear(weight("mlp.down_proj.weight"))
+        self.down = linear(weight("mlp.down_proj.weight"), exact_sums=True)
         self.has_per_layer_input = f"{prefix}.per_layer_input_gate.weight" in weights
         if self.has_per_layer_input:
             self.per_layer_gate = linear(weight("per_layer_input_gate.weight"))

@@ -51,7 +51,7 @@ class LlamaLayer:
         self.qkv = make_linear(qkv_weight, qkv_bias, weight_format, device, precise)
         o_bias = bias("self_attn.o_proj.bias")
         self.o_proj = make_linear(weight("self_attn.o_proj.weight"), None if o_bias is None else as_dense(o_bias),
-                                  weight_format, device, precise)
+                                  weight_format, device, precise, exact_sums=True)
         self.feed_forward = make_feed_forward(config, weights, prefix, weight_format, device, precise, ops,
                                               self.expert_activation)
 

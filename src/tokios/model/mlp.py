@@ -46,5 +46,6 @@ def make_feed_forward(config: ModelConfig, weights: dict, prefix: str, weight_fo
                                device, ACTIVATION_DTYPE[weight_format])
     gate_up = concat_rows([weights.pop(f"{prefix}.mlp.gate_proj.weight"), weights.pop(f"{prefix}.mlp.up_proj.weight")])
     return GatedMLP(make_linear(gate_up, None, weight_format, device, precise),
-                    make_linear(weights.pop(f"{prefix}.mlp.down_proj.weight"), None, weight_format, device, precise),
+                    make_linear(weights.pop(f"{prefix}.mlp.down_proj.weight"), None, weight_format, device, precise,
+                                exact_sums=True),
                     ops.silu_mul)

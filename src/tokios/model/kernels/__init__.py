@@ -162,16 +162,21 @@ class QuantizedLinear:
     decode or prefill, takes the same dot kernel, so a row's result never depends on the batch or
     on whether it was part of a prompt. In a build with neither AVX-512 VNNI nor AVX2, chunks of
     many rows are dequantized and multiplied with oneDNN in bfloat16 instead. Without the kernel
-    (no compiler, or off the CPU) the weight is dequantized once and multiplied with torch."""
+    (no compiler, or off the CPU) the weight is dequantized once and multiplied with torch.
+
+    exact_sums: the kernel sums the input blocks exactly (quant_matmul.h, kSumGridBits), so the
+    products of input-feature shards, added as partial_sums, are this product bit for bit: the
+    layers tensor parallel splits by input features (o_proj, down) take it."""
 
     # Without vector kernels, from this many rows on a dequantized bf16 product beats the scalar loops.
     SCALAR_PATH_MAX_ROWS = 8
 
     def __init__(self, weight: "torch.Tensor | PackedWeight | SegmentedWeight", bias: torch.Tensor | None,
                  device: torch.device = torch.device("cpu"), precise_activations: bool = False,
-                 target_type: T | None = None):
+                 target_type: T | None = None, exact_sums: bool = False):
         self.out_features, self.in_features = weight.shape
         self.precise_activations = precise_activations
+        self.exact_sums = exact_sums
         if self.in_features % BLOCK:
             raise ValueError(f"in_features must be a multiple of {BLOCK}, got {self.in_features}")
         segments = weight.parts if isinstance(weight, SegmentedWeight) else [weight]
@@ -192,7 +197,8 @@ class QuantizedLinear:
             self.formats = [FORMAT_BY_TYPE[part.ggml_type] for part in segments]
             self.segment_out_features = [part.shape[0] for part in segments]
             self.linear = self.extension.PackedLinear(packed, self.formats, self.segment_out_features,
-                                                      self.in_features, precise_activations, self.bias)
+                                                      self.in_features, precise_activations, self.bias,
+                                                      exact_sums)
             self._packed = packed
             self.weight = None
             self._num_bytes = sum(p.numel() for p in packed)
@@ -210,6 +216,18 @@ class QuantizedLinear:
             out = F.linear(x.to(torch.bfloat16), weight.to(torch.bfloat16)).float()
             return out if self.bias is None else out + self.bias
         return self.linear(x.contiguous())
+
+    def partial_sums(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, in_features] -> [M, out_features] float64: the product before its one rounding to
+        float32, for a row-parallel shard (tensor parallel) whose group adds the shards' sums.
+        Built with exact_sums and on the kernel, the sum over blocks is exact (quant_matmul.h,
+        kSumGridBits), so the shards' sums rounded to float32 are the whole weight's product bit
+        for bit; otherwise they are this shard's float32 product."""
+        x = x.float()
+        if (not self.exact_sums or self.linear is None
+                or (x.shape[0] > self.SCALAR_PATH_MAX_ROWS and not has_vector_kernels(self.extension))):
+            return self(x).double()
+        return self.linear.partial_sums(x.contiguous())
 
     def dequantized_weight(self) -> torch.Tensor:
         """[out_features, in_features] float32: exactly the weights the kernel multiplies by."""
@@ -234,9 +252,9 @@ def _quantized(weight: torch.Tensor, ggml_type: T, name: str, num_tensors: int) 
 
 def make_quantized_linear(weight: "torch.Tensor | PackedWeight | SegmentedWeight", bias: torch.Tensor | None,
                           weight_format: str, device: torch.device = torch.device("cpu"),
-                          precise_activations: bool = False) -> QuantizedLinear:
+                          precise_activations: bool = False, exact_sums: bool = False) -> QuantizedLinear:
     """weight_format: "int4" / "int8" (convert) or "stored" (each segment as the file has it)."""
-    return QuantizedLinear(weight, bias, device, precise_activations, TYPE_BY_DTYPE.get(weight_format))
+    return QuantizedLinear(weight, bias, device, precise_activations, TYPE_BY_DTYPE.get(weight_format), exact_sums)
 
 
 def precise_activations(model_dtype: str) -> bool:

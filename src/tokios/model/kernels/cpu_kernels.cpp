@@ -1033,13 +1033,14 @@ at::Tensor dequantize_packed(const at::Tensor& packed, int64_t format, int64_t o
 
 // One linear layer: its output features in segments, each packed in its own format (a file may
 // store q, k and v, or gate and up, in different types), multiplied from one quantization of
-// the activations.
+// the activations. exact_sums: its sum over input blocks is exact (quant_matmul.h, kSumGridBits),
+// so shards of its input features add up to it bit for bit (tensor parallel's o_proj and down).
 class PackedLinear {
  public:
   PackedLinear(std::vector<at::Tensor> packed, std::vector<int64_t> formats, std::vector<int64_t> out_features,
-               int64_t in_features, bool precise, c10::optional<at::Tensor> bias)
+               int64_t in_features, bool precise, c10::optional<at::Tensor> bias, bool exact_sums)
       : packed_(std::move(packed)), formats_(std::move(formats)), out_features_(std::move(out_features)),
-        in_features_(in_features), precise_(precise) {
+        in_features_(in_features), precise_(precise), exact_sums_(exact_sums) {
     TORCH_CHECK(!packed_.empty() && packed_.size() == formats_.size() && packed_.size() == out_features_.size(),
                 "one format and one out_features per packed segment");
     total_out_ = 0;
@@ -1065,7 +1066,10 @@ class PackedLinear {
   }
 
   // x [M, in_features] -> out [M, total_out] (row stride total_out).
-  void forward(const float* x, int64_t M, float* out) const {
+  void forward(const float* x, int64_t M, float* out) const { forward(x, M, ProductOut{out, nullptr, total_out_}); }
+
+  // x [M, in_features] -> float32 values or float64 unrounded sums (quant_matmul.h's ProductOut).
+  void forward(const float* x, int64_t M, const ProductOut& out) const {
     // Reused from call to call. A thread_local named inside quant_matmul's lambdas would be each
     // worker thread's own (empty) copy, so it receives this reference to the calling thread's.
     thread_local QuantizedActivations buffer;
@@ -1076,18 +1080,34 @@ class PackedLinear {
     int64_t column = 0;
     for (size_t s = 0; s < packed_.size(); ++s) {
       quant_matmul(activations, M, packed_[s].data_ptr<uint8_t>(), out_features_[s], formats_[s], precise_,
-                   bias ? bias + column : nullptr, out + column, total_out_);
+                   exact_sums_, bias ? bias + column : nullptr, out.at(0, column));
       column += out_features_[s];
     }
   }
 
   at::Tensor call(const at::Tensor& x) const {
-    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), "x must be a 2-D float32 CPU tensor");
-    TORCH_CHECK(x.size(1) == in_features_, "x has ", x.size(1), " features, the weight ", in_features_);
+    check_input(x);
     const at::Tensor input = x.contiguous();
     at::Tensor out = at::empty({x.size(0), total_out_}, x.options());
     forward(input.data_ptr<float>(), x.size(0), out.data_ptr<float>());
     return out;
+  }
+
+  // x -> [M, total_out] float64: the sums before their one rounding to float32. A row-parallel
+  // shard's share (tensor parallel): the shares' sum rounded to float32 is the whole product's
+  // call(), bit for bit, when the split falls on block boundaries.
+  at::Tensor partial_sums(const at::Tensor& x) const {
+    TORCH_CHECK(exact_sums_, "partial_sums needs a PackedLinear built with exact_sums=True");
+    check_input(x);
+    const at::Tensor input = x.contiguous();
+    at::Tensor out = at::empty({x.size(0), total_out_}, x.options().dtype(at::kDouble));
+    forward(input.data_ptr<float>(), x.size(0), ProductOut{nullptr, out.data_ptr<double>(), total_out_});
+    return out;
+  }
+
+  void check_input(const at::Tensor& x) const {
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), "x must be a 2-D float32 CPU tensor");
+    TORCH_CHECK(x.size(1) == in_features_, "x has ", x.size(1), " features, the weight ", in_features_);
   }
 
   int64_t out_features() const { return total_out_; }
@@ -1101,7 +1121,7 @@ class PackedLinear {
   std::vector<at::Tensor> packed_;
   std::vector<int64_t> formats_, out_features_;
   int64_t in_features_, total_out_ = 0, num_bytes_ = 0;
-  bool precise_;
+  bool precise_, exact_sums_;
   at::Tensor bias_;
   std::shared_ptr<std::atomic<int64_t>> bytes_read_ = std::make_shared<std::atomic<int64_t>>(0);
 };
@@ -1550,8 +1570,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("dequantize_packed", &dequantize_packed, "packed groups -> [N, K] float32", release_gil());
   pybind11::class_<PackedLinear>(module, "PackedLinear")
       .def(pybind11::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>, int64_t, bool,
-                          c10::optional<at::Tensor>>())
+                          c10::optional<at::Tensor>, bool>(),
+           pybind11::arg("packed"), pybind11::arg("formats"), pybind11::arg("out_features"),
+           pybind11::arg("in_features"), pybind11::arg("precise"), pybind11::arg("bias"),
+           pybind11::arg("exact_sums") = false)
       .def("__call__", &PackedLinear::call, release_gil())
+      .def("partial_sums", &PackedLinear::partial_sums, release_gil())
       .def_property_readonly("out_features", &PackedLinear::out_features)
       .def_property_readonly("in_features", &PackedLinear::in_features)
       .def_property_readonly("num_bytes", &PackedLinear::num_bytes)

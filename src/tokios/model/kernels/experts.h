@@ -111,7 +111,7 @@ inline int64_t grouped_expert_matmul(const QuantizedActivations& activations, co
   std::vector<const DotKernel*> kernels;
   for (const ExpertProjection& projection : projections) {
     layouts.emplace_back(projection.format, activations.in_features);
-    kernels.push_back(&dot_kernel(projection.format, precise));
+    kernels.push_back(&dot_kernel(projection.format, precise, false));  // experts are never split by input
   }
   // segment_starts[s]: the first item of segment s = (used expert s / P, projection s % P).
   std::vector<int64_t> segment_starts(num_segments + 1, 0);
@@ -132,7 +132,7 @@ inline int64_t grouped_expert_matmul(const QuantizedActivations& activations, co
       const float* bias = projection.bias ? projection.bias + expert * projection.out_features : nullptr;
       matmul_groups(activations, rows.row_starts[used], rows.row_starts[used + 1], weight, layouts[p], *kernels[p],
                     projection.out_features, begin - segment_starts[s], segment_end - segment_starts[s], bias,
-                    out + projection.column, out_stride);
+                    ProductOut{out, nullptr, out_stride}.at(0, projection.column));
       begin = segment_end;
     }
   });

@@ -8,7 +8,10 @@
 // each for every format (on VNNI, Q4_1 and Q8_0 have their own tuned kernel). Each
 // output element is one dot product computed the same way whatever M is: every row keeps its own
 // accumulators and adds its blocks in the same order, so a row's result is the same alone or in
-// a batch, decode or prefill (R = 1 is the single-row case, not a separate kernel).
+// a batch, decode or prefill (R = 1 is the single-row case, not a separate kernel). Products built
+// with exact sums (EXACT: the ones tensor parallel splits by input features) add the blocks'
+// contributions exactly (see kSumGridBits), so their result does not depend on how the blocks are
+// grouped either: a shard's sums over its blocks, added over the shards, give the whole's bits.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -59,18 +62,123 @@ inline void prefetch_start(const uint8_t* weights, int64_t num_bytes) {
 #endif
 }
 
+// Why some products sum their blocks exactly: a row-parallel layer of tensor parallel (o_proj,
+// down) gives each rank a share of the input features; each rank sums its own blocks and the
+// group adds the shares. Float sums depend on that grouping, and on 8-bit activations a last-bit
+// difference does not stay small: it moves the next layer's activation rounding (q = round(x / s)
+// jumps by a whole step), and on the default model TP 3 gave another greedy text than one process
+// (logprob of the first token -0.289 against -0.318). So each block's contribution (a float) is
+// rounded to a fixed grid of 2^-36 and the contributions are added in double, where whole
+// multiples of the grid add exactly while |sum| < 2^17: the sum is the same whatever order and
+// split adds the blocks, and it is rounded to float32 once, at the end (a shard hands its sums on
+// unrounded, ProductOut::sums). The grid costs at most 2^-37 per block, under half a float32 ulp
+// of any output above 2^-13; past 2^17 the sums stay as accurate, only no longer split-exact.
+// It costs a rounding and two double additions per block and 8 features: on AVX2, SmolLM2's
+// 576 x 1536 down projection took 16% longer at 1 row (67 -> 78 us) and 22% at 64 rows, so only
+// the products that tensor parallel splits by input features (o_proj, down: make_linear's
+// exact_sums) pay it; the others add their blocks in float32, in a fixed order.
+constexpr int kSumGridBits = 36;
+constexpr float kToSumUnits = static_cast<float>(int64_t{1} << kSumGridBits);
+constexpr double kSumUnit = 1.0 / static_cast<double>(int64_t{1} << kSumGridBits);
+
+// Where a tile's results go: float32 values (the exact sum plus the bias, rounded once), or the
+// unrounded float64 sums (a tensor-parallel shard's share, which its group adds before rounding).
+struct ProductOut {
+  float* values = nullptr;
+  double* sums = nullptr;
+  int64_t stride = 0;  // elements from one row to the next
+
+  ProductOut at(int64_t row, int64_t column) const {
+    const int64_t offset = row * stride + column;
+    return {values ? values + offset : nullptr, sums ? sums + offset : nullptr, stride};
+  }
+};
+
 #if TOKIOS_VNNI
+// One block's contributions to 16 features, in grid units: rounded to whole units (exact
+// afterwards) and added to the row's two double accumulators (features 0..7, 8..15).
+inline void add_units_vnni(__m512d acc[2], __m512 units) {
+  units = _mm512_roundscale_ps(units, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  acc[0] = _mm512_add_pd(acc[0], _mm512_cvtps_pd(_mm512_castps512_ps256(units)));
+  acc[1] = _mm512_add_pd(acc[1], _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(units), 1))));
+}
+
+// A row's sums (grid units) of features [0, valid) with the bias, stored as out asks at offset.
+inline void store_sums_vnni(const __m512d acc[2], const float* bias, int valid, const ProductOut& out, int64_t offset) {
+  const __mmask16 lanes = static_cast<__mmask16>((1u << valid) - 1);
+  const __m512 b = bias ? _mm512_maskz_loadu_ps(lanes, bias) : _mm512_setzero_ps();
+  const __m512d unit = _mm512_set1_pd(kSumUnit);
+  const __m512d low = _mm512_add_pd(_mm512_mul_pd(acc[0], unit), _mm512_cvtps_pd(_mm512_castps512_ps256(b)));
+  const __m512d high = _mm512_add_pd(_mm512_mul_pd(acc[1], unit),
+                                     _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(b), 1))));
+  const __mmask8 low_lanes = static_cast<__mmask8>(lanes & 0xff), high_lanes = static_cast<__mmask8>(lanes >> 8);
+  if (out.sums) {
+    _mm512_mask_storeu_pd(out.sums + offset, low_lanes, low);
+    _mm512_mask_storeu_pd(out.sums + offset + 8, high_lanes, high);
+  } else {
+    _mm256_mask_storeu_ps(out.values + offset, low_lanes, _mm512_cvtpd_ps(low));
+    _mm256_mask_storeu_ps(out.values + offset + 8, high_lanes, _mm512_cvtpd_ps(high));
+  }
+}
+#endif
+
+#if TOKIOS_AVX2
+// store_values_vnni for features [0, lanes) of 8.
+inline void store_values_avx2(__m256 acc, const float* bias, int lanes, const ProductOut& out, int64_t offset) {
+  const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(lanes), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256 b = bias ? _mm256_maskload_ps(bias, mask) : _mm256_setzero_ps();
+  _mm256_maskstore_ps(out.values + offset, mask, _mm256_add_ps(acc, b));
+}
+
+// add_units_vnni for 8 features (two double accumulators of 4).
+inline void add_units_avx2(__m256d acc[2], __m256 units) {
+  units = _mm256_round_ps(units, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  acc[0] = _mm256_add_pd(acc[0], _mm256_cvtps_pd(_mm256_castps256_ps128(units)));
+  acc[1] = _mm256_add_pd(acc[1], _mm256_cvtps_pd(_mm256_extractf128_ps(units, 1)));
+}
+
+// store_sums_vnni for features [0, lanes) of 8.
+inline void store_sums_avx2(const __m256d acc[2], const float* bias, int lanes, const ProductOut& out, int64_t offset) {
+  const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(lanes), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256 b = bias ? _mm256_maskload_ps(bias, mask) : _mm256_setzero_ps();
+  const __m256d unit = _mm256_set1_pd(kSumUnit);
+  const __m256d low = _mm256_add_pd(_mm256_mul_pd(acc[0], unit), _mm256_cvtps_pd(_mm256_castps256_ps128(b)));
+  const __m256d high = _mm256_add_pd(_mm256_mul_pd(acc[1], unit), _mm256_cvtps_pd(_mm256_extractf128_ps(b, 1)));
+  if (out.sums) {
+    const __m256i quads = _mm256_setr_epi64x(0, 1, 2, 3);
+    _mm256_maskstore_pd(out.sums + offset, _mm256_cmpgt_epi64(_mm256_set1_epi64x(lanes), quads), low);
+    _mm256_maskstore_pd(out.sums + offset + 4, _mm256_cmpgt_epi64(_mm256_set1_epi64x(lanes - 4), quads), high);
+  } else {
+    _mm256_maskstore_ps(out.values + offset, mask, _mm256_set_m128(_mm256_cvtpd_ps(high), _mm256_cvtpd_ps(low)));
+  }
+}
+#endif
+
+#if TOKIOS_VNNI
+// Float32 sums of features [0, valid) plus the bias, stored at offset (the products without exact sums).
+inline void store_values_vnni(__m512 acc, const float* bias, int valid, const ProductOut& out, int64_t offset) {
+  const __mmask16 lanes = static_cast<__mmask16>((1u << valid) - 1);
+  const __m512 b = bias ? _mm512_maskz_loadu_ps(lanes, bias) : _mm512_setzero_ps();
+  _mm512_mask_storeu_ps(out.values + offset, lanes, _mm512_add_ps(acc, b));
+}
+
 // The VNNI kernel for Q4_1 (format 0) and Q8_0 (format 1).
-template <int FORMAT, bool PRECISE, int R>
+template <int FORMAT, bool PRECISE, bool EXACT, int R>
 void dot_group_rows_vnni(const uint8_t* group_row, const GroupLayout& layout, const QuantizedActivations& a, int64_t r0,
-                    const float* bias, int valid, float* out, int64_t out_stride) {
+                    const float* bias, int valid, const ProductOut& out) {
   const int64_t nb = layout.num_blocks, K = a.in_features, stride = a.row_stride;
   const uint16_t* halves = layout.halves(group_row);
   const int8_t* x0 = a.qs.data() + r0 * stride;
   constexpr int P = PRECISE ? 2 : 1;  // activation planes: q, then the residual
   const __m512i low_nibbles = _mm512_set1_epi8(0x0f);
+  // EXACT: grid units (kSumGridBits) of features 0..7 and 8..15; else float32 sums of all 16.
+  constexpr float kToUnits = EXACT ? kToSumUnits : 1.f;
+  __m512d units[R][2];
   __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm512_setzero_ps();
+    units[r][0] = units[r][1] = _mm512_setzero_pd();
+  }
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* values = group_row + b * layout.value_bytes;
     const int8_t* xb = x0 + b * kBlock;
@@ -124,19 +232,31 @@ void dot_group_rows_vnni(const uint8_t* group_row, const GroupLayout& layout, co
       const __m512 m = _mm512_cvtph_ps(
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves + b * layout.halves_per_group + kGroup)));
       for (int r = 0; r < R; ++r) {
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact[r]), _mm512_mul_ps(d, _mm512_set1_ps(a.scales[at + r * nb])), acc[r]);
-        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.scaled_sums[at + r * nb]), acc[r]);
+        const __m512 row_scale = _mm512_mul_ps(d, _mm512_set1_ps(a.scales[at + r * nb] * kToUnits));
+        const __m512 scaled_sum = _mm512_set1_ps(a.scaled_sums[at + r * nb] * kToUnits);
+        if constexpr (EXACT) {
+          add_units_vnni(units[r], _mm512_fmadd_ps(m, scaled_sum, _mm512_mul_ps(_mm512_cvtepi32_ps(exact[r]), row_scale)));
+        } else {
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact[r]), row_scale, acc[r]);
+          acc[r] = _mm512_fmadd_ps(m, scaled_sum, acc[r]);
+        }
       }
     } else {
       for (int r = 0; r < R; ++r) {
         const __m512i centred = _mm512_sub_epi32(exact[r], _mm512_set1_epi32(kTraits[kQ8_0].zero * a.sums[at + r * nb]));
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(centred), _mm512_mul_ps(d, _mm512_set1_ps(a.scales[at + r * nb])), acc[r]);
+        const __m512 row_scale = _mm512_mul_ps(d, _mm512_set1_ps(a.scales[at + r * nb] * kToUnits));
+        if constexpr (EXACT) {
+          add_units_vnni(units[r], _mm512_mul_ps(_mm512_cvtepi32_ps(centred), row_scale));
+        } else {
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(centred), row_scale, acc[r]);
+        }
       }
     }
   }
-  const __mmask16 lanes = static_cast<__mmask16>((1u << valid) - 1);
-  const __m512 b = bias ? _mm512_maskz_loadu_ps(lanes, bias) : _mm512_setzero_ps();
-  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * out_stride, lanes, _mm512_add_ps(acc[r], b));
+  for (int r = 0; r < R; ++r) {
+    if constexpr (EXACT) store_sums_vnni(units[r], bias, valid, out, r * out.stride);
+    else store_values_vnni(acc[r], bias, valid, out, r * out.stride);
+  }
 
 }
 #endif
@@ -157,9 +277,9 @@ inline __m512i move_bits_512(__m512i bytes, __m512i mask) {
 // saturation). The float steps are the AVX2 kernel's, lane for lane, so both give the same bits.
 // The high-bit bytes of a 5-bit block are already in lane order (half 0's 32 bytes, then half
 // 1's); a 6-bit block's two 32-byte runs per half are joined into one vector per pair of t.
-template <int FORMAT, bool PRECISE, int R>
+template <int FORMAT, bool PRECISE, bool EXACT, int R>
 void dot_group_rows_vnni_blocks(const uint8_t* group_row, const GroupLayout& layout, const QuantizedActivations& a,
-                                int64_t r0, const float* bias, int valid, float* out, int64_t out_stride) {
+                                int64_t r0, const float* bias, int valid, const ProductOut& out) {
   constexpr FormatTraits F = kTraits[FORMAT];
   static_assert(F.bits >= 4 && F.bits <= 6, "Q8_0 has its own VNNI kernel");
   constexpr int P = PRECISE ? 2 : 1;
@@ -172,8 +292,14 @@ void dot_group_rows_vnni_blocks(const uint8_t* group_row, const GroupLayout& lay
   const int8_t* x0 = a.qs.data() + r0 * stride;
   const __m512i low_nibbles = _mm512_set1_epi8(0x0f), bit4 = _mm512_set1_epi8(0x10), bits45 = _mm512_set1_epi8(0x30);
   const __m512i codebook = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kMxfp4Values)));
+  // EXACT: grid units (kSumGridBits) of features 0..7 and 8..15; else float32 sums of all 16.
+  constexpr float kToUnits = EXACT ? kToSumUnits : 1.f;
+  __m512d units[R][2];
   __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm512_setzero_ps();
+    units[r][0] = units[r][1] = _mm512_setzero_pd();
+  }
   __m512 super_scale = _mm512_setzero_ps(), super_min = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* values = group_row + b * layout.value_bytes;
@@ -265,7 +391,7 @@ void dot_group_rows_vnni_blocks(const uint8_t* group_row, const GroupLayout& lay
         }
         exact[s] = PRECISE ? _mm512_add_epi32(_mm512_slli_epi32(sum[0], 7), sum[P - 1]) : sum[0];
       }
-      const __m512 row_scale = _mm512_mul_ps(scale, _mm512_set1_ps(a.scales[at]));
+      const __m512 row_scale = _mm512_mul_ps(scale, _mm512_set1_ps(a.scales[at] * kToUnits));
       __m512i total;
       if constexpr (kSplit) {
         const int32_t first_sum = a.half_sums[at], second_sum = a.sums[at] - first_sum;
@@ -277,16 +403,22 @@ void dot_group_rows_vnni_blocks(const uint8_t* group_row, const GroupLayout& lay
       } else {
         total = exact[0];
       }
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), row_scale, acc[r]);
+      // The block's contribution (EXACT: rounded to the grid and added exactly), else added to
+      // the float32 sums with the same two roundings it always had.
+      __m512 sum = EXACT ? _mm512_mul_ps(_mm512_cvtepi32_ps(total), row_scale)
+                         : _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), row_scale, acc[r]);
       if constexpr (F.has_min) {
-        const __m512 scaled_sum = _mm512_set1_ps(a.scaled_sums[at]);
-        acc[r] = F.sub ? _mm512_fnmadd_ps(minimum, scaled_sum, acc[r]) : _mm512_fmadd_ps(minimum, scaled_sum, acc[r]);
+        const __m512 scaled_sum = _mm512_set1_ps(a.scaled_sums[at] * kToUnits);
+        sum = F.sub ? _mm512_fnmadd_ps(minimum, scaled_sum, sum) : _mm512_fmadd_ps(minimum, scaled_sum, sum);
       }
+      if constexpr (EXACT) add_units_vnni(units[r], sum);
+      else acc[r] = sum;
     }
   }
-  const __mmask16 lanes = static_cast<__mmask16>((1u << valid) - 1);
-  const __m512 b = bias ? _mm512_maskz_loadu_ps(lanes, bias) : _mm512_setzero_ps();
-  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * out_stride, lanes, _mm512_add_ps(acc[r], b));
+  for (int r = 0; r < R; ++r) {
+    if constexpr (EXACT) store_sums_vnni(units[r], bias, valid, out, r * out.stride);
+    else store_values_vnni(acc[r], bias, valid, out, r * out.stride);
+  }
 }
 #endif
 
@@ -306,9 +438,9 @@ inline __m256i move_bits(__m256i bytes, __m256i mask) {
 // most for 6-bit weights, and a few are added in int16 before widening only where the bound
 // allows (4-bit: 4 vectors, 30,480 at most; 5-bit and 6-bit: 2). Q8_0 is flipped back to signed
 // and multiplied as |w| x sign(x, w) (at most 2 x 128 x 127 per pair), so its zero point is 0.
-template <int FORMAT, bool PRECISE, int R>
+template <int FORMAT, bool PRECISE, bool EXACT, int R>
 void dot_group_rows_avx2(const uint8_t* group_row, const GroupLayout& layout, const QuantizedActivations& a,
-                         int64_t r0, const float* bias, int valid, float* out, int64_t out_stride) {
+                         int64_t r0, const float* bias, int valid, const ProductOut& out) {
   constexpr FormatTraits F = kTraits[FORMAT];
   constexpr int P = PRECISE ? 2 : 1;
   constexpr bool kSplit = F.sub == 16;  // Q6_K: separate sums for weights 0..15 and 16..31
@@ -321,8 +453,14 @@ void dot_group_rows_avx2(const uint8_t* group_row, const GroupLayout& layout, co
   const __m256i bit4 = _mm256_set1_epi8(0x10), bits45 = _mm256_set1_epi8(0x30), flip = _mm256_set1_epi8(-128);
   const __m256i codebook = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kMxfp4Values)));
   for (int h = 0; h < 2 && 8 * h < valid; ++h) {
+    // EXACT: grid units (kSumGridBits) of features 8h..8h+3 and 8h+4..8h+7; else float32 sums.
+    constexpr float kToUnits = EXACT ? kToSumUnits : 1.f;
+    __m256d units[R][2];
     __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm256_setzero_ps();
+      units[r][0] = units[r][1] = _mm256_setzero_pd();
+    }
     __m256 super_scale = _mm256_setzero_ps(), super_min = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* values = group_row + b * layout.value_bytes;
@@ -431,7 +569,7 @@ void dot_group_rows_avx2(const uint8_t* group_row, const GroupLayout& layout, co
         for (int s = 0; s < 2; ++s) {
           exact[s] = PRECISE ? _mm256_add_epi32(_mm256_slli_epi32(dot[r][0][s], 7), dot[r][P - 1][s]) : dot[r][0][s];
         }
-        const __m256 row_scale = _mm256_mul_ps(scale, _mm256_set1_ps(a.scales[at]));
+        const __m256 row_scale = _mm256_mul_ps(scale, _mm256_set1_ps(a.scales[at] * kToUnits));
         __m256i total;
         if constexpr (kSplit) {
           // Q6_K: each half against its own integer scale, then one float step.
@@ -444,31 +582,40 @@ void dot_group_rows_avx2(const uint8_t* group_row, const GroupLayout& layout, co
         } else {
           total = exact[0];
         }
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), row_scale, acc[r]);
+        // As in the VNNI kernel: EXACT rounds the block's contribution to the grid and adds it
+        // exactly; otherwise it goes into the float32 sums.
+        __m256 sum = EXACT ? _mm256_mul_ps(_mm256_cvtepi32_ps(total), row_scale)
+                           : _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), row_scale, acc[r]);
         if constexpr (F.has_min) {
-          const __m256 scaled_sum = _mm256_set1_ps(a.scaled_sums[at]);
-          acc[r] = F.sub ? _mm256_fnmadd_ps(minimum, scaled_sum, acc[r]) : _mm256_fmadd_ps(minimum, scaled_sum, acc[r]);
+          const __m256 scaled_sum = _mm256_set1_ps(a.scaled_sums[at] * kToUnits);
+          sum = F.sub ? _mm256_fnmadd_ps(minimum, scaled_sum, sum) : _mm256_fmadd_ps(minimum, scaled_sum, sum);
         }
+        if constexpr (EXACT) add_units_avx2(units[r], sum);
+        else acc[r] = sum;
       }
     }
     const int lanes = std::min(8, valid - 8 * h);
-    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(lanes), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    const __m256 b = bias ? _mm256_maskload_ps(bias + 8 * h, mask) : _mm256_setzero_ps();
-    for (int r = 0; r < R; ++r) _mm256_maskstore_ps(out + r * out_stride + 8 * h, mask, _mm256_add_ps(acc[r], b));
+    for (int r = 0; r < R; ++r) {
+      const float* half_bias = bias ? bias + 8 * h : nullptr;
+      if constexpr (EXACT) store_sums_avx2(units[r], half_bias, lanes, out, r * out.stride + 8 * h);
+      else store_values_avx2(acc[r], half_bias, lanes, out, r * out.stride + 8 * h);
+    }
   }
 }
 #endif
 
 // The portable kernel, for every format: the same integer sums and float steps, one lane at a time.
-template <int FORMAT, bool PRECISE, int R>
+template <int FORMAT, bool PRECISE, bool EXACT, int R>
 void dot_group_rows_scalar(const uint8_t* group_row, const GroupLayout& layout, const QuantizedActivations& a,
-                           int64_t r0, const float* bias, int valid, float* out, int64_t out_stride) {
+                           int64_t r0, const float* bias, int valid, const ProductOut& out) {
   constexpr FormatTraits F = kTraits[FORMAT];
   const int64_t nb = layout.num_blocks, K = a.in_features, stride = a.row_stride;
   const uint16_t* halves = layout.halves(group_row);
   for (int r = 0; r < R; ++r) {
     for (int j = 0; j < valid; ++j) {
-      float acc = 0.f;
+      constexpr float kToUnits = EXACT ? kToSumUnits : 1.f;
+      double units = 0.0;  // EXACT: grid units (kSumGridBits)
+      float acc = 0.f;     // otherwise
       for (int64_t b = 0; b < nb; ++b) {
         const int8_t* x = a.qs.data() + (r0 + r) * stride + b * kBlock;
         const int64_t at = (r0 + r) * nb + b;
@@ -494,16 +641,25 @@ void dot_group_rows_scalar(const uint8_t* group_row, const GroupLayout& layout, 
             minimum *= static_cast<float>(sub[kGroup + j]);
           }
         }
-        acc = std::fma(static_cast<float>(total), scale * a.scales[at], acc);
-        if constexpr (F.has_min) acc = std::fma(F.sub ? -minimum : minimum, a.scaled_sums[at], acc);
+        const float row_scale = scale * (a.scales[at] * kToUnits);
+        float sum = EXACT ? static_cast<float>(total) * row_scale : std::fma(static_cast<float>(total), row_scale, acc);
+        if constexpr (F.has_min) sum = std::fma(F.sub ? -minimum : minimum, a.scaled_sums[at] * kToUnits, sum);
+        if constexpr (EXACT) units += static_cast<double>(std::nearbyint(sum));
+        else acc = sum;
       }
-      out[r * out_stride + j] = acc + (bias ? bias[j] : 0.f);
+      if constexpr (EXACT) {
+        const double sum = units * kSumUnit + (bias ? static_cast<double>(bias[j]) : 0.0);
+        if (out.sums) out.sums[r * out.stride + j] = sum;
+        else out.values[r * out.stride + j] = static_cast<float>(sum);
+      } else {
+        out.values[r * out.stride + j] = acc + (bias ? bias[j] : 0.f);
+      }
     }
   }
 }
 
 using DotGroupFunction = void (*)(const uint8_t*, const GroupLayout&, const QuantizedActivations&, int64_t,
-                                  const float*, int, float*, int64_t);
+                                  const float*, int, const ProductOut&);
 struct DotKernel {
   std::array<DotGroupFunction, kTileRows + 1> by_rows{};  // [R], R = 1..max_rows; [0] unused
   int max_rows = 0;
@@ -512,55 +668,66 @@ struct DotKernel {
 // Rows per tile of the AVX2 kernel: 16 ymm registers hold 4 rows' accumulators and sums; 8 spilled.
 constexpr int kTileRowsAvx2 = 4;
 
-template <int FORMAT, bool PRECISE, size_t... Rs>
+template <int FORMAT, bool PRECISE, bool EXACT, size_t... Rs>
 DotKernel make_kernel(std::index_sequence<Rs...>) {
   DotKernel kernel;
 #if TOKIOS_VNNI
   if constexpr (FORMAT == kQ4_1 || FORMAT == kQ8_0) {
-    kernel.by_rows = {nullptr, &dot_group_rows_vnni<FORMAT, PRECISE, static_cast<int>(Rs) + 1>...};
+    kernel.by_rows = {nullptr, &dot_group_rows_vnni<FORMAT, PRECISE, EXACT, static_cast<int>(Rs) + 1>...};
   } else {
-    kernel.by_rows = {nullptr, &dot_group_rows_vnni_blocks<FORMAT, PRECISE, static_cast<int>(Rs) + 1>...};
+    kernel.by_rows = {nullptr, &dot_group_rows_vnni_blocks<FORMAT, PRECISE, EXACT, static_cast<int>(Rs) + 1>...};
   }
   kernel.max_rows = kTileRows;
   return kernel;
 #endif
 #if TOKIOS_AVX2
-  ((kernel.by_rows[Rs + 1] = Rs < kTileRowsAvx2 ? &dot_group_rows_avx2<FORMAT, PRECISE, std::min<int>(Rs + 1, kTileRowsAvx2)> : nullptr), ...);
+  ((kernel.by_rows[Rs + 1] = Rs < kTileRowsAvx2 ? &dot_group_rows_avx2<FORMAT, PRECISE, EXACT, std::min<int>(Rs + 1, kTileRowsAvx2)> : nullptr), ...);
   kernel.max_rows = kTileRowsAvx2;
 #else
-  ((kernel.by_rows[Rs + 1] = &dot_group_rows_scalar<FORMAT, PRECISE, static_cast<int>(Rs) + 1>), ...);
+  ((kernel.by_rows[Rs + 1] = &dot_group_rows_scalar<FORMAT, PRECISE, EXACT, static_cast<int>(Rs) + 1>), ...);
   kernel.max_rows = kTileRows;
 #endif
   return kernel;
 }
 
-// [format][precise]; precise activations are offered for the two conversion formats only
-// (--dtype int8 and int4), so the others have no such kernel.
-inline const DotKernel& dot_kernel(int64_t format, bool precise) {
-  static const std::array<std::array<DotKernel, 2>, kNumFormats> table = [] {
-    std::array<std::array<DotKernel, 2>, kNumFormats> t{};
+// [format][precise][exact]; precise activations are offered for the two conversion formats only
+// (--dtype int8 and int4), so the others have no such kernel. exact: the sum over blocks is exact
+// (kSumGridBits), for the products that tensor parallel splits by input features.
+template <int FORMAT, size_t... Rs>
+std::array<std::array<DotKernel, 2>, 2> make_kernels(std::index_sequence<Rs...> rows) {
+  std::array<std::array<DotKernel, 2>, 2> kernels{};
+  kernels[0] = {make_kernel<FORMAT, false, false>(rows), make_kernel<FORMAT, false, true>(rows)};
+  if constexpr (FORMAT == kQ4_1 || FORMAT == kQ8_0) {
+    kernels[1] = {make_kernel<FORMAT, true, false>(rows), make_kernel<FORMAT, true, true>(rows)};
+  }
+  return kernels;
+}
+
+inline const DotKernel& dot_kernel(int64_t format, bool precise, bool exact) {
+  static const std::array<std::array<std::array<DotKernel, 2>, 2>, kNumFormats> table = [] {
+    std::array<std::array<std::array<DotKernel, 2>, 2>, kNumFormats> t{};
     const auto rows = std::make_index_sequence<kTileRows>();
-    t[kQ4_1] = {make_kernel<kQ4_1, false>(rows), make_kernel<kQ4_1, true>(rows)};
-    t[kQ8_0] = {make_kernel<kQ8_0, false>(rows), make_kernel<kQ8_0, true>(rows)};
-    t[kQ4_0][0] = make_kernel<kQ4_0, false>(rows);
-    t[kQ5_0][0] = make_kernel<kQ5_0, false>(rows);
-    t[kQ5_1][0] = make_kernel<kQ5_1, false>(rows);
-    t[kQ4_K][0] = make_kernel<kQ4_K, false>(rows);
-    t[kQ5_K][0] = make_kernel<kQ5_K, false>(rows);
-    t[kQ6_K][0] = make_kernel<kQ6_K, false>(rows);
-    t[kMXFP4][0] = make_kernel<kMXFP4, false>(rows);
+    t[kQ4_1] = make_kernels<kQ4_1>(rows);
+    t[kQ8_0] = make_kernels<kQ8_0>(rows);
+    t[kQ4_0] = make_kernels<kQ4_0>(rows);
+    t[kQ5_0] = make_kernels<kQ5_0>(rows);
+    t[kQ5_1] = make_kernels<kQ5_1>(rows);
+    t[kQ4_K] = make_kernels<kQ4_K>(rows);
+    t[kQ5_K] = make_kernels<kQ5_K>(rows);
+    t[kQ6_K] = make_kernels<kQ6_K>(rows);
+    t[kMXFP4] = make_kernels<kMXFP4>(rows);
     return t;
   }();
-  return table[format][precise];
+  return table[format][precise][exact];
 }
 
 // Groups [group_begin, group_end) of one packed weight times activation rows [row_begin, row_end):
-// out rows r (stride out_stride) get features [g * 16, g * 16 + 16) of each group g, N features
+// out's rows r get features [g * 16, g * 16 + 16) of each group g, N features
 // in all. The body every product runs (quant_matmul, grouped_expert_matmul in experts.h), so a
 // row's result depends on neither which rows share the call nor how the groups are split.
 inline void matmul_groups(const QuantizedActivations& activations, int64_t row_begin, int64_t row_end,
                           const uint8_t* weight, const GroupLayout& layout, const DotKernel& kernel, int64_t N,
-                          int64_t group_begin, int64_t group_end, const float* bias, float* out, int64_t out_stride) {
+                          int64_t group_begin, int64_t group_end, const float* bias, const ProductOut& out) {
   // A group's weights (at most a few KiB per 576 inputs) stay in L1 while tiles of rows pass over
   // them; rows are taken 64 at a time so that their activations stay in L2 (long prefill chunks).
   constexpr int64_t kRowChunk = 64;
@@ -573,20 +740,21 @@ inline void matmul_groups(const QuantizedActivations& activations, int64_t row_b
       for (int64_t r0 = m0; r0 < m1; r0 += kernel.max_rows) {
         const int tile = static_cast<int>(std::min<int64_t>(kernel.max_rows, m1 - r0));
         kernel.by_rows[tile](weight + g * layout.row_bytes, layout, activations, r0, group_bias, valid,
-                             out + r0 * out_stride + g * kGroup, out_stride);
+                             out.at(r0, g * kGroup));
       }
     }
   }
 }
 
-// out[:, 0:N) (row stride out_stride) = activations . W^T (+ bias) for one packed weight.
+// out's [:, 0:N) = activations . W^T (+ bias) for one packed weight; exact: the sum over blocks
+// is exact (the only way to get out.sums).
 inline void quant_matmul(const QuantizedActivations& activations, int64_t M, const uint8_t* weight, int64_t N,
-                         int64_t format, bool precise, const float* bias, float* out, int64_t out_stride) {
+                         int64_t format, bool precise, bool exact, const float* bias, const ProductOut& out) {
   const GroupLayout layout(format, activations.in_features);
-  const DotKernel& kernel = dot_kernel(format, precise);
+  const DotKernel& kernel = dot_kernel(format, precise, exact);
   const int64_t num_groups = (N + kGroup - 1) / kGroup;
   at::parallel_for(0, num_groups, 1, [&](int64_t begin, int64_t end) {
-    matmul_groups(activations, 0, M, weight, layout, kernel, N, begin, end, bias, out, out_stride);
+    matmul_groups(activations, 0, M, weight, layout, kernel, N, begin, end, bias, out);
   });
 }
 

@@ -27,7 +27,10 @@ PROMPT_TOKENS = 160
 LOGITS_RTOL = 1e-3
 # The quantized file against its own float32 run (test_the_file_quantized_...; measured in its docstring).
 QUANTIZED_NEAR_TIE_NATS = 1.5
-QUANTIZED_MAX_DRIFT_NATS = 0.5
+# The largest drift before a parting: 0.30 nats measured on Zen 4 (AVX-512), 0.57 on Zen 1 (AVX2;
+# qwen3, the first token after its 40-token prompt; 0.60 with o_proj and down's exact sums). A
+# wrong layout or a missing step moves several nats at once.
+QUANTIZED_MAX_DRIFT_NATS = 0.75
 TEXT = ("The lighthouse keeper climbed the stairs every evening, counting each of the one hundred and twelve "
         "steps, because his father had counted them and his grandfather before him. Der Leuchtturm stand auf "
         "einer Klippe; 灯台は岬の上に立っていた。 Kraków, Zürich, naïve café — 1234567890 + 0.5 = ? ") * 4
@@ -272,8 +275,9 @@ def test_the_file_quantized_runs_as_stored_apart_from_float32_only_at_near_ties(
     the same file dequantized to float32 (which the tests above tie to transformers): greedy tokens
     part only at near-ties, with the log-probabilities before close. The random models' logits
     span tens of nats, so the products' 8-bit activations move them more than a trained model's:
-    measured here, the largest drift before a parting was 0.30 nats (qwen2, mistral) and the widest
-    parting gap 1.05 (phi3); a wrong layout or a missing step moves them by several nats at once."""
+    measured on Zen 4, the largest drift before a parting was 0.30 nats (qwen2, mistral), 0.60 on
+    Zen 1 (qwen3), and the widest parting gap 1.05 (phi3); a wrong layout or a missing step moves
+    them by several nats at once."""
     from test_engine_invariance import assert_parts_only_at_near_ties
     from tokios.engine import LLM
     from tokios.model.blocks.requantize import mostly_q4_k_m, requantize_gguf

@@ -42,7 +42,6 @@ TOKIOS_DEFAULTS: dict[str, float | int] = {"temperature": 0.8, "top_p": 0.95, "t
 _GGUF_KEY_TO_FIELD = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
                       "general.sampling.top_k": "top_k", "general.sampling.min_p": "min_p",
                       "general.sampling.penalty_repeat": "repetition_penalty"}
-_GENERATION_CONFIG_FIELDS = FIELDS
 
 # A value's source, as the model card shows it.
 FROM_FLAG, FROM_MODEL, FROM_TOKIOS = "flag", "model", "tokios"
@@ -67,8 +66,7 @@ class SamplingDefaults:
     def ollama_parameters(self) -> str:
         """Ollama's /api/show `parameters` text (its Modelfile's PARAMETER lines, Ollama's names)."""
         ollama_name = {"repetition_penalty": "repeat_penalty"}
-        return "\n".join(f"{ollama_name.get(name, name)} {value:g}" if isinstance(value, float)
-                         else f"{ollama_name.get(name, name)} {value}" for name, value in self.field_to_value.items())
+        return "\n".join(f"{ollama_name.get(name, name)} {value:g}" for name, value in self.field_to_value.items())
 
 
 TOKIOS = SamplingDefaults(TOKIOS_DEFAULTS, {name: FROM_TOKIOS for name in FIELDS})
@@ -109,7 +107,7 @@ def declared_by_model(path: str | os.PathLike[str], metadata: Mapping[str, Any] 
         except (OSError, ValueError) as exc:
             logger.warning("%s: not read (%s); its sampling values are not used", config_file, exc)
             return {}
-        raw = {name: config[name] for name in _GENERATION_CONFIG_FIELDS if isinstance(config, dict) and name in config}
+        raw = {name: config[name] for name in FIELDS if isinstance(config, dict) and name in config}
         return _checked(raw, str(config_file))
     if metadata is None:
         from tokios.gguf_file import read_gguf_metadata
